@@ -1,0 +1,126 @@
+"""What pdserve needs to know about a model, read from a Hugging Face ``config.json``.
+
+Common fields are normalised here; architecture-specific ones (MoE, MLA) are read by the
+model classes from ``hf`` through ``get``/``require``, so an absent field names itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` (or a torch dtype) → torch dtype; only the dtypes pdserve computes in."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name}")
+        return name
+    key = str(name).removeprefix("torch.")
+    aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+    key = aliases.get(key, key)
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_model_len: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    dtype: torch.dtype
+    hf: dict[str, Any] = field(repr=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.hf.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        if self.hf.get(key) is None:
+            raise ValueError(f"{self.path / 'config.json'}: {self.architecture} needs field {key!r}")
+        return self.hf[key]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        try:
+            hf = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+        architectures = hf.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"{config_file}: unsupported architecture {architectures}; "
+                f"pdserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if hf.get(key) is None:
+                raise ValueError(f"{config_file}: missing field {key!r}")
+            return hf[key]
+
+        num_heads = need("num_attention_heads")
+        rope_theta, rope_scaling = _read_rope(hf)
+        config_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        return cls(
+            path=path,
+            architecture=architecture,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or need("hidden_size") // num_heads,
+            intermediate_size=hf.get("intermediate_size") or 0,
+            rms_norm_eps=hf.get("rms_norm_eps") or 1e-6,
+            max_model_len=hf.get("max_position_embeddings") or 4096,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            dtype=parse_dtype(dtype if dtype is not None else config_dtype),
+            hf=hf,
+        )
+
+
+def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Rope base and scaling from either the classic (``rope_theta`` + ``rope_scaling``) or the
+    newer (``rope_parameters``) spelling of config.json."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params

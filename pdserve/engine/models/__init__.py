@@ -1,0 +1,34 @@
+"""Model architectures pdserve runs, by the ``architectures`` name in config.json."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.backend import Backend
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.base import DecoderModel
+from pdserve.engine.models.deepseek import DeepseekModel
+from pdserve.engine.models.llama import LlamaModel
+from pdserve.engine.weights import Checkpoint
+
+MODEL_CLASSES: dict[str, type[DecoderModel]] = {
+    "LlamaForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": LlamaModel,
+    "Qwen3ForCausalLM": LlamaModel,
+    "MixtralForCausalLM": LlamaModel,
+    "Qwen3MoeForCausalLM": LlamaModel,
+    "DeepseekV2ForCausalLM": DeepseekModel,
+    "DeepseekV3ForCausalLM": DeepseekModel,
+}
+
+
+def load_model(config: ModelConfig, device: torch.device, backend: Backend) -> DecoderModel:
+    """Build the model for ``config`` with weights mapped from its directory."""
+    ckpt = Checkpoint(config.path, device=device, dtype=config.dtype)
+    try:
+        return MODEL_CLASSES[config.architecture](config, ckpt, backend)
+    finally:
+        ckpt.close()
+
+
+__all__ = ["DecoderModel", "MODEL_CLASSES", "load_model"]

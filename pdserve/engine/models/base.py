@@ -1,0 +1,71 @@
+"""The decoder skeleton every supported architecture shares.
+
+embed → N × (norm → attention → norm → MLP or MoE, with residuals) → norm → LM head.
+A model file supplies the attention and the feed-forward of each layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.backend import AttentionMetadata, Backend
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.layers import RMSNorm
+from pdserve.engine.weights import Checkpoint
+
+# (hidden [T, H], positions [T], layer cache, metadata) → [T, H]
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+FeedForward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: RMSNorm
+    attention: Attention
+    post_attention_norm: RMSNorm
+    feed_forward: FeedForward
+
+
+class DecoderModel:
+    """A causal LM over a flat batch of tokens and a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, ckpt: Checkpoint, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        hidden = config.hidden_size
+        self.embed_tokens = ckpt.get("model.embed_tokens.weight", (config.vocab_size, hidden))
+        self.layers = [self.build_layer(ckpt, i) for i in range(config.num_layers)]
+        self.norm = RMSNorm(ckpt, "model.norm", hidden, config.rms_norm_eps, backend)
+        if config.tie_word_embeddings and "lm_head.weight" not in ckpt:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = ckpt.get("lm_head.weight", (config.vocab_size, hidden))
+
+    def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every input token."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for index, layer in enumerate(self.layers):
+            normed, residual = layer.input_norm(hidden, residual)
+            hidden = layer.attention(normed, positions, kv_cache.layer(index), meta)
+            normed, residual = layer.post_attention_norm(hidden, residual)
+            hidden = layer.feed_forward(normed)
+        return self.norm(hidden, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,126 @@
+"""Building blocks shared by the model files: norms, linears, rotary tables, the dense MLP.
+
+Layers hold plain tensors pulled from a ``Checkpoint`` and call the ``Backend`` for the
+maths that has a kernel; nothing here is an ``nn.Module`` because nothing here trains.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.backend import Backend
+from pdserve.engine.weights import Checkpoint
+
+
+class Linear:
+    def __init__(self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.weight = ckpt.get(f"{name}.weight", (out_features, in_features))
+        self.bias = ckpt.get(f"{name}.bias", (out_features,)) if bias else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm:
+    def __init__(self, ckpt: Checkpoint, name: str, size: int, eps: float, backend: Backend) -> None:
+        self.weight = ckpt.get(f"{name}.weight", (size,))
+        self.eps = eps
+        self.backend = backend
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(norm(x + residual), x + residual)``."""
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(x, self.weight, self.eps)[0]
+
+
+class DenseMLP:
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, bias: bool = False) -> None:
+        self.gate = Linear(ckpt, f"{name}.gate_proj", hidden, intermediate, bias)
+        self.up = Linear(ckpt, f"{name}.up_proj", hidden, intermediate, bias)
+        self.down = Linear(ckpt, f"{name}.down_proj", intermediate, hidden, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_cos_sin(
+    rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, device: torch.device
+) -> torch.Tensor:
+    """Rotary table ``[max_positions, rotary_dim]``: cos then sin of each frequency.
+
+    Supports the rope types of the architectures pdserve serves: default, linear, llama3
+    (Llama 3.1+) and yarn (DeepSeek), following the formulas of the original papers and the
+    Hugging Face implementation they are checked against.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    attention_factor = 1.0
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rotary_dim, theta, scaling)
+    elif rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    return table.to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    factor = scaling["factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolated = inv_freq / factor
+    return interpolated * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)

@@ -1,0 +1,114 @@
+"""Llama-family decoders with grouped-query attention.
+
+One file covers the variants, which differ only in details:
+- Llama: optional biases (``attention_bias``, ``mlp_bias``); llama3 rope scaling.
+- Qwen2: biases on q, k, v (not o).
+- Qwen3: per-head RMSNorm on q and k before rope.
+- Mixtral, Qwen3-MoE: the MLP is a mixture of experts (softmax top-k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.backend import AttentionMetadata, Backend, RouterConfig
+from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.base import DecoderLayer, DecoderModel
+from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin
+from pdserve.engine.models.moe import MoE
+from pdserve.engine.weights import Checkpoint
+
+
+class GQAttention:
+    def __init__(self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor) -> None:
+        arch = config.architecture
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, head_dim
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False))
+        o_bias = arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False))
+        self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, self.num_heads * head_dim, qkv_bias)
+        self.k_proj = Linear(ckpt, f"{prefix}.k_proj", hidden, self.num_kv_heads * head_dim, qkv_bias)
+        self.v_proj = Linear(ckpt, f"{prefix}.v_proj", hidden, self.num_kv_heads * head_dim, qkv_bias)
+        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * head_dim, hidden, o_bias)
+        self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(ckpt, f"{prefix}.q_norm", head_dim, config.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(ckpt, f"{prefix}.k_norm", head_dim, config.rms_norm_eps, backend)
+        self.backend = backend
+        self.cos_sin = cos_sin
+        self.scale = head_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
+        k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
+        self.backend.write_kv(cache, k, v, meta.slot_mapping)
+        out = self.backend.paged_attention(q, cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaModel(DecoderModel):
+    """Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE."""
+
+    def __init__(self, config: ModelConfig, ckpt: Checkpoint, backend: Backend) -> None:
+        self.cos_sin = rope_cos_sin(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_model_len, ckpt.device
+        )
+        super().__init__(config, ckpt, backend)
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(
+            num_layers=c.num_layers, block_size=block_size, dtype=c.dtype, is_mla=False,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        )
+
+    def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
+        c = self.config
+        prefix = f"model.layers.{index}"
+        return DecoderLayer(
+            input_norm=RMSNorm(ckpt, f"{prefix}.input_layernorm", c.hidden_size, c.rms_norm_eps, self.backend),
+            attention=GQAttention(c, ckpt, f"{prefix}.self_attn", self.backend, self.cos_sin),
+            post_attention_norm=RMSNorm(
+                ckpt, f"{prefix}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps, self.backend
+            ),
+            feed_forward=self._feed_forward(ckpt, prefix, index),
+        )
+
+    def _feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
+        c = self.config
+        if c.architecture == "MixtralForCausalLM":
+            return MoE(
+                ckpt, self.backend,
+                router_name=f"{prefix}.block_sparse_moe.gate.weight",
+                expert_names=tuple(f"{prefix}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
+                num_experts=c.require("num_local_experts"), hidden=c.hidden_size, intermediate=c.intermediate_size,
+                router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=True),
+            )
+        if c.architecture == "Qwen3MoeForCausalLM" and self._is_sparse_qwen3_layer(index):
+            return MoE(
+                ckpt, self.backend,
+                router_name=f"{prefix}.mlp.gate.weight",
+                expert_names=tuple(f"{prefix}.mlp.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
+                num_experts=self._num_qwen3_experts, hidden=c.hidden_size,
+                intermediate=c.require("moe_intermediate_size"),
+                router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
+            )
+        return DenseMLP(ckpt, f"{prefix}.mlp", c.hidden_size, c.intermediate_size, bias=bool(c.get("mlp_bias", False)))
+
+    def _is_sparse_qwen3_layer(self, index: int) -> bool:
+        c = self.config
+        if index in (c.get("mlp_only_layers") or []):
+            return False
+        return self._num_qwen3_experts > 0 and (index + 1) % c.get("decoder_sparse_step", 1) == 0
+
+    @property
+    def _num_qwen3_experts(self) -> int:
+        # Hub checkpoints say num_experts; configs written by newer transformers num_local_experts.
+        return self.config.get("num_experts") or self.config.get("num_local_experts", 0)

@@ -1,0 +1,148 @@
+"""Safetensors checkpoints, memory-mapped.
+
+Each ``*.safetensors`` file is mapped once; a tensor is a view into that mapping, so a
+weight already in the wanted dtype on CPU costs no copy at all, and one needing a cast or a
+move to the GPU is copied exactly once. Models pull the tensors they need by name with
+``Checkpoint.get``, which checks the shape and says which file and tensor is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing or malformed; the message names which."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+    end: int
+
+
+class Checkpoint:
+    """All tensors of a model directory: one ``model.safetensors`` or sharded with an index."""
+
+    def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, show_progress: bool = True) -> None:
+        self.path = Path(path)
+        self.device = device
+        self.dtype = dtype
+        self._entries: dict[str, _Entry] = {}
+        self._maps: dict[Path, torch.Tensor] = {}
+        self._expected_file: dict[str, str] = {}  # from the index: which shard should hold a name
+        self._progress = None
+        files = self._find_files()
+        for file in files:
+            self._read_header(file)
+        total = sum(e.end - e.start for e in self._entries.values())
+        if show_progress and total > 256 * 2**20:
+            self._progress = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}")
+
+    def _find_files(self) -> list[Path]:
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise CheckpointError(f"{index_file}: malformed index ({error})") from None
+            self._expected_file = weight_map
+            files = []
+            for name in sorted(set(weight_map.values())):
+                file = self.path / name
+                if not file.is_file():
+                    raise CheckpointError(
+                        f"{index_file} names shard {name} (holding e.g. "
+                        f"{next(k for k, v in weight_map.items() if v == name)}), which is missing"
+                    )
+                files.append(file)
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in model directory {self.path}")
+        return files
+
+    def _read_header(self, file: Path) -> None:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            raw = handle.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{file}: too short to be a safetensors file")
+            (header_len,) = struct.unpack("<Q", raw)
+            if header_len > size - 8:
+                raise CheckpointError(f"{file}: header length {header_len} exceeds the file size")
+            try:
+                header = json.loads(handle.read(header_len))
+            except json.JSONDecodeError as error:
+                raise CheckpointError(f"{file}: unreadable safetensors header ({error})") from None
+        base = 8 + header_len
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {info.get('dtype')}")
+            start, end = info["data_offsets"]
+            if base + end > size:
+                raise CheckpointError(f"{file}: tensor {name} runs past the end of the file (truncated?)")
+            self._entries[name] = _Entry(file, dtype, tuple(info["shape"]), base + start, base + end)
+
+    def _mapping(self, file: Path) -> torch.Tensor:
+        if file not in self._maps:
+            with file.open("rb") as handle:
+                # Copy-on-write: pages stay shared with the page cache and are never written.
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[file] = torch.frombuffer(mapped, dtype=torch.uint8)
+        return self._maps[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` in the model dtype (or ``dtype``) on the model device, shape checked."""
+        entry = self._entries.get(name)
+        if entry is None:
+            where = self._expected_file.get(name)
+            hint = f" (the index puts it in {where})" if where else ""
+            raise CheckpointError(f"{self.path}: missing tensor {name}{hint}")
+        if entry.shape != tuple(shape):
+            raise CheckpointError(
+                f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)}"
+            )
+        raw = self._mapping(entry.file)[entry.start : entry.end]
+        if entry.start % raw.new_empty((), dtype=entry.dtype).element_size():
+            raw = raw.clone()  # a misaligned tensor cannot be viewed in place
+        tensor = raw.view(entry.dtype).view(entry.shape)
+        if self._progress is not None:
+            self._progress.update(entry.end - entry.start)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
