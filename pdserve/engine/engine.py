@@ -1,0 +1,289 @@
+"""The engine: one step function, schedule → run → sample → update.
+
+The engine knows nothing of worker roles. A request's ``KVRole`` is the only seam:
+a PRODUCER (prefill worker) finishes after its first token with reason ``"kv_transfer"``
+and its blocks held until ``release_held``; a CONSUMER (decode worker) is admitted with
+blocks for its prompt and waits, listed in ``StepOutput.awaiting_kv``, until
+``kv_received`` says the prompt's KV has been written into them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.backend import Backend
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models import load_model
+from pdserve.engine.request import KVRole, Request, RequestStatus
+from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("pdserve.engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (cumulative fields included)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    token_ids: list[int]  # all generated tokens so far
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "kv_transfer"
+    logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepOutput:
+    outputs: list[RequestOutput]
+    awaiting_kv: list[tuple[str, list[int], int]]  # (request id, block ids, cached tokens)
+
+
+def select_backend(kernels: str, device: torch.device) -> Backend:
+    """``auto``: Triton kernels on CUDA, the torch reference elsewhere."""
+    if kernels == "triton" or (kernels == "auto" and device.type == "cuda"):
+        from pdserve.kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    from pdserve.engine.torch_backend import TorchBackend
+
+    return TorchBackend()
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        cfg = self.config
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        self.model_config = ModelConfig.from_pretrained(model, dtype=cfg.dtype)
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
+        torch.manual_seed(cfg.seed)
+        self.backend = select_backend(cfg.kernels, self.device)
+        self.model = load_model(mc, self.device, self.backend)
+        self.tokenizer = Tokenizer.from_pretrained(mc.path) if (mc.path / "tokenizer.json").is_file() else None
+        self.eos_token_ids = _eos_token_ids(mc, self.tokenizer)
+
+        spec = self.model.kv_cache_spec(cfg.block_size)
+        num_blocks = spec.num_blocks_for(self._kv_budget(spec))
+        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool, cfg.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, list[int]] = {}
+        logger.info(
+            "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",
+            mc.architecture, self.device, self.backend.name, spec.values_per_token_per_layer, spec.bytes_per_token,
+            num_blocks, cfg.block_size, num_blocks * cfg.block_size, self.kv_cache.nbytes / 2**20,
+        )
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.kv_cache.spec
+
+    def _kv_budget(self, spec: KVCacheSpec) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Keep room for activations and logits of the largest step.
+            reserve = 2**30 + cfg.max_num_batched_tokens * self.model_config.vocab_size * 4
+            return max(int(free * cfg.gpu_memory_utilization) - reserve, spec.bytes_per_block)
+        useful = cfg.max_num_seqs * (self.max_model_len + spec.block_size) * spec.bytes_per_token
+        return min(cfg.cpu_kv_cache_memory, useful)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, kv_role: KVRole = KVRole.LOCAL
+    ) -> Request:
+        """Queue a request; raises ValueError for a prompt the engine cannot serve."""
+        if request_id in self._requests or request_id in self._held:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            generator=make_generator(params.seed, self.device),
+            kv_role=kv_role,
+        )
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is text but {self.model_config.path} has no tokenizer.json; pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for index, token in enumerate(token_ids):
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(f"prompt token_ids[{index}] = {token!r} is outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but the context window (max_model_len) is "
+                f"{self.max_model_len}, which must leave room for at least one generated token"
+            )
+        needed = self.kv.num_blocks_for(len(token_ids) + 1)
+        if needed > self.block_pool.num_blocks:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks but the cache holds {self.block_pool.num_blocks}; raise kv_cache_memory"
+            )
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request at any point and free everything it holds."""
+        if request_id in self._held:
+            self.release_held(request_id)
+            return None
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        return self._finish_output(request, [], "")
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill role: the peer has the KV (or gave up); free the held blocks."""
+        if self._held.pop(request_id, None) is not None:
+            self.kv.free(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        return self._held[request_id]
+
+    def kv_received(self, request_id: str, first_token_id: int) -> None:
+        """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``."""
+        request = self.scheduler.kv_received(request_id, first_token_id)
+        if request_id in self._detokenizers:
+            self._detokenizers[request_id].add(first_token_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_requests > 0
+
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_requests
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        sched = self.scheduler.schedule()
+        outputs = [self._finish_output(r, [], "") for r in sched.finished]
+        awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
+        if not sched.scheduled:
+            return StepOutput(outputs, awaiting)
+        inputs = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(inputs)
+        for request, num_new in sched.scheduled:
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        if inputs.sampling_requests:
+            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in inputs.sampling_requests]
+            sampled = self.sampler(logits, rows)
+            for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._accept_token(request, token, logprobs))
+        return StepOutput(outputs, awaiting)
+
+    def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
+        request.append_output(token, logprobs)
+        detok = self._detokenizers.get(request.request_id)
+        delta = detok.add(token) if detok is not None else ""
+        params = request.params
+        reason = None
+        if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
+            reason = "stop"
+        elif detok is not None and detok.stopped:
+            reason = "stop"
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if request.kv_role is KVRole.PRODUCER:
+            reason = "kv_transfer"
+        if reason is None:
+            return self._output(request, [token], delta)
+        hold = request.kv_role is KVRole.PRODUCER
+        self.scheduler.finish(request, reason, hold_blocks=hold)
+        if hold:
+            self._held[request.request_id] = list(self.kv.block_table(request.request_id))
+        return self._finish_output(request, [token], delta)
+
+    def _output(self, request: Request, new: list[int], delta: str) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new,
+            text_delta=delta,
+            token_ids=request.output_token_ids,
+            text=detok.text if detok is not None else "",
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            logprobs=request.output_logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _finish_output(self, request: Request, new: list[int], delta: str) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            delta += detok.flush()
+        output = self._output(request, new, delta)
+        self._requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        return output
+
+    def check_idle_integrity(self) -> None:
+        """Assert the pool is consistent and, with nothing running or held, wholly free."""
+        self.block_pool.check_integrity()
+        if not self.has_unfinished() and not self._held:
+            assert self.block_pool.all_free(), "blocks leaked: nothing runs but blocks are referenced"
+
+
+def _eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """EOS ids from generation_config.json and config.json, else the tokenizer's."""
+    ids: set[int] = set()
+    sources = [config.hf.get("eos_token_id")]
+    generation_file = config.path / "generation_config.json"
+    if generation_file.is_file():
+        try:
+            sources.append(json.loads(generation_file.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{generation_file}: not valid JSON ({error})") from None
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,49 @@
+"""Engine settings: one frozen struct, checked on construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+KERNEL_CHOICES = ("auto", "torch", "triton")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How an engine runs a model. Facts found at start-up (how many blocks fit) are
+    reported by the engine, never written back here."""
+
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's
+    device: str = "auto"  # auto: cuda when available
+    kernels: str = "auto"  # auto: triton on cuda, torch elsewhere
+    block_size: int = 16
+    # KV budget in bytes; None: gpu_memory_utilization of free GPU memory, or on CPU at most
+    # cpu_kv_cache_memory (never more than max_num_seqs full contexts need).
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_memory: int = 4 * 2**30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

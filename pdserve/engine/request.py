@@ -1,0 +1,71 @@
+"""A request as the engine tracks it, from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.sampler import Logprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation
+    WAITING_FOR_KV = "waiting_for_kv"  # blocks allocated; the prompt's KV comes from elsewhere
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class KVRole(enum.Enum):
+    """How a request's KV relates to other workers (the seams for disaggregation)."""
+
+    LOCAL = "local"  # compute everything here, free on finish
+    PRODUCER = "producer"  # prefill role: stop after the first token, hold the blocks for a peer
+    CONSUMER = "consumer"  # decode role: the prompt's KV is written into our blocks from elsewhere
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    kv_role: KVRole = KVRole.LOCAL
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    # All tokens so far (prompt, then outputs); tokens [0, num_computed_tokens) have KV.
+    token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprobs | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

@@ -1,0 +1,173 @@
+"""Continuous batching: which requests run this step, and with how many tokens.
+
+Each step gives every running request the tokens that bring its computed length up to its
+known length — one token for a decode, a chunk for a prompt — under a token budget and a
+cap on running requests. Decodes are scheduled first so a long prompt never starves them;
+prompts are chunked to what is left of the budget. When blocks run out, the most recently
+arrived running request is preempted: its blocks are freed and it is recomputed later
+(its generated tokens are kept). Waiting requests are admitted first-come first-served.
+
+Pure bookkeeping over ``KVCacheManager``: no tensors, no model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import KVRole, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running decode fits in one step"
+            )
+
+
+@dataclass
+class SchedulerOutput:
+    # Requests to compute this step and their token counts; decodes (1 token) first.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # Decode role: requests that got blocks this step and now wait for their prompt KV.
+    awaiting_kv: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests the scheduler ended itself (e.g. a context that can never fit the cache).
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.awaiting_kv or self.finished)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.awaiting_kv: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.awaiting_kv)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        # Decodes first, then prompt chunks, each in admission order.
+        for request in sorted(list(self.running), key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._make_room(request, num_new, scheduled_ids, out):
+                out.scheduled.append((request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+        if not out.preempted:
+            budget = self._admit_waiting(budget, out)
+        return out
+
+    def _make_room(self, request: Request, num_new: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
+        """Allocate blocks for ``num_new`` more tokens, preempting later arrivals if needed."""
+        while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            victims = [r for r in self.running if r.request_id not in scheduled_ids and r is not request]
+            if victims:
+                self._preempt(victims[-1], out)
+                continue
+            if len(self.running) == 1:
+                # Alone and still too big: the cache can never hold this context.
+                self._finish(request, "length")
+                out.finished.append(request)
+            else:
+                self._preempt(request, out)
+            return False
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request.token_ids)
+            num_cached = len(cached) * self.kv.block_size
+            if request.kv_role is KVRole.CONSUMER and not request.output_token_ids:
+                # The prompt's KV comes from a peer: hold blocks for all of it, compute nothing.
+                if not self.kv.allocate(request.request_id, request.num_tokens, cached):
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = request.num_cached_tokens = num_cached
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.awaiting_kv[request.request_id] = request
+                out.awaiting_kv.append(request)
+                continue
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request.request_id, num_cached + num_new, cached):
+                break  # first-come first-served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def kv_received(self, request_id: str, first_token_id: int) -> Request:
+        """Decode role: the prompt's KV is in our blocks; continue from the peer's first token."""
+        request = self.awaiting_kv.pop(request_id)
+        request.num_computed_tokens = request.num_tokens
+        self.kv.cache_full_blocks(request_id, request.token_ids, request.num_computed_tokens)
+        request.append_output(first_token_id, None)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def finish(self, request: Request, reason: str, *, hold_blocks: bool = False) -> None:
+        """End a request wherever it is; its blocks are freed unless held for a peer."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request.request_id in self.awaiting_kv:
+            del self.awaiting_kv[request.request_id]
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, reason, hold_blocks=hold_blocks)
+
+    def _finish(self, request: Request, reason: str, *, hold_blocks: bool = False) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if not hold_blocks:
+            self.kv.free(request.request_id)
