@@ -142,6 +142,8 @@ class LLMEngine:
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(f"prompt is text but {self.model_config.path} has no tokenizer.json; pass token ids")
             token_ids = self.tokenizer.encode(prompt)

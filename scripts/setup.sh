@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up a development checkout: a .venv with torch, pdserve (editable) and its test tools.
+#   bash scripts/setup.sh            CPU build of torch unless an NVIDIA GPU is present
+#   PDSERVE_TORCH_SPEC=...           override the torch requirement (default: torch==2.13.0)
+#   PDSERVE_TORCH_INDEX=URL          extra index to find torch in (e.g. PyTorch's CPU or CUDA wheel index)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+"$python" - <<'PY'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"pdserve needs Python 3.11+, found {sys.version.split()[0]}")
+PY
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+"${pip[@]}" --upgrade pip
+
+# torch first, so that pdserve's own `torch>=` requirement is already met and pulls nothing.
+torch_spec=${PDSERVE_TORCH_SPEC:-torch==2.13.0}
+index_args=()
+[ -n "${PDSERVE_TORCH_INDEX:-}" ] && index_args=(--extra-index-url "$PDSERVE_TORCH_INDEX")
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: installing the CUDA build of $torch_spec"
+else
+    echo "setup: no GPU: installing the CPU build of $torch_spec"
+fi
+"${pip[@]}" "${index_args[@]}" "$torch_spec"
+
+"${pip[@]}" -e ".[test]"
+echo "setup: done. Activate with: source .venv/bin/activate"
