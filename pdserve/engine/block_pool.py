@@ -5,8 +5,9 @@ Pure bookkeeping over block ids; it never touches the cache tensor. Invariants:
 - every block is either referenced (``ref_count > 0``) or in the free queue, never both;
 - a block in the free queue may still hold a cached prefix (``block_hash`` set): it is reused
   on a prefix hit, or evicted — least recently freed first — when a fresh block is needed;
-- a hash names at most one block, and a hit is only a hit if the block's tokens match
-  (a hash is not proof).
+- a hash names at most one block, and a hit is only a hit if the block's tokens match and
+  its parent is the block just matched, as it was when this block was cached (a hash is
+  not proof: even a colliding hash can never serve another prefix's KV).
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    # The tokens the block holds, kept while it is cached so a hit can be verified.
+    # The tokens the block holds and its parent (block id, generation), kept while it is
+    # cached so a hit can be verified.
     token_ids: tuple[int, ...] | None = None
+    parent: tuple[int, int] | None = None
+    # Bumped whenever the block stops holding a cached prefix, so children cached under an
+    # earlier content of this block no longer match it.
+    generation: int = 0
 
 
 class BlockPool:
@@ -82,14 +88,18 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
-        """The cached block holding exactly ``token_ids`` under ``block_hash``, if any."""
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_id: int | None) -> int | None:
+        """The cached block holding exactly ``token_ids`` after block ``parent_id``, if any."""
         block_id = self._cached.get(block_hash)
         if block_id is None:
             return None
-        if self.blocks[block_id].token_ids != tuple(token_ids):
+        block = self.blocks[block_id]
+        if block.token_ids != tuple(token_ids) or block.parent != self._parent_key(parent_id):
             return None  # a hash collision: never serve another prefix's KV
         return block_id
+
+    def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
+        return None if parent_id is None else (parent_id, self.blocks[parent_id].generation)
 
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Add a reference to blocks found by ``lookup`` (taking them off the free queue)."""
@@ -109,8 +119,9 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Record that a full block holds ``token_ids`` (the prefix named by ``block_hash``)."""
+    def cache(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], parent_id: int | None) -> None:
+        """Record that a full block holds ``token_ids`` after block ``parent_id`` (the prefix
+        named by ``block_hash``)."""
         if not self.enable_prefix_caching:
             return
         block = self.blocks[block_id]
@@ -118,20 +129,27 @@ class BlockPool:
             return  # already cached, or another block holds the same prefix: keep that one
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.parent = self._parent_key(parent_id)
         self._cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
         for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
+            self._uncache(block)
         self._cached.clear()
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            self._uncache(block)
+
+    @staticmethod
+    def _uncache(block: Block) -> None:
+        if block.block_hash is not None:
+            block.generation += 1
+        block.block_hash = None
+        block.token_ids = None
+        block.parent = None
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants; cheap enough for tests and idle moments."""

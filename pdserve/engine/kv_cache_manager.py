@@ -42,7 +42,7 @@ class KVCacheManager:
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             chunk = token_ids[start : start + bs]
             parent = self.hasher(parent, chunk)
-            block_id = self.pool.lookup(parent, chunk)
+            block_id = self.pool.lookup(parent, chunk, block_ids[-1] if block_ids else None)
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -82,7 +82,7 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             block_hash = self.hasher(parent, chunk)
             hashes.append(block_hash)
-            self.pool.cache(blocks[index], block_hash, chunk)
+            self.pool.cache(blocks[index], block_hash, chunk, blocks[index - 1] if index else None)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request; tail blocks become the first to be evicted."""

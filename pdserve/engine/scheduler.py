@@ -67,7 +67,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.awaiting_kv)
 
     @property
     def num_requests(self) -> int:
@@ -107,7 +107,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv.block_size
@@ -123,6 +123,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request.request_id, num_cached + num_new, cached):
+                if self.kv.num_blocks_for(num_cached + num_new) > self.kv.pool.num_blocks:
+                    self.waiting.popleft()  # can never fit: end it rather than block the queue
+                    self._finish(request, "length")
+                    out.finished.append(request)
+                    continue
                 break  # first-come first-served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
