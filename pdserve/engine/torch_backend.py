@@ -1,7 +1,8 @@
 """The reference backend: plain torch, on CPU or GPU.
 
 Written for clarity first; the Triton kernels are checked against these functions. The
-attention here runs decodes as one padded batch and every other sequence on its own.
+attention here gathers each sequence's blocks and runs torch's SDPA: decodes as one padded
+batch, every other sequence on its own.
 """
 
 from __future__ import annotations
@@ -12,49 +13,51 @@ import torch.nn.functional as F
 from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
 
 
-def _gather_context(layer_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's cached rows, token-major: [length, ...] from a [N, block_size, ...] cache."""
+def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Context rows of each sequence, padded to ``length``: [S, length, ...] from [N, block_size, ...]."""
     num_blocks = -(-length // layer_cache.shape[1])
-    blocks = layer_cache[block_table[:num_blocks].long()]  # [nb, block_size, ...]
-    return blocks.flatten(0, 1)[:length]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
-    """q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv] → [Tq, H, Dv]; query i sees keys <= offset + i."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
-    qh = q.transpose(0, 1).float().unflatten(0, (num_kv_heads, group))  # [Hkv, G, Tq, D]
-    kh = k.transpose(0, 1).float().unsqueeze(1)  # [Hkv, 1, Tk, D]
-    vh = v.transpose(0, 1).float().unsqueeze(1)  # [Hkv, 1, Tk, Dv]
-    scores = (qh @ kh.transpose(-1, -2)) * scale  # [Hkv, G, Tq, Tk]
-    tq, tk = q.shape[0], k.shape[0]
-    if tq > 1:
-        key_pos = torch.arange(tk, device=q.device)
-        query_pos = torch.arange(tq, device=q.device) + causal_offset
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vh  # [Hkv, G, Tq, Dv]
-    return out.flatten(0, 1).transpose(0, 1).to(q.dtype)
-
-
-def _batched_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [S, H, D], keys [S, Tk, Hkv, D], values [S, Tk, Hkv, Dv] padded; → [S, H, Dv]."""
-    num_seqs, num_heads = q.shape[0], q.shape[1]
-    num_kv_heads = keys.shape[2]
-    group = num_heads // num_kv_heads
-    qh = q.float().unflatten(1, (num_kv_heads, group))  # [S, Hkv, G, D]
-    kh = keys.float().permute(0, 2, 3, 1)  # [S, Hkv, D, Tk]
-    scores = (qh @ kh) * scale  # [S, Hkv, G, Tk]
-    pad = torch.arange(keys.shape[1], device=q.device)[None, :] >= seq_lens[:, None]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values.float().transpose(1, 2)  # [S, Hkv, G, Dv]
-    return out.reshape(num_seqs, num_heads, -1).to(q.dtype)
-
-
-def _gather_batch(layer_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Padded context of every sequence: [S, max_len, ...] from a [N, block_size, ...] cache."""
-    num_blocks = -(-max_len // layer_cache.shape[1])
     blocks = layer_cache[block_tables[:, :num_blocks].long()]  # [S, nb, block_size, ...]
-    return blocks.flatten(1, 2)[:, :max_len]
+    return blocks.flatten(1, 2)[:, :length]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [S, Tq, H, D], k [S, Tk, Hkv, D], v [S, Tk, Hkv, Dv], mask [S, Tq, Tk] (True = attend)
+    → [S, Tq, H, Dv]. Scores are computed in float32 whatever the cache dtype."""
+    dtype = q.dtype
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [S, heads, tokens, dim]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if mask is None else mask[:, None], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(1, 2).to(dtype)
+
+
+def _attend_cached(
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, split_kv
+) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens over its cached context.
+
+    ``layer_cache`` is token-major ([N, block_size, ...]); ``split_kv`` turns gathered rows
+    [S, Tk, ...] into (k [S, Tk, Hkv, D], v [S, Tk, Hkv, Dv]). Decodes run as one padded
+    batch; longer queries one sequence at a time, each with a bottom-right causal mask.
+    """
+    nd = meta.num_decodes
+    parts = []
+    if nd:
+        lengths = meta.seq_lens[:nd]
+        k, v = split_kv(_gather(layer_cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd])))
+        mask = torch.arange(k.shape[1], device=q.device)[None, None, :] < lengths[:, None, None]
+        parts.append(_sdpa(q[:nd, None], k, v, mask, scale)[:, 0])
+    start = nd
+    for i in range(nd, meta.num_seqs):
+        qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+        k, v = split_kv(_gather(layer_cache, meta.block_tables[i : i + 1], seq_len))
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        mask = (key_pos[None, :] <= query_pos[:, None])[None]
+        parts.append(_sdpa(q[None, start : start + qlen], k, v, mask, scale)[0])
+        start += qlen
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class TorchBackend(Backend):
@@ -82,43 +85,27 @@ class TorchBackend(Backend):
     def write_kv(self, layer_cache, k, v, slot_mapping):
         block_size = layer_cache.shape[3]
         blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        layer_cache[blocks, 0, :, offsets] = k
-        layer_cache[blocks, 1, :, offsets] = v
+        # Token-major views [N, block_size, Hkv, D] put the two indices side by side (fast path).
+        layer_cache[:, 0].transpose(1, 2)[blocks, offsets] = k
+        layer_cache[:, 1].transpose(1, 2)[blocks, offsets] = v
 
     def paged_attention(self, q, layer_cache, meta, scale):
         # Token-major view of the cache: [N, block_size, 2, Hkv, D].
         cache = layer_cache.permute(0, 3, 1, 2, 4)
-        out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            ctx = _gather_batch(cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd]))
-            out[:nd] = _batched_decode(q[:nd], ctx[:, :, 0], ctx[:, :, 1], meta.seq_lens[:nd], scale)
-        start = nd
-        for i in range(nd, meta.num_seqs):
-            qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-            ctx = _gather_context(cache, meta.block_tables[i], seq_len)
-            out[start : start + qlen] = _attend(q[start : start + qlen], ctx[:, 0], ctx[:, 1], scale, seq_len - qlen)
-            start += qlen
-        return out
+        return _attend_cached(q, cache, meta, scale, lambda rows: (rows[:, :, 0], rows[:, :, 1]))
 
     def write_latent(self, layer_cache, latent, slot_mapping):
         block_size = layer_cache.shape[1]
         layer_cache[slot_mapping // block_size, slot_mapping % block_size] = latent
 
     def mla_attention(self, q, layer_cache, meta, scale, v_dim):
-        out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-        nd = meta.num_decodes
-        if nd:
-            ctx = _gather_batch(layer_cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd]))
-            keys = ctx[:, :, None, :]  # one KV head: [S, Tk, 1, L]
-            out[:nd] = _batched_decode(q[:nd], keys, keys[..., :v_dim], meta.seq_lens[:nd], scale)
-        start = nd
-        for i in range(nd, meta.num_seqs):
-            qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-            keys = _gather_context(layer_cache, meta.block_tables[i], seq_len)[:, None, :]
-            out[start : start + qlen] = _attend(q[start : start + qlen], keys, keys[..., :v_dim], scale, seq_len - qlen)
-            start += qlen
-        return out
+        # One KV head shared by all heads: the latent rows are the keys, their first v_dim
+        # values the values.
+        def split(rows):
+            keys = rows[:, :, None, :]
+            return keys, keys[..., :v_dim]
+
+        return _attend_cached(q, layer_cache, meta, scale, split)
 
     def route(self, router_logits, config, correction_bias):
         logits = router_logits.float()
@@ -126,7 +113,7 @@ class TorchBackend(Backend):
         choice = scores if correction_bias is None else scores + correction_bias.float()
         if config.num_groups > 1:
             num_tokens, num_experts = choice.shape
-            grouped = choice.view(num_tokens, config.num_groups, -1)
+            grouped = choice.view(num_tokens, config.num_groups, num_experts // config.num_groups)
             if config.group_score == "top2_sum":
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             else:

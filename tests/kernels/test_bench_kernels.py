@@ -1,0 +1,36 @@
+"""``bench/kernels.py``: refuses cleanly without a GPU, and its code path runs (smoke mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_bench_without_a_gpu_exits_2_with_a_message():
+    result = _run("--json")
+    assert result.returncode == 2
+    assert "needs a CUDA GPU" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.slow
+def test_bench_smoke_run_reports_every_kernel():
+    result = _run("--smoke", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    kernels = {r["kernel"] for r in report["results"]}
+    assert {"paged_attention_decode", "mla_attention_decode", "moe_expert_mlp", "rms_norm_residual", "write_latent"} <= kernels
+    assert all(r["median_ms"] > 0 for r in report["results"])
