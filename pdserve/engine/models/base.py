@@ -47,6 +47,22 @@ class DecoderModel:
             self.lm_head = ckpt.get("lm_head.weight", (config.vocab_size, hidden))
 
     def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
+        c = self.config
+        prefix = f"model.layers.{index}"
+        return DecoderLayer(
+            input_norm=RMSNorm(ckpt, f"{prefix}.input_layernorm", c.hidden_size, c.rms_norm_eps, self.backend),
+            attention=self.build_attention(ckpt, f"{prefix}.self_attn"),
+            post_attention_norm=RMSNorm(
+                ckpt, f"{prefix}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps, self.backend
+            ),
+            feed_forward=self.build_feed_forward(ckpt, f"{prefix}.mlp", index),
+        )
+
+    def build_attention(self, ckpt: Checkpoint, prefix: str) -> Attention:
+        raise NotImplementedError
+
+    def build_feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> FeedForward:
+        """``prefix`` is the layer's ``mlp`` module (architectures naming it otherwise adapt)."""
         raise NotImplementedError
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:

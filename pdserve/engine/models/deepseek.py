@@ -13,7 +13,7 @@ import torch
 from pdserve.engine.backend import AttentionMetadata, Backend, RouterConfig
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.base import DecoderLayer, DecoderModel
+from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
@@ -91,19 +91,10 @@ class DeepseekModel(DecoderModel):
             latent_dim=c.require("kv_lora_rank") + c.require("qk_rope_head_dim"),
         )
 
-    def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
-        c = self.config
-        prefix = f"model.layers.{index}"
-        return DecoderLayer(
-            input_norm=RMSNorm(ckpt, f"{prefix}.input_layernorm", c.hidden_size, c.rms_norm_eps, self.backend),
-            attention=MLAttention(c, ckpt, f"{prefix}.self_attn", self.backend, self.cos_sin),
-            post_attention_norm=RMSNorm(
-                ckpt, f"{prefix}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps, self.backend
-            ),
-            feed_forward=self._feed_forward(ckpt, f"{prefix}.mlp", index),
-        )
+    def build_attention(self, ckpt: Checkpoint, prefix: str) -> MLAttention:
+        return MLAttention(self.config, ckpt, prefix, self.backend, self.cos_sin)
 
-    def _feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
+    def build_feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
         c = self.config
         is_moe = (
             c.get("n_routed_experts", 0) > 0

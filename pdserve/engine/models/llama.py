@@ -14,7 +14,7 @@ import torch
 from pdserve.engine.backend import AttentionMetadata, Backend, RouterConfig
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.base import DecoderLayer, DecoderModel
+from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
@@ -69,38 +69,30 @@ class LlamaModel(DecoderModel):
             num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         )
 
-    def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
-        c = self.config
-        prefix = f"model.layers.{index}"
-        return DecoderLayer(
-            input_norm=RMSNorm(ckpt, f"{prefix}.input_layernorm", c.hidden_size, c.rms_norm_eps, self.backend),
-            attention=GQAttention(c, ckpt, f"{prefix}.self_attn", self.backend, self.cos_sin),
-            post_attention_norm=RMSNorm(
-                ckpt, f"{prefix}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps, self.backend
-            ),
-            feed_forward=self._feed_forward(ckpt, prefix, index),
-        )
+    def build_attention(self, ckpt: Checkpoint, prefix: str) -> GQAttention:
+        return GQAttention(self.config, ckpt, prefix, self.backend, self.cos_sin)
 
-    def _feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
+    def build_feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
         c = self.config
+        layer = prefix.removesuffix(".mlp")
         if c.architecture == "MixtralForCausalLM":
             return MoE(
                 ckpt, self.backend,
-                router_name=f"{prefix}.block_sparse_moe.gate.weight",
-                expert_names=tuple(f"{prefix}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
+                router_name=f"{layer}.block_sparse_moe.gate.weight",
+                expert_names=tuple(f"{layer}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
                 num_experts=c.require("num_local_experts"), hidden=c.hidden_size, intermediate=c.intermediate_size,
                 router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=True),
             )
         if c.architecture == "Qwen3MoeForCausalLM" and self._is_sparse_qwen3_layer(index):
             return MoE(
                 ckpt, self.backend,
-                router_name=f"{prefix}.mlp.gate.weight",
-                expert_names=tuple(f"{prefix}.mlp.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
+                router_name=f"{prefix}.gate.weight",
+                expert_names=tuple(f"{prefix}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
                 num_experts=self._num_qwen3_experts, hidden=c.hidden_size,
                 intermediate=c.require("moe_intermediate_size"),
                 router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
             )
-        return DenseMLP(ckpt, f"{prefix}.mlp", c.hidden_size, c.intermediate_size, bias=bool(c.get("mlp_bias", False)))
+        return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, bias=bool(c.get("mlp_bias", False)))
 
     def _is_sparse_qwen3_layer(self, index: int) -> bool:
         c = self.config
