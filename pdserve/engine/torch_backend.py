@@ -7,57 +7,75 @@ batch, every other sequence on its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
 
 
-def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Context rows of each sequence, padded to ``length``: [S, length, ...] from [N, block_size, ...]."""
-    num_blocks = -(-length // layer_cache.shape[1])
-    blocks = layer_cache[block_tables[:, :num_blocks].long()]  # [S, nb, block_size, ...]
-    return blocks.flatten(1, 2)[:, :length]
+def _gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The blocks covering ``length`` tokens of each sequence: [S, nb, ...] (one contiguous copy)."""
+    num_blocks = -(-length // _block_size(layer_cache))
+    return layer_cache[block_tables[:, :num_blocks].long()]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [S, Tq, H, D], k [S, Tk, Hkv, D], v [S, Tk, Hkv, Dv], mask [S, Tq, Tk] (True = attend)
-    → [S, Tq, H, Dv]. Scores are computed in float32 whatever the cache dtype."""
-    dtype = q.dtype
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [S, heads, tokens, dim]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if mask is None else mask[:, None], scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(1, 2).to(dtype)
+def _block_size(layer_cache: torch.Tensor) -> int:
+    # GQA layer views are [N, 2, Hkv, block_size, D]; MLA views [N, block_size, L].
+    return layer_cache.shape[3] if layer_cache.dim() == 5 else layer_cache.shape[1]
+
+
+# (layer cache, block tables [S, nb], length) → k [S, Hkv, length, D], v [S, Hkv, length, Dv]
+GatherKV = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _attend_cached(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, split_kv
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, gather_kv: GatherKV
 ) -> torch.Tensor:
-    """Causal attention of every sequence's new tokens over its cached context.
+    """Causal attention of every sequence's new tokens over its cached context, with SDPA.
 
-    ``layer_cache`` is token-major ([N, block_size, ...]); ``split_kv`` turns gathered rows
-    [S, Tk, ...] into (k [S, Tk, Hkv, D], v [S, Tk, Hkv, Dv]). Decodes run as one padded
-    batch; longer queries one sequence at a time, each with a bottom-right causal mask.
+    Decodes run as one padded batch; longer queries one sequence at a time, with a
+    bottom-right causal mask when part of the context was cached before this step.
     """
     nd = meta.num_decodes
     parts = []
     if nd:
-        lengths = meta.seq_lens[:nd]
-        k, v = split_kv(_gather(layer_cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd])))
-        mask = torch.arange(k.shape[1], device=q.device)[None, None, :] < lengths[:, None, None]
-        parts.append(_sdpa(q[:nd, None], k, v, mask, scale)[:, 0])
+        k, v = gather_kv(layer_cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd]))
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:nd, None]
+        out = F.scaled_dot_product_attention(
+            q[:nd, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        parts.append(out[:, :, 0])
     start = nd
     for i in range(nd, meta.num_seqs):
         qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-        k, v = split_kv(_gather(layer_cache, meta.block_tables[i : i + 1], seq_len))
-        key_pos = torch.arange(seq_len, device=q.device)
-        query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        mask = (key_pos[None, :] <= query_pos[:, None])[None]
-        parts.append(_sdpa(q[None, start : start + qlen], k, v, mask, scale)[0])
+        k, v = gather_kv(layer_cache, meta.block_tables[i : i + 1], seq_len)
+        qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, qlen, D]
+        if qlen == seq_len:
+            out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        parts.append(out[0].transpose(0, 1))
         start += qlen
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _gather_gqa(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = _gather_blocks(layer_cache, block_tables, length)  # [S, nb, 2, Hkv, bs, D]
+    kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[..., :length, :]  # [2, S, Hkv, nb*bs, D]
+    return kv[0], kv[1]
+
+
+def _mla_gather(v_dim: int) -> GatherKV:
+    def gather(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = _gather_blocks(layer_cache, block_tables, length).flatten(1, 2)[:, None, :length]  # [S, 1, T, L]
+        return rows, rows[..., :v_dim]  # one KV head: latents are the keys, their head the values
+
+    return gather
 
 
 class TorchBackend(Backend):
@@ -90,22 +108,14 @@ class TorchBackend(Backend):
         layer_cache[:, 1].transpose(1, 2)[blocks, offsets] = v
 
     def paged_attention(self, q, layer_cache, meta, scale):
-        # Token-major view of the cache: [N, block_size, 2, Hkv, D].
-        cache = layer_cache.permute(0, 3, 1, 2, 4)
-        return _attend_cached(q, cache, meta, scale, lambda rows: (rows[:, :, 0], rows[:, :, 1]))
+        return _attend_cached(q, layer_cache, meta, scale, _gather_gqa)
 
     def write_latent(self, layer_cache, latent, slot_mapping):
         block_size = layer_cache.shape[1]
         layer_cache[slot_mapping // block_size, slot_mapping % block_size] = latent
 
     def mla_attention(self, q, layer_cache, meta, scale, v_dim):
-        # One KV head shared by all heads: the latent rows are the keys, their first v_dim
-        # values the values.
-        def split(rows):
-            keys = rows[:, :, None, :]
-            return keys, keys[..., :v_dim]
-
-        return _attend_cached(q, layer_cache, meta, scale, split)
+        return _attend_cached(q, layer_cache, meta, scale, _mla_gather(v_dim))
 
     def route(self, router_logits, config, correction_bias):
         logits = router_logits.float()
