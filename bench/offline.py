@@ -1,0 +1,450 @@
+"""Offline throughput and peak memory: pdserve's ``LLM.generate`` against transformers' batched ``generate``.
+
+Both systems run the same workload on the same random-weight checkpoint, in the same
+invocation, each in its own child process (this script re-run with ``--worker``), so that
+one system's memory never shows in the other's peak. The checkpoint is written once, with
+transformers' ``save_pretrained``, into a temporary directory both children read.
+
+Workload: ``--num-requests`` prompts of random token ids, prompt lengths and output lengths
+drawn uniformly from their ranges (``--seed``). pdserve gets each request's own
+``max_tokens`` with ``ignore_eos``. transformers' batched ``generate`` cannot stop rows at
+different lengths, so each batch generates to its longest requested output
+(``min_new_tokens = max_new_tokens``, EOS disabled). For BOTH systems only the requested
+tokens count as output tokens; transformers' extra tokens are reported as waste.
+
+Concurrency is the same for both: pdserve runs at most ``--max-num-seqs`` requests at once
+(continuous batching), transformers takes the requests in order in batches of
+``--batch-size`` (left padding, greedy); both default to all requests at once.
+
+    python bench/offline.py --shape tiny                 # a table
+    python bench/offline.py --shape tiny --json          # one JSON object
+    python bench/offline.py --shape llama-3.1-8b --num-layers 2 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("pdserve", "transformers")
+
+# Llama 3 rope scaling, as in Llama-3.1-8B's config.json.
+_LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: the transformers classes to build it and the config fields."""
+
+    description: str
+    model_class: str  # transformers class name
+    config_class: str
+    config: dict[str, Any]
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(
+        "small Llama (hidden 512, 4 layers, 8 heads / 4 KV heads of 64, vocab 32000); the default workload takes minutes on 2 CPU cores",
+        "LlamaForCausalLM", "LlamaConfig",
+        dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    ),
+    "llama-3.1-8b": Shape(
+        "the real Llama-3.1-8B config (32 layers, hidden 4096, 32 heads / 8 KV heads of 128, vocab 128256, "
+        "llama3 rope); 16 GB in bfloat16: a GPU shape, or use --num-layers on CPU",
+        "LlamaForCausalLM", "LlamaConfig",
+        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+             rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False,
+             bos_token_id=128000, eos_token_id=128001),
+    ),
+    "deepseek-v2-lite": Shape(
+        "the real DeepSeek-V2-Lite config (27 layers, hidden 2048, 16 MLA heads, kv_lora 512 / rope 64 / "
+        "nope 128 / v 128, 64 routed experts top-6 + 2 shared, vocab 102400, yarn rope); 31 GB in float32",
+        "DeepseekV2ForCausalLM", "DeepseekV2Config",
+        dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+             n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+             topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+             max_position_embeddings=163840, rope_theta=10000.0,
+             rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001),
+    ),
+    "deepseek-v3-mini": Shape(
+        "DeepSeek-V3 architecture with V3's real MLA dims (q_lora 1536, kv_lora 512, rope 64, nope 128, v 128) "
+        "and router (sigmoid, grouped top-k, correction bias, scaling 2.5) but small elsewhere: hidden 1024, "
+        "16 heads, 4 layers (1 dense), 16 routed experts top-4 in 4 groups (top 2) + 1 shared, vocab 32000",
+        "DeepseekV3ForCausalLM", "DeepseekV3Config",
+        dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1,
+             n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+             routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536,
+             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+             rope_theta=10000.0,
+             rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
+    ),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    shapes = "\n".join(f"  {name}: {shape.description}" for name, shape in SHAPES.items())
+    parser = argparse.ArgumentParser(
+        prog="bench/offline.py",
+        description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:3]),
+        epilog="shapes (random weights, written with save_pretrained):\n" + shapes
+        + "\n\nThroughput counts only requested tokens: output tok/s = sum of requested output lengths / "
+        "seconds; total tok/s adds the prompt tokens. Peak memory is each child's own ru_maxrss "
+        "(resident set, weights included). Timings exclude loading and one short warm-up generate.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--shape", choices=SHAPES, default="tiny", help="model shape (default: tiny)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="override the shape's depth, keeping its widths (default: the shape's own)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="weights and compute dtype of both systems (default: float32, the fast one on CPU)")
+    parser.add_argument("--num-requests", type=int, default=32, help="requests in the workload (default: 32)")
+    parser.add_argument("--prompt-len-min", type=int, default=64, help="shortest prompt, tokens (default: 64)")
+    parser.add_argument("--prompt-len-max", type=int, default=512, help="longest prompt, tokens (default: 512)")
+    parser.add_argument("--output-len-min", type=int, default=64, help="fewest new tokens (default: 64)")
+    parser.add_argument("--output-len-max", type=int, default=128, help="most new tokens (default: 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs per system; run i uses the workload of seed+i, the same for both "
+                        "systems; medians are reported (default: 1)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="pdserve: most requests running at once (default: --num-requests)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="pdserve: token budget of one step, prompts are chunked to it (default: 2048)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="transformers: requests per generate call, taken in order "
+                        "(default: --max-num-seqs, i.e. the same concurrency as pdserve)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch threads, the same for both (default: the CPUs this process may use)")
+    parser.add_argument("--check-requests", type=int, default=4,
+                        help="compare the greedy tokens of the first N requests (default: 4)")
+    parser.add_argument("--skip-transformers", action="store_true", help="run pdserve only")
+    parser.add_argument("--keep-checkpoint", type=Path, default=None,
+                        help="write the checkpoint here and keep it (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def _log(message: str) -> None:
+    print(f"[offline] {message}", file=sys.stderr, flush=True)
+
+
+# -- the parent: checkpoint, workload, children, report ----------------------------------------
+
+
+def write_checkpoint(shape: Shape, directory: Path, dtype: str, seed: int, num_layers: int | None) -> dict[str, Any]:
+    """Random weights of ``shape`` saved with ``save_pretrained``; returns the config fields used."""
+    import torch
+    import transformers
+
+    fields = dict(shape.config)
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+        fields["first_k_dense_replace"] = min(fields.get("first_k_dense_replace", 0), max(num_layers - 1, 0))
+    config = getattr(transformers, shape.config_class)(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, shape.model_class)._from_config(config, dtype=getattr(torch, dtype)).eval()
+    if shape.model_class == "DeepseekV3ForCausalLM":
+        # A zero correction bias (the init) would leave V3's bias path untested by the routing.
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.data.normal_(0, 0.05)
+    model.save_pretrained(directory)
+    num_params = sum(p.numel() for p in model.parameters())
+    del model
+    return {"num_parameters": num_params, "num_hidden_layers": fields["num_hidden_layers"],
+            "vocab_size": fields["vocab_size"]}
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, seed: int) -> dict[str, list]:
+    rng = random.Random(seed)
+    prompts, output_lens = [], []
+    for _ in range(args.num_requests):
+        length = rng.randint(args.prompt_len_min, args.prompt_len_max)
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(length)])  # skip the usual special ids
+        output_lens.append(rng.randint(args.output_len_min, args.output_len_max))
+    return {"prompts": prompts, "output_lens": output_lens}
+
+
+def run_worker(system: str, work_dir: Path) -> dict[str, Any]:
+    """Run one system in a child process; its stderr passes through, its result comes back as JSON."""
+    result_file = work_dir / f"result-{system}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--worker-dir", str(work_dir)]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0 or not result_file.is_file():
+        return {"error": f"worker exited with status {proc.returncode}"}
+    result = json.loads(result_file.read_text())
+    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def summarise(result: dict[str, Any], workloads: list[dict[str, list]]) -> dict[str, Any]:
+    """Throughput over requested tokens only, medians over the repeats."""
+    if "error" in result:
+        return result
+    per_run = []
+    for seconds, workload in zip(result["seconds"], workloads):
+        output_tokens = sum(workload["output_lens"])
+        prompt_tokens = sum(len(p) for p in workload["prompts"])
+        per_run.append({"seconds": seconds, "output_tok_s": output_tokens / seconds,
+                        "total_tok_s": (output_tokens + prompt_tokens) / seconds})
+    summary = {key: round(statistics.median(run[key] for run in per_run), 3)
+               for key in ("seconds", "output_tok_s", "total_tok_s")}
+    summary["peak_rss_mib"] = round(result["peak_rss_kib"] / 1024, 1)
+    summary["loaded_rss_mib"] = round(result["loaded_rss_kib"] / 1024, 1)
+    summary["runs"] = [{k: round(v, 3) for k, v in run.items()} for run in per_run]
+    for key in ("generated_tokens", "config", "wall_seconds"):
+        if key in result:
+            summary[key] = result[key]
+    return summary
+
+
+def greedy_mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, list[int | None]]:
+    """How many compared requests differ, and where each first diverges (None: identical)."""
+    divergence = []
+    for x, y in zip(a, b):
+        n = min(len(x), len(y))
+        divergence.append(next((i for i in range(n) if x[i] != y[i]), None))
+    return sum(d is not None for d in divergence), divergence
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    ram_gib = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                ram_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": threads,
+            "cpu_model": cpu, "ram_gib": ram_gib, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def main_parent(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    for name in ("num_requests", "prompt_len_min", "output_len_min", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prompt_len_min > args.prompt_len_max or args.output_len_min > args.output_len_max:
+        raise SystemExit("each --*-len-min must be <= its --*-len-max")
+    max_num_seqs = args.max_num_seqs or args.num_requests
+    batch_size = args.batch_size or max_num_seqs
+    shape = SHAPES[args.shape]
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        work_dir = Path(tmp)
+        checkpoint = args.keep_checkpoint or work_dir / "checkpoint"
+        _log(f"writing a random {args.shape} checkpoint ({args.dtype}) to {checkpoint}")
+        model_info = write_checkpoint(shape, checkpoint, args.dtype, args.seed, args.num_layers)
+        workloads = [make_workload(args, model_info["vocab_size"], args.seed + i) for i in range(args.repeats)]
+        settings = {
+            "checkpoint": str(checkpoint), "dtype": args.dtype, "threads": args.threads, "workloads": workloads,
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.prompt_len_max + args.output_len_max, "batch_size": batch_size,
+            "check_requests": args.check_requests,
+        }
+        (work_dir / "settings.json").write_text(json.dumps(settings))
+        results = {}
+        for system in SYSTEMS:
+            if system == "transformers" and args.skip_transformers:
+                continue
+            _log(f"running {system} ({args.repeats} timed run(s))")
+            results[system] = run_worker(system, work_dir)
+
+    first = workloads[0]
+    report: dict[str, Any] = {
+        "shape": args.shape,
+        "shape_description": shape.description,
+        "num_layers": model_info["num_hidden_layers"],
+        "num_parameters": model_info["num_parameters"],
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "repeats": args.repeats,
+        "prompt_tokens": sum(len(p) for p in first["prompts"]),
+        "output_tokens": sum(first["output_lens"]),
+        "counting": "only requested tokens count as output for both systems; transformers generates each "
+        "batch to its longest requested length and the surplus is reported as waste",
+        "concurrency": {"pdserve_max_num_seqs": max_num_seqs, "transformers_batch_size": batch_size},
+    }
+    for system, result in results.items():
+        report[system] = summarise(result, workloads)
+    pd, hf = report.get("pdserve", {}), report.get("transformers", {})
+    if "output_tok_s" in pd and "output_tok_s" in hf:
+        ratios = [p["output_tok_s"] / h["output_tok_s"] for p, h in zip(pd["runs"], hf["runs"])]
+        report["speedup_output_tok_s"] = round(statistics.median(ratios), 3)
+        report["memory_ratio"] = round(pd["peak_rss_mib"] / hf["peak_rss_mib"], 3)
+        hf["wasted_tokens"] = hf["generated_tokens"] - report["output_tokens"]
+        count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"])
+        report["greedy_mismatches"] = count
+        report["greedy_first_divergence"] = divergence
+    report["machine"] = machine_info(args.threads) | {"transformers": transformers.__version__}
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"shape {report['shape']} ({report['num_layers']} layers, {report['num_parameters'] / 1e6:.1f}M params, "
+          f"{report['dtype']}); {report['num_requests']} requests, {report['prompt_tokens']} prompt + "
+          f"{report['output_tokens']} output tokens; median of {report['repeats']} run(s)")
+    print(f"{'system':<14}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}{'peak RSS MiB':>15}")
+    for system in SYSTEMS:
+        row = report.get(system)
+        if row is None:
+            continue
+        if "error" in row:
+            print(f"{system:<14}{row['error']}")
+            continue
+        print(f"{system:<14}{row['seconds']:>10.2f}{row['output_tok_s']:>15.1f}{row['total_tok_s']:>14.1f}"
+              f"{row['peak_rss_mib']:>15.0f}")
+    if "speedup_output_tok_s" in report:
+        print(f"pdserve / transformers: {report['speedup_output_tok_s']:.2f}x output tok/s, "
+              f"{report['memory_ratio']:.2f}x peak RSS; transformers generated "
+              f"{report['transformers']['wasted_tokens']} unrequested tokens")
+        print(f"greedy mismatches in the first {len(report['greedy_first_divergence'])} requests: "
+              f"{report['greedy_mismatches']} (first divergence {report['greedy_first_divergence']}; "
+              "near-ties of random weights can legitimately diverge)")
+    print(report["counting"])
+    m = report["machine"]
+    print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']} "
+          f"with {m['torch_threads']} threads, transformers {m['transformers']}")
+
+
+# -- the children: one system each -------------------------------------------------------------
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1])
+    return 0
+
+
+def _pdserve_runner(settings: dict[str, Any]):
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=settings["checkpoint"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"]),
+        max_model_len=settings["max_model_len"], seed=0,
+    )
+
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in output_lens]
+        outputs = llm.generate(prompts, params)
+        return [o.token_ids for o in outputs], sum(len(o.token_ids) for o in outputs)
+
+    config = {"max_num_seqs": settings["max_num_seqs"], "max_num_batched_tokens": settings["max_num_batched_tokens"],
+              "max_model_len": settings["max_model_len"], "num_kv_blocks": llm.engine.block_pool.num_blocks,
+              "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1)}
+    return generate, config
+
+
+def _transformers_runner(settings: dict[str, Any]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(settings["checkpoint"], dtype=getattr(torch, settings["dtype"])).eval()
+    model.generation_config.eos_token_id = None  # EOS disabled: every row runs to max_new_tokens
+    batch_size = settings["batch_size"]
+    pad_id = 0
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
+        tokens, generated = [], 0
+        for start in range(0, len(prompts), batch_size):
+            batch, lens = prompts[start : start + batch_size], output_lens[start : start + batch_size]
+            width, new = max(len(p) for p in batch), max(lens)
+            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):  # left padding
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                attention_mask[row, width - len(prompt) :] = 1
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new,
+                min_new_tokens=new, eos_token_id=None, pad_token_id=pad_id,
+            )
+            new_tokens = out[:, width:].tolist()
+            generated += sum(len(t) for t in new_tokens)
+            tokens.extend(t[:n] for t, n in zip(new_tokens, lens))
+        return tokens, generated
+
+    config = {"batch_size": batch_size, "attn_implementation": model.config._attn_implementation}
+    return generate, config
+
+
+def main_worker(system: str, work_dir: Path) -> None:
+    import torch
+
+    settings = json.loads((work_dir / "settings.json").read_text())
+    torch.set_num_threads(settings["threads"])
+    generate, config = (_pdserve_runner if system == "pdserve" else _transformers_runner)(settings)
+    loaded_rss = _rss_kib()
+    generate([[5, 6, 7, 8] * 4], [2])  # warm-up: first-call allocations and lazy initialisation
+    seconds, tokens, generated = [], None, 0
+    for workload in settings["workloads"]:
+        started = time.perf_counter()
+        out, num_generated = generate(workload["prompts"], workload["output_lens"])
+        seconds.append(time.perf_counter() - started)
+        if tokens is None:
+            tokens, generated = out, num_generated
+            wrong = [i for i, (t, n) in enumerate(zip(out, workload["output_lens"])) if len(t) != n]
+            if wrong:
+                raise SystemExit(f"{system}: requests {wrong[:5]} did not get their requested token count")
+    result = {
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "check_tokens": tokens[: settings["check_requests"]],
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
+        "loaded_rss_kib": loaded_rss,
+        "config": config,
+    }
+    (work_dir / f"result-{system}.json").write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        main_worker(args.worker, args.worker_dir)
+        return
+    report = main_parent(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+
+
+if __name__ == "__main__":
+    main()
