@@ -24,7 +24,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import load_model
-from pdserve.engine.request import KVRole, Request, RequestStatus
+from pdserve.engine.request import KVRole, Request
 from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -186,11 +186,20 @@ class LLMEngine:
     def held_block_ids(self, request_id: str) -> list[int]:
         return self._held[request_id]
 
-    def kv_received(self, request_id: str, first_token_id: int) -> None:
-        """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``."""
+    def kv_received(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``.
+
+        Returns the request's final output when that first token already ends it (a stop
+        token, or ``max_tokens`` of 1), else None.
+        """
         request = self.scheduler.kv_received(request_id, first_token_id)
-        if request_id in self._detokenizers:
-            self._detokenizers[request_id].add(first_token_id)
+        detok = self._detokenizers.get(request_id)
+        delta = detok.add(first_token_id) if detok is not None else ""
+        reason = self._stop_reason(request, first_token_id)
+        if reason is None:
+            return None
+        self.scheduler.finish(request, reason)
+        return self._finish_output(request, [first_token_id], delta)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_requests > 0
@@ -222,16 +231,7 @@ class LLMEngine:
         request.append_output(token, logprobs)
         detok = self._detokenizers.get(request.request_id)
         delta = detok.add(token) if detok is not None else ""
-        params = request.params
-        reason = None
-        if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
-            reason = "stop"
-        elif detok is not None and detok.stopped:
-            reason = "stop"
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = "length"
-        if request.kv_role is KVRole.PRODUCER:
-            reason = "kv_transfer"
+        reason = "kv_transfer" if request.kv_role is KVRole.PRODUCER else self._stop_reason(request, token)
         if reason is None:
             return self._output(request, [token], delta)
         hold = request.kv_role is KVRole.PRODUCER
@@ -239,6 +239,18 @@ class LLMEngine:
         if hold:
             self._held[request.request_id] = list(self.kv.block_table(request.request_id))
         return self._finish_output(request, [token], delta)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        """Why ``token`` (just appended and detokenized) ends the request, if it does."""
+        params = request.params
+        if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
+            return "stop"
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None and detok.stopped:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _output(self, request: Request, new: list[int], delta: str) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)

@@ -10,6 +10,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampler import Logprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -18,7 +19,7 @@ Prompt = str | list[int]
 class CompletionOutput:
     """One prompt's result: the generated ids, their text, and why generation ended."""
 
-    prompt_token_ids_count: int
+    num_prompt_tokens: int
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
@@ -38,7 +39,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     def generate(
@@ -72,7 +73,7 @@ class LLM:
                 for output in self.engine.step().outputs:
                     if output.finished:
                         results[output.request_id] = CompletionOutput(
-                            prompt_token_ids_count=output.num_prompt_tokens,
+                            num_prompt_tokens=output.num_prompt_tokens,
                             token_ids=list(output.token_ids),
                             text=output.text,
                             finish_reason=output.finish_reason,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
+from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens
 
 
 def _gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

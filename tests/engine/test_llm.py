@@ -176,3 +176,15 @@ def test_loading_errors_name_the_file_and_tensor(checkpoints, tmp_path):
     (wrong / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
     with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\], expected \[128, 64\]"):
         LLM(str(wrong))
+
+
+def test_consumer_ends_at_once_when_the_first_token_already_finishes_it(checkpoints):
+    path, _ = checkpoints("llama")
+    consumer = LLM(str(path)).engine
+    consumer.add_request("r", _prompt(12, 20), SamplingParams(max_tokens=1, temperature=0), kv_role=KVRole.CONSUMER)
+    assert [a[0] for a in consumer.step().awaiting_kv] == ["r"]
+    final = consumer.kv_received("r", 42)
+    assert final is not None and final.finished and final.finish_reason == "length" and final.token_ids == [42]
+    assert not consumer.has_unfinished()
+    consumer.check_idle_integrity()
+    assert consumer.block_pool.all_free()
