@@ -25,11 +25,14 @@ def test_generate_json_matches_the_offline_api(checkpoints):
     assert out["ttft_ms"] >= 0 and out["itl_ms"] >= 0
 
 
-def test_generate_streams_text(checkpoints):
+def test_generate_streams_the_seeded_text(checkpoints):
     path, _ = checkpoints("llama")
-    result = _run("generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "4", "--seed", "3")
+    result = _run("generate", "--model", str(path), "--prompt", "hello world", "--max-tokens", "8",
+                  "--seed", "3", "--ignore-eos")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.endswith("\n")
+    expected = LLM(str(path)).generate(["hello world"], SamplingParams(max_tokens=8, seed=3, ignore_eos=True))[0]
+    assert expected.text  # a stream of nothing would prove nothing
+    assert result.stdout == expected.text + "\n"
 
 
 def test_bad_input_is_one_clear_line_and_exit_code_2(checkpoints, tmp_path):

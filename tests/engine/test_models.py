@@ -75,10 +75,13 @@ def test_preemption_under_a_small_kv_budget_loses_nothing(checkpoints, arch):
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_bfloat16_matches_transformers_in_bfloat16(checkpoints, arch):
     path, hf_model = checkpoints(arch)
-    prompts = _prompts(5, [12, 30])
+    prompts = _prompts(5, [12, 30, 7, 19, 41, 25])
     outputs = LLM(str(path), dtype="bfloat16").generate(prompts, GREEDY)
     hf_half = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
+    compared = 0
     for prompt, output in zip(prompts, outputs):
         # bfloat16 rounding differs with the order of operations: compare only clear wins.
-        reference, num_clear = reference_greedy(hf_half, prompt, 10, margin=0.1)
+        reference, num_clear = reference_greedy(hf_half, prompt, 10, margin=0.05)
         assert output.token_ids[:num_clear] == reference[:num_clear]
+        compared += num_clear
+    assert compared >= 10, "too few clear-margin tokens to compare: the test would prove nothing"
