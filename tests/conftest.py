@@ -1,12 +1,14 @@
-"""Shared fixtures: tiny checkpoints of every architecture, written once per session."""
+"""Shared fixtures: tiny checkpoints of every architecture, written once per session; real etcd servers."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.utils.checkpoints import write_checkpoint
+from tests.utils.etcd_server import EtcdServer
 
 
 class CheckpointFactory:
@@ -27,3 +29,19 @@ class CheckpointFactory:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
     return CheckpointFactory(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real etcd shared by the session's tests; they keep apart by unique model names."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd of the test's own, for tests that stop, restart or wipe it."""
+    server = EtcdServer(tmp_path).start()
+    yield server
+    server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models import load_model
 from pdserve.engine.request import KVRole, Request
-from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator
+from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator, skip_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
@@ -47,12 +48,19 @@ class RequestOutput:
     logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Producer role, on the finishing output: the prompt's blocks, held until ``release_held``.
+    held_block_ids: list[int] | None = None
+    # time.monotonic() stamps: arrival, first scheduled (consumer: given blocks), first token.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 @dataclass
 class StepOutput:
     outputs: list[RequestOutput]
     awaiting_kv: list[tuple[str, list[int], int]]  # (request id, block ids, cached tokens)
+    num_scheduled_tokens: int = 0  # 0: the step ran no model (nothing was runnable)
 
 
 def select_backend(kernels: str, device: torch.device) -> Backend:
@@ -183,6 +191,11 @@ class LLMEngine:
         if self._held.pop(request_id, None) is not None:
             self.kv.free(request_id)
 
+    @property
+    def num_held(self) -> int:
+        """Producer requests whose blocks are held for a peer."""
+        return len(self._held)
+
     def held_block_ids(self, request_id: str) -> list[int]:
         return self._held[request_id]
 
@@ -193,6 +206,8 @@ class LLMEngine:
         token, or ``max_tokens`` of 1), else None.
         """
         request = self.scheduler.kv_received(request_id, first_token_id)
+        if request.generator is not None and not request.params.is_greedy:
+            skip_draw(request.generator, self.model_config.vocab_size)
         detok = self._detokenizers.get(request_id)
         delta = detok.add(first_token_id) if detok is not None else ""
         reason = self._stop_reason(request, first_token_id)
@@ -212,6 +227,10 @@ class LLMEngine:
     def step(self) -> StepOutput:
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r, [], "") for r in sched.finished]
+        now = time.monotonic()
+        for request in [*sched.awaiting_kv, *(r for r, _ in sched.scheduled)]:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
         awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
         if not sched.scheduled:
             return StepOutput(outputs, awaiting)
@@ -225,7 +244,7 @@ class LLMEngine:
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._accept_token(request, token, logprobs))
-        return StepOutput(outputs, awaiting)
+        return StepOutput(outputs, awaiting, sched.num_tokens)
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)
@@ -236,9 +255,10 @@ class LLMEngine:
             return self._output(request, [token], delta)
         hold = request.kv_role is KVRole.PRODUCER
         self.scheduler.finish(request, reason, hold_blocks=hold)
+        output = self._finish_output(request, [token], delta)
         if hold:
-            self._held[request.request_id] = list(self.kv.block_table(request.request_id))
-        return self._finish_output(request, [token], delta)
+            self._held[request.request_id] = output.held_block_ids = list(self.kv.block_table(request.request_id))
+        return output
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         """Why ``token`` (just appended and detokenized) ends the request, if it does."""
@@ -265,6 +285,9 @@ class LLMEngine:
             logprobs=request.output_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
         )
 
     def _finish_output(self, request: Request, new: list[int], delta: str) -> RequestOutput:

@@ -46,6 +46,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: str | None = None
+    first_scheduled_time: float | None = None  # first computed, or (consumer) first given blocks
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

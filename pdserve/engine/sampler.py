@@ -197,6 +197,13 @@ def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance a seeded request's generator past one sampled token, as ``_exponential_race``
+    would have: the token was sampled elsewhere (a prefill worker), and the rest of the
+    request must draw what it would have drawn had it all run here (same seed, same tokens)."""
+    torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
 def _exponential_race(probs: torch.Tensor,
                       generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row of `probs` [num_rows, vocab].

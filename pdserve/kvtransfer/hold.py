@@ -108,6 +108,13 @@ class BlockHolder:
     def held_blocks(self, request_id: str) -> tuple[int, ...]:
         return self._held[request_id].block_ids
 
+    def release(self, request_id: str) -> bool:
+        """Free a hold now (its reader gave up before pulling); False if nothing was held."""
+        if request_id not in self._held:
+            return False
+        self._release(request_id, "released")
+        return True
+
     def _on_notification(self, sender: str, message: bytes) -> None:
         notice = decode_notice(message)
         if notice is None:

@@ -1,0 +1,48 @@
+"""The ``pdserve`` command line: one module per command group."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.cli import generate, serve, up
+from pdserve.engine.weights import CheckpointError
+
+EPILOG = """examples:
+  pdserve generate --model ./Llama-3.1-8B --prompt "The capital of France is"
+  pdserve up --model ./Llama-3.1-8B                      # frontend + 1 prefill + 1 decode worker
+  pdserve generate --target 127.0.0.1:50051 --token-ids 1,2,3 --max-tokens 8 --temperature 0 --json
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="pdserve: disaggregated prefill/decode LLM serving.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(commands)
+    up.add_parser(commands)
+    serve.add_parsers(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as error:
+        print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""``pdserve generate``: one completion, from a local model or from a running server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pdserve.cli.common import size_bytes, token_ids
+
+DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
+(--model: the engine runs in this process) or from a running pdserve server (--target
+HOST:PORT, e.g. what `pdserve up` printed). Text streams to the terminal as it is generated;
+--json prints one JSON object at the end instead."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    gen = commands.add_parser("generate", help="generate a completion, locally or from a server",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    where.add_argument("--target", help="a pdserve frontend, HOST:PORT")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--token-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (default: 1.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1 disables")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable); not included in the text")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
+    gen.add_argument("--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)")
+    local = gen.add_argument_group("--model only")
+    local.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default: the checkpoint's)")
+    local.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                       help="compute kernels: auto = Triton on CUDA, torch reference elsewhere")
+    local.add_argument("--kv-cache-memory", type=size_bytes, default=None, help="KV cache budget, e.g. 2G (default: sized automatically)")
+    gen.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return _remote(args) if args.target else _local(args)
+
+
+def _print_json(token_ids: list[int], text: str, reason: str | None, times: list[float], start: float, **extra: object) -> None:
+    ttft = (times[0] - start) if times else 0.0
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(json.dumps({
+        "token_ids": token_ids,
+        "text": text,
+        "finish_reason": reason,
+        "ttft_ms": round(ttft * 1e3, 3),
+        "itl_ms": round(sum(gaps) / len(gaps) * 1e3, 3) if gaps else 0.0,
+        **extra,
+    }))  # fmt: skip
+
+
+def _local(args: argparse.Namespace) -> int:
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.engine_config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype, kernels=args.kernels, kv_cache_memory=args.kv_cache_memory))
+    prompt = args.prompt if args.prompt is not None else args.token_ids
+    start = time.perf_counter()
+    request = engine.add_request("cli", prompt, params)
+    times: list[float] = []
+    final = None
+    while final is None:
+        for output in engine.step().outputs:
+            times += [time.perf_counter()] * len(output.new_token_ids)
+            if not args.json and output.text_delta:
+                sys.stdout.write(output.text_delta)
+                sys.stdout.flush()
+            if output.finished:
+                final = output
+    if args.json:
+        _print_json(final.token_ids, final.text, final.finish_reason, times, start,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    total_ms=round((time.perf_counter() - start) * 1e3, 3))  # fmt: skip
+    else:
+        print()
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from pdserve.v1 import inference_pb2, inference_pb2_grpc
+
+    sampling = inference_pb2.SamplingOptions(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, stop=args.stop or [], ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = inference_pb2.GenerateRequest(model=args.model_name, sampling=sampling)
+    if args.prompt is not None:
+        request.text = args.prompt
+    else:
+        request.token_ids.ids.extend(args.token_ids)
+    token_ids: list[int] = []
+    times: list[float] = []
+    final = None
+    start = time.perf_counter()
+    with grpc.insecure_channel(args.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                times += [time.perf_counter()] * len(response.token_ids)
+                token_ids += response.token_ids
+                if not args.json and response.text:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                if response.HasField("final"):
+                    final = response.final
+        except grpc.RpcError as exc:
+            print(f"pdserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if final is None:
+        print("pdserve generate: the server ended the stream without a final message", file=sys.stderr)
+        return 1
+    if args.json:
+        breakdown = MessageToDict(final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        breakdown["kv_transfer_bytes"] = int(breakdown.get("kv_transfer_bytes", 0))
+        usage = MessageToDict(final.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        _print_json(token_ids, final.text, final.finish_reason, times, start, usage=usage, breakdown=breakdown)
+    else:
+        print()
+    return 0

@@ -1,0 +1,112 @@
+"""Reaching etcd: parse its URL, open an aetcd client that is known to answer.
+
+aetcd's own ``connect()`` only builds a gRPC channel and never talks to the server, and its
+calls have no deadline unless one is given; a server that accepts connections but never
+answers would hang them forever. So :func:`connect` probes the server with one read under a
+deadline, and every caller in pdserve wraps each aetcd call in ``asyncio.wait_for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aetcd
+
+DEFAULT_PORT = 2379
+
+# What a failed etcd call raises: aetcd maps gRPC errors to ClientError subclasses
+# (ConnectionFailedError when nothing listens, ConnectionTimeoutError past the gRPC deadline);
+# asyncio.wait_for raises TimeoutError past ours.
+ETCD_ERRORS: tuple[type[Exception], ...] = (aetcd.exceptions.ClientError, TimeoutError)
+
+# Any key does for the probe: a read of a missing key is the cheapest round trip etcd serves.
+_PROBE_KEY = b"/pdserve/probe"
+
+
+class RegistryUnavailable(RuntimeError):
+    """etcd could not be reached (or did not answer) within the deadline."""
+
+
+@dataclass(frozen=True)
+class EtcdEndpoint:
+    """One etcd client endpoint: ``http://host:port``, ``host:port`` or ``host`` (port 2379)."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> EtcdEndpoint:
+        """Parse an etcd URL; anything but plain http to one host is a ValueError naming it."""
+        text = url.strip()
+        parts = urlsplit(text if "://" in text else f"http://{text}")
+        try:
+            port = parts.port
+        except ValueError as exc:  # a port that is not a number or out of range
+            raise ValueError(f"bad etcd URL {url!r}: {exc}") from None
+        if parts.scheme != "http":
+            raise ValueError(f"bad etcd URL {url!r}: only http:// is supported (no TLS)")
+        if not parts.hostname or parts.username or parts.password:
+            raise ValueError(f"bad etcd URL {url!r}: expected http://HOST:PORT")
+        if parts.path not in ("", "/") or parts.query or parts.fragment or "," in text:
+            raise ValueError(f"bad etcd URL {url!r}: expected one endpoint, http://HOST:PORT")
+        return cls(host=parts.hostname, port=port if port is not None else DEFAULT_PORT)
+
+    @property
+    def url(self) -> str:
+        """The canonical form, ``http://host:port``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+async def connect(url: str, timeout_s: float = 3.0) -> aetcd.Client:
+    """An aetcd client to the etcd at ``url`` that has answered one read.
+
+    Raises ValueError for a malformed URL, and RegistryUnavailable within ``timeout_s`` when
+    the server refuses, does not answer, or errs. The client's own per-call gRPC deadline is
+    ``timeout_s`` too, a second guard under the callers' ``asyncio.wait_for``.
+    """
+    endpoint = EtcdEndpoint.parse(url)
+    client = aetcd.Client(endpoint.host, endpoint.port, timeout=timeout_s)
+    try:
+        await asyncio.wait_for(client.get(_PROBE_KEY), timeout_s)
+    except ETCD_ERRORS as exc:
+        await close_quietly(client, timeout_s)
+        reason = str(exc) or f"no answer within {timeout_s:g} s"
+        raise RegistryUnavailable(f"etcd at {url} is unreachable: {reason}") from exc
+    return client
+
+
+async def close_quietly(client: aetcd.Client, timeout_s: float = 1.0) -> None:
+    """Close a client, giving up after ``timeout_s``: closing a dead channel must not block."""
+    try:
+        await asyncio.wait_for(client.close(), timeout_s)
+    except (*ETCD_ERRORS, OSError):
+        pass
+
+
+class EtcdConnection:
+    """A client opened on first use and dropped after any failure, so the next use dials afresh.
+
+    Dropping matters: after an outage gRPC's reconnect backoff on an old channel can grow to
+    minutes, while a new channel dials at once.
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        EtcdEndpoint.parse(url)  # a malformed URL fails here, not at first use
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client: aetcd.Client | None = None
+
+    async def client(self) -> aetcd.Client:
+        """The open client, connecting (under ``timeout_s``) if there is none."""
+        if self._client is None:
+            self._client = await connect(self.url, self.timeout_s)
+        return self._client
+
+    async def reset(self) -> None:
+        """Close the client, if any; the next ``client()`` connects again."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await close_quietly(client)

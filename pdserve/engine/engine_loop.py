@@ -1,0 +1,246 @@
+"""The engine's step loop on its own thread, driven from asyncio.
+
+Servers run on an asyncio event loop; the engine's step blocks for as long as the model runs.
+``EngineLoop`` owns one thread that alone touches the engine: the event loop sends it commands
+(add, abort, KV received, release) through a queue, and the thread steps the engine whenever
+something is runnable and hands each request's outputs back to the event loop, where
+``RequestStream`` delivers them to whoever awaits that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.request import KVRole
+from pdserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVAwaited:
+    """Decode role: the request has blocks; its prompt's KV must now be written into them."""
+
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens already in this engine's prefix cache
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's occupancy, taken after each step."""
+
+    running: int = 0
+    waiting: int = 0
+    awaiting_kv: int = 0
+    held_requests: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens not computed yet, over waiting and running requests
+    num_preemptions: int = 0
+
+
+class RequestStream:
+    """One request's outputs, in order, on the event loop; ends after the finished output."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._items: asyncio.Queue[RequestOutput | KVAwaited] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | KVAwaited) -> None:
+        self._items.put_nowait(item)
+
+    async def next(self) -> RequestOutput | KVAwaited:
+        """The next item; a RequestOutput with ``finished`` set is the last."""
+        item = await self._items.get()
+        if isinstance(item, RequestOutput) and item.finished:
+            self.finished = True
+        return item
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Every RequestOutput until the finished one (KV notices are not expected here)."""
+        while not self.finished:
+            item = await self.next()
+            if isinstance(item, RequestOutput):
+                yield item
+
+
+class EngineLoop:
+    """Runs ``engine`` on a dedicated thread; every method is called from the event loop.
+
+    ``start()`` from a running event loop, ``await stop()`` to end the thread. Requests whose
+    stream nobody reads any more must be aborted (``abort``), which frees their blocks.
+    """
+
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._load = EngineLoad(kv_blocks_total=engine.block_pool.num_blocks)
+        self._error: BaseException | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is left, end the thread (bounded by ``timeout_s``)."""
+        if self._thread is None:
+            return
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._commands.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+        self._thread = None
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with a live stream, plus producer requests whose blocks are still held."""
+        return len(self._streams) + self._load.held_requests
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the engine thread, if one did."""
+        return self._error
+
+    # ---- commands ----------------------------------------------------------------------------
+    async def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_role: KVRole = KVRole.LOCAL
+    ) -> RequestStream:
+        """Queue a request; raises ValueError (from the engine) for one it cannot serve."""
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped: {self._error!r}")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        try:
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End the request wherever it is and free its blocks (held ones included)."""
+        self._streams.pop(request_id, None)
+        self._commands.put(lambda: self.engine.abort(request_id))
+
+    async def kv_received(self, request_id: str, first_token_id: int) -> None:
+        """Decode role: the KV is in the request's blocks; its outputs continue on its stream."""
+
+        def received() -> None:
+            final = self.engine.kv_received(request_id, first_token_id)
+            if final is not None:
+                self._deliver([final], [])
+
+        await self._call(received)
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill role: the decode side is done with the request's blocks."""
+        self._commands.put(lambda: self.engine.release_held(request_id))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread and return (or raise) its result."""
+        done: Future[Any] = Future()
+
+        def command() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # handed to the caller, not the engine thread
+                done.set_exception(exc)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(done)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block for a command only when a step would have nothing to run.
+                idle = not self.engine.has_unfinished()
+                while True:
+                    try:
+                        command = self._commands.get(timeout=self.idle_wait_s) if idle else self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if command is None:
+                        return
+                    command()
+                    idle = False
+                step = self.engine.step()
+                self._deliver(step.outputs, step.awaiting_kv)
+                self._load = self._snapshot()
+                if step.num_scheduled_tokens == 0 and not step.outputs:
+                    command = self._wait_for_command()
+                    if command is None:
+                        return
+                    command()
+        except BaseException as exc:
+            logger.exception("engine thread stopped")
+            self._error = exc
+            self._fail_all(exc)
+
+    def _wait_for_command(self) -> Callable[[], None] | None:
+        """Nothing is runnable (requests wait for KV): sleep until the next command."""
+        while True:
+            try:
+                return self._commands.get(timeout=1.0)
+            except queue.Empty:
+                continue
+
+    def _deliver(self, outputs: list[RequestOutput], awaiting: list[tuple[str, list[int], int]]) -> None:
+        items: list[tuple[str, RequestOutput | KVAwaited]] = [(o.request_id, o) for o in outputs]
+        items += [(rid, KVAwaited(blocks, cached)) for rid, blocks, cached in awaiting]
+        if items and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, RequestOutput | KVAwaited]]) -> None:
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # aborted meanwhile: the abort command frees it
+            stream._put(item)
+            if isinstance(item, RequestOutput) and item.finished:
+                del self._streams[request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """The engine is broken: end every stream with an abort so that no caller hangs."""
+        if self._loop is None:
+            return
+        finals = [
+            RequestOutput(rid, [], "", [], "", finished=True, finish_reason="abort") for rid in list(self._streams)
+        ]
+        self._loop.call_soon_threadsafe(self._dispatch, [(o.request_id, o) for o in finals])
+
+    def _snapshot(self) -> EngineLoad:
+        engine = self.engine
+        scheduler = engine.scheduler
+        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
+        pool = engine.block_pool
+        return EngineLoad(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            awaiting_kv=len(scheduler.awaiting_kv),
+            held_requests=engine.num_held,
+            kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            kv_blocks_total=pool.num_blocks,
+            queued_prefill_tokens=queued,
+            num_preemptions=scheduler.num_preemptions,
+        )

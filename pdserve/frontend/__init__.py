@@ -1,0 +1,1 @@
+"""The frontend: the public gRPC API, request validation, and the router."""

@@ -1,0 +1,134 @@
+"""The models the registry's workers serve, and the checks a request must pass before routing.
+
+A request is validated once, here, so that a bad one never reaches a worker: the model must be
+served, the prompt non-empty, inside the vocabulary and the context window, ``max_tokens``
+within what the window leaves, and the sampling values valid (``SamplingParams`` names the
+field). Text prompts are tokenized here with the model's ``tokenizer.json``, read from the
+``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.control_plane.registry import WorkerEntry
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.rpc.sampling import sampling_params
+from pdserve.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as sent; the message names the field."""
+
+
+class ModelUnavailable(RuntimeError):
+    """No worker serves any model right now."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    num_prefill: int
+    num_decode: int
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    model: ModelInfo
+    token_ids: list[int]
+    params: SamplingParams
+    options: inference_pb2.SamplingOptions  # forwarded to the workers as sent
+
+
+class ModelCatalog:
+    def __init__(self, tokenizer_path: str | None = None) -> None:
+        self.tokenizer_path = tokenizer_path
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+
+    @staticmethod
+    def models(workers: Sequence[WorkerEntry]) -> dict[str, ModelInfo]:
+        """Served models, with the tightest limits any of their workers has."""
+        by_name: dict[str, list[WorkerEntry]] = {}
+        for worker in workers:
+            by_name.setdefault(worker.model, []).append(worker)
+        return {
+            name: ModelInfo(
+                name=name,
+                model_path=entries[0].model_path,
+                max_model_len=min(w.max_model_len for w in entries),
+                vocab_size=min(w.vocab_size for w in entries),
+                num_prefill=sum(w.role == "prefill" for w in entries),
+                num_decode=sum(w.role == "decode" for w in entries),
+            )
+            for name, entries in sorted(by_name.items())
+        }
+
+    def validate(self, request: inference_pb2.GenerateRequest, workers: Sequence[WorkerEntry]) -> ValidRequest:
+        models = self.models(workers)
+        if not models:
+            raise ModelUnavailable("no workers are registered")
+        if request.model:
+            if request.model not in models:
+                raise InvalidRequest(f"model: {request.model!r} is not served here; served: {sorted(models)}")
+            model = models[request.model]
+        elif len(models) == 1:
+            model = next(iter(models.values()))
+        else:
+            raise InvalidRequest(f"model: required when several models are served: {sorted(models)}")
+        token_ids = self._prompt(request, model)
+        try:
+            params = sampling_params(request.sampling)
+        except ValueError as exc:
+            raise InvalidRequest(f"sampling.{exc}") from None
+        room = model.max_model_len - len(token_ids)
+        if params.max_tokens > room:
+            raise InvalidRequest(
+                f"sampling.max_tokens = {params.max_tokens} exceeds the room the context window leaves: "
+                f"max_model_len {model.max_model_len} - {len(token_ids)} prompt tokens = {room}"
+            )
+        return ValidRequest(model, token_ids, params, request.sampling)
+
+    def _prompt(self, request: inference_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequest("prompt: text is empty")
+            tokenizer = self.tokenizer(model)
+            if tokenizer is None:
+                raise InvalidRequest(f"prompt: model {model.name!r} has no tokenizer.json; send token_ids")
+            token_ids = tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            token_ids = list(request.token_ids.ids)
+            for index, token in enumerate(token_ids):
+                if not 0 <= token < model.vocab_size:
+                    raise InvalidRequest(
+                        f"prompt: token_ids[{index}] = {token} is outside the vocabulary [0, {model.vocab_size})"
+                    )
+        else:
+            raise InvalidRequest("prompt: set text or token_ids")
+        if not token_ids:
+            raise InvalidRequest("prompt: empty")
+        if len(token_ids) >= model.max_model_len:
+            raise InvalidRequest(
+                f"prompt: {len(token_ids)} tokens, but the context window (max_model_len) is "
+                f"{model.max_model_len} and must leave room for at least one generated token"
+            )
+        return token_ids
+
+    def tokenizer(self, model: ModelInfo) -> Tokenizer | None:
+        path = Path(self.tokenizer_path or model.model_path)
+        key = str(path)
+        if key not in self._tokenizers:
+            self._tokenizers[key] = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+            if self._tokenizers[key] is None:
+                logger.warning("no tokenizer.json at %s: text prompts for %s are refused", path, model.name)
+        return self._tokenizers[key]

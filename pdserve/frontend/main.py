@@ -1,0 +1,33 @@
+"""Run the frontend process: watch the registry, serve the public API until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from pdserve.control_plane.registry import RegistryView
+from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
+from pdserve.rpc.server import RpcServer
+from pdserve.v1 import inference_pb2_grpc
+
+
+async def serve(config: FrontendConfig) -> None:
+    """Serve until SIGTERM or SIGINT; in-flight streams get a few seconds to finish."""
+    view = RegistryView(config.etcd)
+    await view.start()
+    service = InferenceService(config, view)
+    server = RpcServer()
+    server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
+    try:
+        port = await server.start(config.host, config.port)
+        print(f"pdserve frontend listening on {config.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.set_serving(False)
+    finally:
+        await server.stop(grace_s=5.0)
+        await service.close()
+        await view.close()

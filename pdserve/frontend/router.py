@@ -1,0 +1,142 @@
+"""Which workers serve a request: the prefill worker (or none) and the decode worker.
+
+- Decode: the least loaded by KV usage and occupancy (running and queued over ``max_num_seqs``).
+- Prefill: the cheapest by estimated work — the prompt tokens it would have to compute (its
+  prefix-cache overlap counts for it) plus the prompt tokens already queued on it.
+- Conditional disaggregation: a prompt whose uncached part is at most ``local_prefill_tokens``,
+  or one arriving while every prefill worker is saturated, is prefilled on the decode worker;
+  moving its KV would cost more than computing it there. ``always`` and ``off`` force either way.
+
+Registry loads are up to a second old, so the router also counts what it dispatched itself
+since, and takes the larger of the two.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve.control_plane.registry import WorkerEntry
+from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
+
+DISAGGREGATION_MODES = ("always", "conditional", "off")
+
+
+class NoWorker(RuntimeError):
+    """No worker of a role is available for the model."""
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Attributes:
+    disaggregation: "always" (every prompt on a prefill worker), "conditional", or "off"
+        (every prompt on its decode worker: a colocated deployment).
+    local_prefill_tokens: conditional: prompts with at most this many uncached tokens are
+        prefilled on the decode worker.
+    prefill_saturation_tokens: conditional: a prefill worker with this many prompt tokens
+        queued is saturated; when all are, prompts are prefilled on the decode worker.
+    """
+
+    disaggregation: str = "conditional"
+    local_prefill_tokens: int = 64
+    prefill_saturation_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
+        if self.prefill_saturation_tokens < 1:
+            raise ValueError(f"prefill_saturation_tokens must be >= 1, got {self.prefill_saturation_tokens}")
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    worker: WorkerEntry
+    cached_tokens: int  # estimated prefix-cache overlap
+    hashes: list[bytes]
+
+
+class Router:
+    def __init__(self, config: RouterConfig, seed: int | None = None) -> None:
+        self.config = config
+        self.prefix_index = PrefixIndex()
+        self._random = random.Random(seed)
+        self._requests: Counter[str] = Counter()  # dispatched and not finished, per worker
+        self._prefill_tokens: Counter[str] = Counter()  # prompt tokens dispatched, not done
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def choose_decode(self, workers: Sequence[WorkerEntry], exclude: Sequence[str] = ()) -> WorkerEntry:
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        if not candidates:
+            raise NoWorker("decode")
+        return min(candidates, key=lambda w: (self._decode_score(w), self._random.random()))
+
+    def _decode_score(self, worker: WorkerEntry) -> float:
+        load = worker.load
+        busy = max(load.running + load.waiting, self._requests[worker.worker_id])
+        return load.kv_usage + busy / max(worker.max_num_seqs, 1)
+
+    def choose_prefill(
+        self, workers: Sequence[WorkerEntry], token_ids: Sequence[int], exclude: Sequence[str] = ()
+    ) -> PrefillChoice | None:
+        """The prefill worker for the prompt, or None to prefill on the decode worker."""
+        mode = self.config.disaggregation
+        if mode == "off":
+            return None
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        if not candidates:
+            if mode == "always":
+                raise NoWorker("prefill")
+            return None
+        hashes_by_size: dict[int, list[bytes]] = {}
+        best: tuple[float, float, PrefillChoice] | None = None
+        for worker in candidates:
+            hashes = hashes_by_size.get(worker.block_size)
+            if hashes is None:
+                hashes = hashes_by_size[worker.block_size] = block_hashes(token_ids, worker.block_size)
+            cached = min(self.prefix_index.overlap(worker.worker_id, hashes) * worker.block_size, len(token_ids) - 1)
+            cost = len(token_ids) - cached + self._queued_tokens(worker)
+            choice = PrefillChoice(worker, cached, hashes)
+            key = (cost, self._random.random())
+            if best is None or key < best[:2]:
+                best = (*key, choice)
+        assert best is not None
+        choice = best[2]
+        if mode == "conditional":
+            uncached = len(token_ids) - choice.cached_tokens
+            saturated = all(self._queued_tokens(w) >= self.config.prefill_saturation_tokens for w in candidates)
+            if uncached <= self.config.local_prefill_tokens or saturated:
+                return None
+        return choice
+
+    def _queued_tokens(self, worker: WorkerEntry) -> int:
+        return max(worker.load.queued_prefill_tokens, self._prefill_tokens[worker.worker_id])
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def prefill_started(self, choice: PrefillChoice, num_tokens: int) -> None:
+        worker = choice.worker
+        self.prefix_index.record(worker.worker_id, choice.hashes, worker.num_kv_blocks)
+        self._prefill_tokens[worker.worker_id] += num_tokens - choice.cached_tokens
+
+    def prefill_done(self, choice: PrefillChoice, num_tokens: int) -> None:
+        self._prefill_tokens[choice.worker.worker_id] -= num_tokens - choice.cached_tokens
+        if self._prefill_tokens[choice.worker.worker_id] <= 0:
+            del self._prefill_tokens[choice.worker.worker_id]
+
+    def decode_started(self, worker: WorkerEntry) -> None:
+        self._requests[worker.worker_id] += 1
+
+    def decode_done(self, worker: WorkerEntry) -> None:
+        self._requests[worker.worker_id] -= 1
+        if self._requests[worker.worker_id] <= 0:
+            del self._requests[worker.worker_id]
+
+    def forget(self, worker_id: str) -> None:
+        """The worker left the registry."""
+        self.prefix_index.forget(worker_id)
+        self._requests.pop(worker_id, None)
+        self._prefill_tokens.pop(worker_id, None)

@@ -1,0 +1,119 @@
+"""The public ``pdserve.v1.Inference`` service on the frontend.
+
+``Generate`` admits a request (queue limit), validates it (``ModelCatalog``), and streams its
+``RequestFlow``; failures become gRPC statuses whose message names the cause. The frontend
+keeps no state about a request beyond its flow: cancelling the call cancels the flow, which
+cancels the worker calls, which abort the request on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+
+from pdserve.control_plane.registry import RegistryView, WorkerEntry
+from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
+from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.router import Router, RouterConfig
+from pdserve.v1 import inference_pb2, inference_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = "pdserve.v1.Inference"
+
+
+class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Attributes:
+    etcd: the registry's URL.
+    host / port: where the public API listens.
+    router: routing and disaggregation settings.
+    max_queued_requests: requests in flight past which new ones get RESOURCE_EXHAUSTED.
+    request_timeout_s: the deadline of a request whose caller set none (or a longer one).
+    tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
+    """
+
+    etcd: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    router: RouterConfig = RouterConfig()
+    max_queued_requests: int = 1024
+    request_timeout_s: float = 600.0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
+        self.config = config
+        self.catalog = ModelCatalog(config.tokenizer)
+        self.routing = Routing(view, Router(config.router), WorkerChannels())
+        self.num_in_flight = 0
+        view.add_listener(self._on_registry_change)
+
+    def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
+        for entry in added:
+            logger.info("worker joined: %s %s at %s", entry.role, entry.worker_id, entry.endpoint)
+        for entry in removed:
+            logger.info("worker left: %s %s", entry.role, entry.worker_id)
+            self.routing.router.forget(entry.worker_id)
+            self.routing.channels.close(entry.endpoint)
+
+    async def close(self) -> None:
+        await self.routing.channels.close_all()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        models = self.catalog.models(self.routing.view.workers())
+        return inference_pb2.ListModelsResponse(
+            models=[
+                inference_pb2.ModelInfo(
+                    name=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+                    prefill_workers=m.num_prefill, decode_workers=m.num_decode,
+                )  # fmt: skip
+                for m in models.values()
+            ]
+        )
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        arrival = time.monotonic()
+        if self.num_in_flight >= self.config.max_queued_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.num_in_flight} requests in flight: the queue limit (max_queued_requests) is "
+                f"{self.config.max_queued_requests}; retry later",
+            )
+        try:
+            valid = self.catalog.validate(request, self.routing.view.workers())
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ModelUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        remaining = context.time_remaining()
+        timeout = min(remaining, self.config.request_timeout_s) if remaining is not None else self.config.request_timeout_s
+        request_id = request.request_id or uuid.uuid4().hex
+        flow = RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout)
+        self.num_in_flight += 1
+        try:
+            async for response in flow.run():
+                yield response
+        except FlowError as exc:
+            logger.info("request %s failed: %s %s", request_id, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.num_in_flight -= 1

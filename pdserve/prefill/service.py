@@ -1,0 +1,74 @@
+"""The prefill role's Worker service: ``Prefill`` and ``Release``.
+
+A request runs on the engine as a PRODUCER: it stops after its first token and its blocks stay
+pinned in a ``BlockHolder`` until the decode worker's completion notice, a ``Release``, or
+``hold_s`` — whichever comes first — and then go back to the pool (their prefix stays cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from pdserve.engine.request import KVRole
+from pdserve.kvtransfer import BlockHolder
+from pdserve.rpc.sampling import sampling_params
+from pdserve.v1 import worker_pb2
+from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
+
+
+class PrefillService(WorkerServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        super().__init__(runtime)
+        self.holder = BlockHolder(runtime.agent, runtime.engine_loop.release_held, deadline_s=runtime.config.hold_s)
+
+    async def start(self) -> None:
+        await self.holder.start()
+
+    async def close(self) -> None:
+        await self.holder.close()
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        await self.refuse_if_draining(context)
+        engine_loop = self.runtime.engine_loop
+        request_id = request.request_id
+        try:
+            params = sampling_params(request.sampling)
+            stream = await engine_loop.add(request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            final = None
+            async for output in stream.outputs():
+                final = output
+        except asyncio.CancelledError:
+            engine_loop.abort(request_id)  # frees the blocks, held or not
+            raise
+        assert final is not None
+        if final.finish_reason != "kv_transfer" or final.held_block_ids is None:
+            # The engine ended it itself: a context that can never fit, or the engine failed.
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED if final.finish_reason == "length" else grpc.StatusCode.UNAVAILABLE,
+                f"prefill of {request_id} on {self.runtime.worker_id} ended with {final.finish_reason!r}",
+            )
+        self.holder.hold(request_id, final.held_block_ids)
+        scheduled = final.first_scheduled_time or final.arrival_time
+        return worker_pb2.PrefillResponse(
+            worker_id=self.runtime.worker_id,
+            first_token_id=final.token_ids[0],
+            text=final.text,
+            block_ids=final.held_block_ids,
+            num_cached_tokens=final.num_cached_tokens,
+            queue_ms=(scheduled - final.arrival_time) * 1e3,
+            prefill_ms=((final.first_token_time or time.monotonic()) - scheduled) * 1e3,
+            hold_seconds=self.runtime.config.hold_s,
+        )
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        return worker_pb2.ReleaseResponse(released=self.holder.release(request.request_id))

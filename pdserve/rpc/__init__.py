@@ -1,0 +1,1 @@
+"""What every pdserve gRPC server and client shares: server set-up, wire conversions."""

@@ -1,0 +1,63 @@
+"""A worker's configuration (the ``pdserve prefill`` / ``pdserve decode`` options)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import msgspec
+
+ROLES = ("prefill", "decode")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Attributes:
+    role: "prefill" or "decode".
+    model: the Hugging Face model directory.
+    etcd: the registry's URL.
+    model_name: the served name (default: the directory's name).
+    host / port: where the gRPC server listens (port 0: a free one).
+    advertise_host: the host others reach it at (default: ``host``, or the hostname for 0.0.0.0).
+    worker_id: its name in the registry and NIXL (default: role-hostname-pid).
+    lease_ttl_s: a worker that stops renewing disappears from routing after this long.
+    hold_s: prefill: how long a request's blocks stay pinned waiting for the decode side's pull.
+    transfer_timeout_s: decode: the deadline of one KV pull.
+    drain_timeout_s: SIGTERM or Drain: how long in-flight requests may take to finish.
+    """
+
+    role: str
+    model: str
+    etcd: str
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    worker_id: str | None = None
+    lease_ttl_s: float = 5.0
+    hold_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.model).resolve().name
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def reachable_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host

@@ -1,0 +1,30 @@
+"""Run one worker process: load the engine, start the role's service, serve until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from pdserve.decode.service import DecodeService
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.prefill.service import PrefillService
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+SERVICES = {"prefill": PrefillService, "decode": DecodeService}
+
+
+async def serve(config: WorkerConfig, engine_config: EngineConfig) -> None:
+    """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit."""
+    engine = LLMEngine(config.model, engine_config)
+    runtime = WorkerRuntime(config, engine)
+    try:
+        await runtime.start(SERVICES[config.role])
+    except BaseException:
+        await runtime.close()
+        raise
+    # One line a launcher (``pdserve up``) or an operator can wait for.
+    print(f"pdserve {config.role} worker {runtime.worker_id} listening on {runtime.endpoint}", flush=True)
+    await runtime.run()

@@ -1,0 +1,160 @@
+"""A worker process's parts and their lifecycle.
+
+Start-up order: the engine (already loaded) on its thread → the NIXL agent registering the KV
+pool → the role's gRPC service → the etcd registration (last, so that nothing is routed here
+before it can serve). Shutdown is the reverse, after a drain: the worker reports itself
+draining (registry and health), refuses new requests, lets in-flight ones finish — bounded by
+``drain_timeout_s`` — then revokes its lease and closes everything it owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, WorkerRegistration
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.rpc.server import RpcServer
+from pdserve.rpc.status import DRAINING
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.worker.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+WORKER_SERVICE = "pdserve.v1.Worker"
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """The role-independent part of the Worker service; roles override their RPCs.
+
+    An RPC a role does not serve answers UNIMPLEMENTED (the generated base's default).
+    """
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def start(self) -> None:
+        """Acquire what the role needs (called once the agent runs)."""
+
+    async def close(self) -> None:
+        """Release what ``start`` acquired (called after the drain)."""
+
+    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+        self.runtime.request_stop("Drain RPC")
+        return worker_pb2.DrainResponse(in_flight=self.runtime.engine_loop.num_in_flight)
+
+    async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.runtime.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {self.runtime.worker_id} takes no new requests")
+
+
+class WorkerRuntime:
+    """Owns a worker's engine loop, NIXL agent, gRPC server and registration."""
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.worker_id = config.id
+        self.engine_loop = EngineLoop(engine)
+        self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name)
+        self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
+        self.server = RpcServer()
+        self.registration: WorkerRegistration | None = None
+        self.servicer: WorkerServicer | None = None
+        self.draining = False
+        self.endpoint: str | None = None
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+
+    async def start(self, make_servicer: Callable[[WorkerRuntime], WorkerServicer]) -> None:
+        self.engine_loop.start()
+        await self.agent.start()
+        self.servicer = make_servicer(self)
+        await self.servicer.start()
+        servicer = self.servicer
+        self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s), WORKER_SERVICE)
+        port = await self.server.start(self.config.host, self.config.port)
+        self.endpoint = f"{self.config.reachable_host}:{port}"
+        self.registration = WorkerRegistration(
+            self.config.etcd, self._entry(), self.load, ttl_s=self.config.lease_ttl_s
+        )
+        await self.registration.start()
+        logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
+
+    def _entry(self) -> WorkerEntry:
+        engine = self.engine
+        assert self.endpoint is not None
+        return WorkerEntry(
+            worker_id=self.worker_id,
+            role=self.config.role,
+            model=self.config.served_model_name,
+            model_path=str(engine.model_config.path),
+            endpoint=self.endpoint,
+            nixl=self.agent.info.encode(),
+            block_size=engine.kv_cache_spec.block_size,
+            num_kv_blocks=engine.block_pool.num_blocks,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            max_num_seqs=engine.config.max_num_seqs,
+            started_at=time.time(),
+            load=self.load(),
+        )
+
+    def load(self) -> WorkerLoad:
+        """The load summary published in the registry (refreshed about every second)."""
+        load = self.engine_loop.load
+        return WorkerLoad(
+            running=load.running + load.awaiting_kv,
+            waiting=load.waiting,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+            held_requests=load.held_requests,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            draining=self.draining,
+            updated_at=time.time(),
+        )
+
+    def request_stop(self, reason: str) -> None:
+        """Begin the drain (idempotent); ``run`` then finishes the work and exits."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until SIGTERM, SIGINT or a Drain RPC; then drain and close."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        await self._stop.wait()
+        logger.info("%s draining (%s)", self.worker_id, self._stop_reason)
+        await self.drain()
+        await self.close()
+
+    async def drain(self) -> None:
+        """Stop taking work and wait, up to ``drain_timeout_s``, for in-flight requests."""
+        self.draining = True
+        await self.server.set_serving(False)
+        if self.registration is not None:
+            await self.registration.refresh_now()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.engine_loop.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine_loop.num_in_flight:
+            logger.warning("%s: drain timed out with %d requests in flight", self.worker_id, self.engine_loop.num_in_flight)
+
+    async def close(self) -> None:
+        """Leave the registry, stop serving, free the agent and the engine thread."""
+        if self.registration is not None:
+            await self.registration.close()
+        await self.server.stop(grace_s=1.0)
+        if self.servicer is not None:
+            await self.servicer.close()
+        await self.agent.close()
+        await self.engine_loop.stop()

@@ -1,0 +1,140 @@
+"""A real deployment for end-to-end tests: ``LocalCluster`` (the code behind ``pdserve up``)
+run on its own event-loop thread, so that synchronous tests can start, signal and stop it.
+Every worker and the frontend are real processes; the registry is the test's real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.control_plane.local_cluster import Child, ClusterSpec, LocalCluster
+from pdserve.control_plane.registry import RegistryView, WorkerEntry
+from pdserve.v1 import inference_pb2, inference_pb2_grpc
+
+
+def long_context_copy(checkpoint: Path, directory: Path, max_position_embeddings: int) -> Path:
+    """The checkpoint's files in ``directory`` with a longer context window in config.json."""
+    for file in checkpoint.iterdir():
+        (directory / file.name).symlink_to(file)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["max_position_embeddings"] = max_position_embeddings
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, model: str, etcd: str, *, prefill: int, decode: int, model_name: str,
+                 worker_args: tuple[str, ...] = (), frontend_args: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.etcd = etcd
+        self.model_name = model_name
+        self.cluster = LocalCluster(ClusterSpec(
+            model=model, etcd=etcd, threads_per_worker=1, start_timeout_s=120, stop_timeout_s=30,
+            worker_args=("--model-name", model_name, "--lease-ttl", "3s", *worker_args),
+            frontend_args=("--port", str(self.port), *frontend_args),
+        ))  # fmt: skip
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(self.cluster.start(prefill, decode), timeout=240)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+
+    def run(self, coro: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.run(self.cluster.stop(), timeout=120)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def worker(self, role: str, index: int = 0) -> Child:
+        return self.cluster.workers[role][index]
+
+    def kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
+        os.kill(child.process.pid, sig)
+
+    def registered(self) -> list[WorkerEntry]:
+        """The workers etcd lists for this deployment's model, read now."""
+
+        async def read() -> list[WorkerEntry]:
+            view = RegistryView(self.etcd)
+            await view.start()
+            try:
+                return view.workers(model=self.model_name)
+            finally:
+                await view.close()
+
+        return self.run(read())
+
+    def wait_registered(self, predicate: Callable[[list[WorkerEntry]], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.registered()):
+                return
+            time.sleep(0.2)
+        loads = {w.worker_id: w.load for w in self.registered()}
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}: {loads}")
+
+    # ---- requests --------------------------------------------------------------------------
+    def generate(self, prompt: list[int] | str, timeout: float = 120, **sampling: Any) -> dict[str, Any]:
+        """One streamed request: its tokens, text, and final message."""
+        request = inference_pb2.GenerateRequest(model=self.model_name, sampling=inference_pb2.SamplingOptions(**sampling))
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        tokens: list[int] = []
+        final = None
+        for response in self.stub.Generate(request, timeout=timeout):
+            tokens += response.token_ids
+            if response.HasField("final"):
+                final = response.final
+        assert final is not None, "the stream ended without a final message"
+        return {"token_ids": tokens, "final": final}
+
+
+class Frontend:
+    """One more frontend process over the same registry (e.g. with other routing or limits)."""
+
+    def __init__(self, etcd: str, *args: str) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if "listening on" in line:
+                break
+        else:
+            raise AssertionError(f"frontend exited with {self.process.wait()}")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.process.terminate()
+        self.process.wait(30)

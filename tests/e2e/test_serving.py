@@ -1,0 +1,219 @@
+"""Disaggregated serving end to end: real etcd, real worker processes, real NIXL, real gRPC.
+
+One deployment (2 prefill + 1 decode workers of a tiny Llama, ``--disaggregation always``) is
+shared by the tests here; each test leaves it idle and whole.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve import LLM, SamplingParams
+from pdserve.v1 import inference_pb2
+from tests.e2e.deployment import Deployment, Frontend, long_context_copy
+from tests.e2e.prompts import shared_prefix_prompts
+from tests.utils.checkpoints import reference_greedy
+
+pytestmark = pytest.mark.slow
+MODEL = "e2e-llama"
+LONG_CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints, etcd_url, tmp_path_factory):
+    # A longer context than the shared checkpoint's, so that a stream can outlast the checks
+    # made while it runs (the weights, and so the reference, are the same).
+    path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), LONG_CONTEXT)
+    hf_model = checkpoints("llama")[1]
+    deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL,
+                            frontend_args=("--disaggregation", "always"))  # fmt: skip
+    yield deployment, path, hf_model
+    deployment.close()
+
+
+def _idle(workers) -> bool:
+    return len(workers) == 3 and all(
+        w.load.kv_blocks_used == 0 and w.load.held_requests == 0 and w.load.running == 0 for w in workers
+    )
+
+
+def test_greedy_tokens_over_the_disaggregated_path_equal_the_offline_engine(llama):
+    deployment, path, hf_model = llama
+    prompts = shared_prefix_prompts(32)
+    expected = LLM(str(path)).generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    # The offline engine itself equals transformers (tests/engine); spot-check it here too.
+    for prompt, out in zip(prompts[:3], expected[:3]):
+        reference, clear = reference_greedy(hf_model, prompt, 12)
+        assert clear >= 6 and out.token_ids[:clear] == reference[:clear]
+
+    def one(prompt):
+        return deployment.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, prompts))
+    for prompt, result, want in zip(prompts, results, expected):
+        assert result["token_ids"] == want.token_ids, prompt
+        final = result["final"]
+        assert final.finish_reason == "length" and final.usage.completion_tokens == 12
+        b = final.breakdown
+        assert b.disaggregated and b.prefill_worker.startswith("prefill-") and b.decode_worker.startswith("decode-")
+        assert b.kv_transfer_bytes > 0 and b.kv_transfer_ms > 0 and b.ttft_ms <= b.e2e_ms
+    # Shared prefixes were routed to where they were cached.
+    assert sum(r["final"].usage.cached_prompt_tokens for r in results) >= 16 * 10
+    deployment.wait_registered(_idle, 10, "every block free again")
+
+
+def test_generate_cli_against_the_server_prints_the_contract_json(llama):
+    deployment, path, _ = llama
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{deployment.port}",
+         "--token-ids", "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21", "--max-tokens", "6",
+         "--temperature", "0", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    want = LLM(str(path)).generate([list(range(5, 22))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out["token_ids"] == want.token_ids and out["finish_reason"] == "length"
+    assert out["ttft_ms"] > 0 and out["itl_ms"] > 0
+    b = out["breakdown"]
+    for key in ("prefill_worker", "decode_worker", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes"):
+        assert key in b, key
+    assert b["prefill_worker"] != b["decode_worker"] and b["kv_transfer_bytes"] > 0
+
+
+def test_text_prompts_stream_text(llama):
+    deployment, path, _ = llama
+    result = deployment.generate("hello world", max_tokens=8, seed=3, ignore_eos=True)
+    want = LLM(str(path)).generate(["hello world"], SamplingParams(max_tokens=8, seed=3, ignore_eos=True))[0]
+    assert result["token_ids"] == want.token_ids
+    assert result["final"].text == want.text
+
+
+def test_cancelling_a_stream_frees_its_blocks_on_both_workers(llama):
+    deployment, _, _ = llama
+    request = inference_pb2.GenerateRequest(
+        model=MODEL, token_ids=inference_pb2.TokenIds(ids=list(range(2, 90))),
+        sampling=inference_pb2.SamplingOptions(max_tokens=LONG_CONTEXT - 100, temperature=0, ignore_eos=True),
+    )  # fmt: skip
+    call = deployment.stub.Generate(request, timeout=60)
+    stream = iter(call)
+    next(stream), next(stream)  # the first token (prefill worker), then one from the decode worker
+    deployment.wait_registered(
+        lambda ws: any(w.role == "decode" and w.load.kv_blocks_used > 0 for w in ws), 5, "the decode worker busy"
+    )
+    call.cancel()
+    deployment.wait_registered(_idle, 10, "every block free after the cancel")
+
+
+def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(llama):
+    deployment, _, _ = llama
+    cases = [
+        ([], {}, "prompt: empty"),
+        ("", {}, "prompt: text is empty"),
+        ([1, 2, 320], {}, "token_ids[2] = 320 is outside the vocabulary [0, 320)"),
+        (list(range(2, 300)) * 30, {}, "max_model_len"),
+        ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2, 3], {"max_tokens": 9000}, "sampling.max_tokens = 9000 exceeds"),
+        ([1, 2, 3], {"temperature": -1.0}, "temperature"),
+        ([1, 2, 3], {"top_p": 1.5}, "top_p"),
+    ]
+    for prompt, sampling, message in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            deployment.generate(prompt, **sampling)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (prompt, sampling)
+        assert message in error.value.details()
+    request = inference_pb2.GenerateRequest(model="no-such-model", token_ids=inference_pb2.TokenIds(ids=[1, 2]))
+    with pytest.raises(grpc.RpcError) as error:
+        list(deployment.stub.Generate(request, timeout=10))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'no-such-model' is not served" in error.value.details()
+    assert deployment.generate([1, 2, 3], max_tokens=2)["final"].finish_reason == "length"
+    assert not deployment.cluster.exited()
+
+
+def test_queue_limit_gives_resource_exhausted(llama, etcd_url):
+    deployment, _, _ = llama
+    frontend = Frontend(etcd_url, "--max-queued-requests", "1", "--disaggregation", "always")
+    try:
+        request = inference_pb2.GenerateRequest(
+            model=MODEL, token_ids=inference_pb2.TokenIds(ids=[3, 4, 5]),
+            sampling=inference_pb2.SamplingOptions(max_tokens=300, ignore_eos=True),
+        )  # fmt: skip
+        first = frontend.stub.Generate(request, timeout=60)
+        next(iter(first))  # in flight
+        with pytest.raises(grpc.RpcError) as error:
+            list(frontend.stub.Generate(request, timeout=10))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queued_requests" in error.value.details()
+        first.cancel()
+    finally:
+        frontend.close()
+    deployment.wait_registered(_idle, 10, "every block free")
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(llama, etcd_url):
+    deployment, path, _ = llama
+    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-tokens", "32")
+    try:
+        results = {}
+        for name, prompt in (("short", list(range(2, 20))), ("long", list(range(100, 180)))):
+            request = inference_pb2.GenerateRequest(
+                model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+                sampling=inference_pb2.SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True),
+            )  # fmt: skip
+            responses = list(frontend.stub.Generate(request, timeout=60))
+            tokens = [t for r in responses for t in r.token_ids]
+            want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            assert tokens == want[0].token_ids
+            results[name] = responses[-1].final.breakdown
+        assert not results["short"].disaggregated and results["short"].prefill_worker == results["short"].decode_worker
+        assert results["short"].kv_transfer_bytes == 0
+        assert results["long"].disaggregated and results["long"].kv_transfer_bytes > 0
+    finally:
+        frontend.close()
+
+
+def test_health_reflection_and_list_models(llama):
+    deployment, _, _ = llama
+    health = health_pb2_grpc.HealthStub(deployment.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference")).status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(deployment.channel)
+    [answer] = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"pdserve.v1.Inference", "grpc.health.v1.Health"} <= names
+    models = deployment.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10).models
+    [info] = [m for m in models if m.name == MODEL]
+    assert (info.prefill_workers, info.decode_workers, info.vocab_size, info.max_model_len) == (2, 1, 320, LONG_CONTEXT)
+
+
+def test_concurrent_load_leaves_nothing_behind(llama):
+    """Many overlapping streams, some cancelled midway: the pools end whole."""
+    deployment, _, _ = llama
+    prompts = shared_prefix_prompts(24, seed=1)
+
+    def one(i):
+        request = inference_pb2.GenerateRequest(
+            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+            sampling=inference_pb2.SamplingOptions(max_tokens=40, ignore_eos=True, seed=i),
+        )  # fmt: skip
+        call = deployment.stub.Generate(request, timeout=60)
+        for n, _ in enumerate(call):
+            if i % 3 == 0 and n == 2:
+                call.cancel()
+                return "cancelled"
+        return "done"
+
+    with ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(one, range(24)))
+    assert outcomes.count("done") == 16
+    deployment.wait_registered(_idle, 15, "every block free")
+    assert threading.active_count() < 50
