@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pdserve.cli import generate, serve, up
+from pdserve.cli import generate, operate, serve, slo, status, up
 from pdserve.engine.weights import CheckpointError
 
 EPILOG = """examples:
@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     up.add_parser(commands)
     serve.add_parsers(commands)
+    slo.add_parser(commands)
+    status.add_parser(commands)
+    operate.add_parser(commands)
     return parser
 
 

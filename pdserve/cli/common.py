@@ -38,15 +38,31 @@ def seconds(text: str) -> float:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                       help="compute dtype (default: the checkpoint's)")
-    group.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                       help="compute kernels: auto = Triton on CUDA, torch reference elsewhere")
-    group.add_argument("--kv-cache-memory", type=size_bytes, default=None,
-                       help="KV cache budget, e.g. 2G (default: sized automatically)")
+    group.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default: the checkpoint's)",
+    )
+    group.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="compute kernels: auto = Triton on CUDA, torch reference elsewhere",
+    )
+    group.add_argument(
+        "--kv-cache-memory",
+        type=size_bytes,
+        default=None,
+        help="KV cache budget, e.g. 2G (default: sized automatically)",
+    )
     group.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default: 64)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                       help="per-step token budget; also the prefill chunk size (default: 2048)")
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="per-step token budget; also the prefill chunk size (default: 2048)",
+    )
     group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
 

@@ -16,8 +16,12 @@ HOST:PORT, e.g. what `pdserve up` printed). Text streams to the terminal as it i
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    gen = commands.add_parser("generate", help="generate a completion, locally or from a server",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion, locally or from a server",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = gen.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
     where.add_argument("--target", help="a pdserve frontend, HOST:PORT")
@@ -34,12 +38,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
-    gen.add_argument("--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)")
+    gen.add_argument(
+        "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
+    )
     local = gen.add_argument_group("--model only")
-    local.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="compute dtype (default: the checkpoint's)")
-    local.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                       help="compute kernels: auto = Triton on CUDA, torch reference elsewhere")
-    local.add_argument("--kv-cache-memory", type=size_bytes, default=None, help="KV cache budget, e.g. 2G (default: sized automatically)")
+    local.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="compute dtype (default: the checkpoint's)",
+    )
+    local.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton"],
+        default="auto",
+        help="compute kernels: auto = Triton on CUDA, torch reference elsewhere",
+    )
+    local.add_argument(
+        "--kv-cache-memory",
+        type=size_bytes,
+        default=None,
+        help="KV cache budget, e.g. 2G (default: sized automatically)",
+    )
     gen.set_defaults(func=run)
 
 
@@ -47,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     return _remote(args) if args.target else _local(args)
 
 
-def _print_json(token_ids: list[int], text: str, reason: str | None, times: list[float], start: float, **extra: object) -> None:
+def _print_json(
+    token_ids: list[int], text: str, reason: str | None, times: list[float], start: float, **extra: object
+) -> None:
     ttft = (times[0] - start) if times else 0.0
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(json.dumps({
@@ -69,7 +91,9 @@ def _local(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype, kernels=args.kernels, kv_cache_memory=args.kv_cache_memory))
+    engine = LLMEngine(
+        args.model, EngineConfig(dtype=args.dtype, kernels=args.kernels, kv_cache_memory=args.kv_cache_memory)
+    )
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
     request = engine.add_request("cli", prompt, params)
@@ -131,7 +155,9 @@ def _remote(args: argparse.Namespace) -> int:
         print("pdserve generate: the server ended the stream without a final message", file=sys.stderr)
         return 1
     if args.json:
-        breakdown = MessageToDict(final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        breakdown = MessageToDict(
+            final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
         breakdown["kv_transfer_bytes"] = int(breakdown.get("kv_transfer_bytes", 0))
         usage = MessageToDict(final.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         _print_json(token_ids, final.text, final.finish_reason, times, start, usage=usage, breakdown=breakdown)

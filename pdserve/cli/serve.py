@@ -26,8 +26,12 @@ ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     for role in ("prefill", "decode"):
-        p = commands.add_parser(role, help=f"run a {role} worker", description=WORKER_DESCRIPTION[role],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = commands.add_parser(
+            role,
+            help=f"run a {role} worker",
+            description=WORKER_DESCRIPTION[role],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("--model", required=True, help="Hugging Face model directory")
         p.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), help=ETCD_HELP)
         p.add_argument("--model-name", default=None, help="served model name (default: the directory's name)")
@@ -38,17 +42,26 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--lease-ttl", type=seconds, default=5.0, help="registry lease TTL (default: 5s)")
         p.add_argument("--drain-timeout", type=seconds, default=60.0, help="longest drain on SIGTERM (default: 60s)")
         if role == "prefill":
-            p.add_argument("--hold", type=seconds, default=30.0,
-                           help="longest a prompt's blocks stay pinned awaiting the pull (default: 30s)")
+            p.add_argument(
+                "--hold",
+                type=seconds,
+                default=30.0,
+                help="longest a prompt's blocks stay pinned awaiting the pull (default: 30s)",
+            )
         else:
-            p.add_argument("--transfer-timeout", type=seconds, default=30.0, help="deadline of one KV pull (default: 30s)")
+            p.add_argument(
+                "--transfer-timeout", type=seconds, default=30.0, help="deadline of one KV pull (default: 30s)"
+            )
         p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         add_engine_args(p)
         p.set_defaults(func=run_worker, role=role)
 
-    f = commands.add_parser("frontend", help="run the frontend (public gRPC API and router)",
-                            description="Serve pdserve.v1.Inference (plus gRPC health and reflection), "
-                            "routing each request to the workers registered in etcd.")
+    f = commands.add_parser(
+        "frontend",
+        help="run the frontend (public gRPC API and router)",
+        description="Serve pdserve.v1.Inference (plus gRPC health and reflection), "
+        "routing each request to the workers registered in etcd.",
+    )
     f.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), help=ETCD_HELP)
     add_frontend_args(f)
     f.set_defaults(func=run_frontend)
@@ -57,18 +70,38 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port (default: 50051)")
-    parser.add_argument("--disaggregation", choices=["always", "conditional", "off"], default="conditional",
-                        help="always: every prompt on a prefill worker; off: on its decode worker (colocated); "
-                        "conditional (default): short uncached prompts, or any while the prefill pool is "
-                        "saturated, on the decode worker")
-    parser.add_argument("--local-prefill-tokens", type=int, default=64,
-                        help="conditional: prompts with at most this many uncached tokens prefill on the decode worker (default: 64)")
-    parser.add_argument("--prefill-saturation-tokens", type=int, default=8192,
-                        help="conditional: queued prompt tokens at which a prefill worker counts as saturated (default: 8192)")
-    parser.add_argument("--max-queued-requests", type=int, default=1024,
-                        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (default: 1024)")
-    parser.add_argument("--request-timeout", type=seconds, default=600.0,
-                        help="deadline of a request whose caller set none (default: 600s)")
+    parser.add_argument(
+        "--disaggregation",
+        choices=["always", "conditional", "off"],
+        default="conditional",
+        help="always: every prompt on a prefill worker; off: on its decode worker (colocated); "
+        "conditional (default): short uncached prompts, or any while the prefill pool is "
+        "saturated, on the decode worker",
+    )
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=64,
+        help="conditional: prompts with at most this many uncached tokens prefill on the decode worker (default: 64)",
+    )
+    parser.add_argument(
+        "--prefill-saturation-tokens",
+        type=int,
+        default=8192,
+        help="conditional: queued prompt tokens at which a prefill worker counts as saturated (default: 8192)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (default: 1024)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=seconds,
+        default=600.0,
+        help="deadline of a request whose caller set none (default: 600s)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the workers' model directory)")
 
 

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
+from pathlib import Path
 
 from pdserve.cli.common import add_engine_args, engine_argv
 from pdserve.cli.serve import add_frontend_args
@@ -26,16 +28,27 @@ EXAMPLES = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    up = commands.add_parser("up", help="run frontend + prefill + decode workers on this machine",
-                             description=DESCRIPTION, epilog=EXAMPLES,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    up = commands.add_parser(
+        "up",
+        help="run frontend + prefill + decode workers on this machine",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     up.add_argument("--model", required=True, help="Hugging Face model directory")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
-    up.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"),
-                    help="etcd URL (default: $PDSERVE_ETCD, else the embedded registry)")
-    up.add_argument("--threads-per-worker", type=int, default=None,
-                    help="torch CPU threads per worker (default: the CPUs shared evenly among the workers)")
+    up.add_argument(
+        "--etcd",
+        default=os.environ.get("PDSERVE_ETCD"),
+        help="etcd URL (default: $PDSERVE_ETCD, else the embedded registry)",
+    )
+    up.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        help="torch CPU threads per worker (default: the CPUs shared evenly among the workers)",
+    )
     add_frontend_args(up)
     add_engine_args(up)
     up.set_defaults(func=run)
@@ -46,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --prefill {args.prefill} --decode {args.decode}")
     if args.prefill == 0 and args.disaggregation == "always":
         raise ValueError("--disaggregation always needs --prefill >= 1")
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"no config.json in model directory {args.model}")
     return asyncio.run(_up(args))
 
 
@@ -60,7 +75,7 @@ def _frontend_argv(args: argparse.Namespace) -> list[str]:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from pdserve.control_plane.local_cluster import ClusterSpec, LocalCluster
+    from pdserve.control_plane.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
     cluster = LocalCluster(
@@ -79,7 +94,11 @@ async def _up(args: argparse.Namespace) -> int:
         await asyncio.gather(start, return_exceptions=True)
         await cluster.stop()
         return 130
-    start.result()  # ChildFailed: the cluster already stopped what it started
+    try:
+        start.result()
+    except ChildFailed as exc:  # the cluster already stopped what it had started
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 1
     assert cluster.frontend is not None
     registry = args.etcd or f"{cluster.etcd_url} (embedded)"
     print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "

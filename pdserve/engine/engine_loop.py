@@ -184,8 +184,9 @@ class EngineLoop:
                     command()
                     idle = False
                 step = self.engine.step()
-                self._deliver(step.outputs, step.awaiting_kv)
+                # Snapshot first: whoever reads an output must see the load it left behind.
                 self._load = self._snapshot()
+                self._deliver(step.outputs, step.awaiting_kv)
                 if step.num_scheduled_tokens == 0 and not step.outputs:
                     command = self._wait_for_command()
                     if command is None:

@@ -66,7 +66,9 @@ class _Prefilled:
 
 
 class RequestFlow:
-    def __init__(self, routing: Routing, request: ValidRequest, request_id: str, arrival: float, deadline: float) -> None:
+    def __init__(
+        self, routing: Routing, request: ValidRequest, request_id: str, arrival: float, deadline: float
+    ) -> None:
         self.routing = routing
         self.request = request
         self.request_id = request_id
@@ -174,8 +176,11 @@ class RequestFlow:
             pin_left = pr.hold_seconds - (time.monotonic() - prefilled.sent_at) - _PIN_MARGIN_S
             message.kv_source.CopyFrom(
                 worker_pb2.KVSource(
-                    worker_id=pr.worker_id, peer_info=prefilled.worker.nixl, block_ids=pr.block_ids,
-                    first_token_id=pr.first_token_id, pull_within_s=max(pin_left, 0.0),
+                    worker_id=pr.worker_id,
+                    peer_info=prefilled.worker.nixl,
+                    block_ids=pr.block_ids,
+                    first_token_id=pr.first_token_id,
+                    pull_within_s=max(pin_left, 0.0),
                 )  # fmt: skip
             )
         tried: list[str] = []
@@ -201,7 +206,9 @@ class RequestFlow:
                         self.routing.view.workers("decode", self.request.model.name), exclude=tried
                     )
                 except NoWorker:
-                    raise FlowError(grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} failed: {exc.details()}") from None
+                    raise FlowError(
+                        grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} failed: {exc.details()}"
+                    ) from None
 
     async def _decode_on(
         self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, prefilled: _Prefilled | None

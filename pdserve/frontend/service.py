@@ -81,8 +81,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(
-                    name=m.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
-                    prefill_workers=m.num_prefill, decode_workers=m.num_decode,
+                    name=m.name,
+                    max_model_len=m.max_model_len,
+                    vocab_size=m.vocab_size,
+                    prefill_workers=m.num_prefill,
+                    decode_workers=m.num_decode,
                 )  # fmt: skip
                 for m in models.values()
             ]
@@ -105,7 +108,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except ModelUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         remaining = context.time_remaining()
-        timeout = min(remaining, self.config.request_timeout_s) if remaining is not None else self.config.request_timeout_s
+        timeout = (
+            min(remaining, self.config.request_timeout_s) if remaining is not None else self.config.request_timeout_s
+        )
         request_id = request.request_id or uuid.uuid4().hex
         flow = RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout)
         self.num_in_flight += 1

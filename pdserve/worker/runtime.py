@@ -46,13 +46,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def close(self) -> None:
         """Release what ``start`` acquired (called after the drain)."""
 
-    async def Drain(self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+    async def Drain(
+        self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DrainResponse:
         self.runtime.request_stop("Drain RPC")
         return worker_pb2.DrainResponse(in_flight=self.runtime.engine_loop.num_in_flight)
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         if self.runtime.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {self.runtime.worker_id} takes no new requests")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {self.runtime.worker_id} takes no new requests"
+            )
 
 
 class WorkerRuntime:
@@ -147,7 +151,9 @@ class WorkerRuntime:
         while self.engine_loop.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.engine_loop.num_in_flight:
-            logger.warning("%s: drain timed out with %d requests in flight", self.worker_id, self.engine_loop.num_in_flight)
+            logger.warning(
+                "%s: drain timed out with %d requests in flight", self.worker_id, self.engine_loop.num_in_flight
+            )
 
     async def close(self) -> None:
         """Leave the registry, stop serving, free the agent and the engine thread."""

@@ -40,8 +40,17 @@ def free_port() -> int:
 
 
 class Deployment:
-    def __init__(self, model: str, etcd: str, *, prefill: int, decode: int, model_name: str,
-                 worker_args: tuple[str, ...] = (), frontend_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: str,
+        etcd: str,
+        *,
+        prefill: int,
+        decode: int,
+        model_name: str,
+        worker_args: tuple[str, ...] = (),
+        frontend_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = free_port()
         self.etcd = etcd
         self.model_name = model_name
@@ -98,7 +107,9 @@ class Deployment:
     # ---- requests --------------------------------------------------------------------------
     def generate(self, prompt: list[int] | str, timeout: float = 120, **sampling: Any) -> dict[str, Any]:
         """One streamed request: its tokens, text, and final message."""
-        request = inference_pb2.GenerateRequest(model=self.model_name, sampling=inference_pb2.SamplingOptions(**sampling))
+        request = inference_pb2.GenerateRequest(
+            model=self.model_name, sampling=inference_pb2.SamplingOptions(**sampling)
+        )
         if isinstance(prompt, str):
             request.text = prompt
         else:

@@ -82,7 +82,9 @@ def test_generate_cli_against_the_server_prints_the_contract_json(llama):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    want = LLM(str(path)).generate([list(range(5, 22))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    want = LLM(str(path)).generate([list(range(5, 22))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert out["token_ids"] == want.token_ids and out["finish_reason"] == "length"
     assert out["ttft_ms"] > 0 and out["itl_ms"] > 0
     b = out["breakdown"]
@@ -135,7 +137,10 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(
     request = inference_pb2.GenerateRequest(model="no-such-model", token_ids=inference_pb2.TokenIds(ids=[1, 2]))
     with pytest.raises(grpc.RpcError) as error:
         list(deployment.stub.Generate(request, timeout=10))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'no-such-model' is not served" in error.value.details()
+    assert (
+        error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "'no-such-model' is not served" in error.value.details()
+    )
     assert deployment.generate([1, 2, 3], max_tokens=2)["final"].finish_reason == "length"
     assert not deployment.cluster.exited()
 
@@ -185,7 +190,10 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
 def test_health_reflection_and_list_models(llama):
     deployment, _, _ = llama
     health = health_pb2_grpc.HealthStub(deployment.channel)
-    assert health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference")).status == health_pb2.HealthCheckResponse.SERVING
+    assert (
+        health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Inference")).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
     reflection = reflection_pb2_grpc.ServerReflectionStub(deployment.channel)
     [answer] = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in answer.list_services_response.service}

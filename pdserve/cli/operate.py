@@ -1,0 +1,277 @@
+"""``pdserve workers`` and ``pdserve drain``, and what every operator command shares:
+the ``--etcd`` option, one connection under a deadline, error reporting, tables and units.
+
+Exit status of the operator commands (``slo``, ``status``, ``workers``, ``drain``): 0 on
+success; 1 when etcd is unreachable or the operation failed (an unknown worker, a failed
+RPC, a stored value that does not decode); 2 for bad arguments (argparse's own code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import aetcd
+import grpc
+import msgspec
+
+from pdserve.control_plane.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
+from pdserve.control_plane.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, worker_key
+from pdserve.control_plane.slo import parse_duration
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+# Deadline of the connection probe and of each etcd call: with Python's start-up, an
+# unreachable etcd fails a command in a few seconds.
+ETCD_TIMEOUT_S = 2.5
+
+EXIT_STATUS = """exit status: 0 success; 1 etcd unreachable or the operation failed; 2 bad arguments.
+etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379."""
+
+WORKERS_EXAMPLES = f"""examples:
+  pdserve workers --etcd http://127.0.0.1:2379
+  PDSERVE_ETCD=http://etcd:2379 pdserve workers --model meta-llama/Llama-3.1-8B
+  pdserve workers --json | jq '.[] | select(.load.draining) | .worker_id'
+
+columns: RUN/WAIT requests running and queued; KV the share of KV blocks in use; HELD prompts
+whose KV a prefill worker keeps pinned for a decode worker to pull; UP time since the worker
+started; LEASE seconds left of its etcd lease / its TTL (a live worker renews it every second).
+
+{EXIT_STATUS}
+"""
+
+DRAIN_EXAMPLES = f"""examples:
+  pdserve drain decode-node3-4711
+  pdserve drain prefill-node1-1234 --wait --timeout 120s
+
+The worker stops taking requests, finishes those in flight (bounded by its --drain-timeout),
+leaves the registry and exits. Routers stop sending it work as soon as it reports draining.
+
+{EXIT_STATUS}
+"""
+
+
+class OperationFailed(Exception):
+    """The command ran but could not do what was asked; printed as one line, exit status 1."""
+
+
+def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), metavar="URL",
+                        help="etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)")  # fmt: skip
+
+
+def duration(text: str) -> float:
+    """An argparse type: ``500ms``, ``0.5s``, ``2`` (seconds) → seconds."""
+    try:
+        value = parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
+    return value
+
+
+def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Awaitable[int]]) -> int:
+    """Connect to ``args.etcd`` under a deadline, run ``body(client)``, close; report failures.
+
+    A missing ``--etcd`` is a ValueError (exit 2, through ``cli.main``); an unreachable etcd,
+    an etcd call past its deadline and ``OperationFailed`` print one line and return 1.
+    """
+    if not args.etcd:
+        raise ValueError("--etcd is required (or set PDSERVE_ETCD), e.g. --etcd http://127.0.0.1:2379")
+
+    async def main() -> int:
+        client = await connect(args.etcd, ETCD_TIMEOUT_S)
+        try:
+            return await body(client)
+        finally:
+            await close_quietly(client)
+
+    try:
+        return asyncio.run(main())
+    except (RegistryUnavailable, OperationFailed) as error:
+        return fail(args, str(error))
+    except ETCD_ERRORS as error:
+        reason = str(error) or f"no answer within {ETCD_TIMEOUT_S:g} s"
+        return fail(args, f"etcd at {args.etcd} is unreachable: {reason}")
+
+
+def fail(args: argparse.Namespace, message: str) -> int:
+    print(f"pdserve {args.command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def print_json(value: Any, *, compact: bool = False) -> None:
+    print(json.dumps(value, separators=(",", ":")) if compact else json.dumps(value, indent=2))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "") -> str:
+    """Left-aligned columns two spaces apart; None prints as ``-``."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    """``0.5`` → ``500ms``, ``0.0305`` → ``30.5ms``, ``2.25`` → ``2.25s``; None → ``-``."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.4g}ms" if seconds < 1 else f"{seconds:.4g}s"
+
+
+def fmt_ms(ms: float | None) -> str:
+    """A measured latency: ``123ms``, ``8.5ms``, ``2.10s``; None → ``-``."""
+    if ms is None:
+        return "-"
+    if ms >= 1000:
+        return f"{ms / 1e3:.2f}s"
+    return f"{ms:.0f}ms" if ms >= 10 else f"{ms:.1f}ms"
+
+
+def fmt_age(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h07m``, ``3d04h``; None → ``-``."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+async def read_workers(client: aetcd.Client) -> list[tuple[WorkerEntry, int]]:
+    """Every registered worker with the id of the lease its entry lives under (0: none),
+    sorted by model, role (prefill first) and id."""
+    response = await asyncio.wait_for(client.get_prefix(WORKERS_PREFIX.encode()), ETCD_TIMEOUT_S)
+    warned: set[tuple[bytes, int]] = set()
+    workers = [(entry, kv.lease) for kv in response for entry in decode_entries([kv], warned)]
+    return sorted(workers, key=lambda w: (w[0].model, ROLES.index(w[0].role), w[0].worker_id))
+
+
+async def lease_ttls(client: aetcd.Client, lease_ids: set[int]) -> dict[int, tuple[int, int]]:
+    """``lease id → (seconds left, granted TTL)`` for the leases etcd still has; best effort."""
+    ids = sorted(i for i in lease_ids if i)
+
+    async def one(lease_id: int) -> Any:
+        return await asyncio.wait_for(client.get_lease_info(lease_id, keys=False), ETCD_TIMEOUT_S)
+
+    replies = await asyncio.gather(*(one(i) for i in ids), return_exceptions=True)
+    return {i: (r.TTL, r.grantedTTL) for i, r in zip(ids, replies) if not isinstance(r, BaseException) and r.TTL >= 0}
+
+
+def worker_json(entry: WorkerEntry, lease_id: int, ttl: tuple[int, int] | None, now: float) -> dict[str, Any]:
+    """A worker as ``workers --json`` prints it: the entry (less the NIXL blob) and its lease."""
+    value = msgspec.to_builtins(entry)
+    del value["nixl"]
+    value["load"]["kv_usage"] = entry.load.kv_usage
+    value["uptime_s"] = now - entry.started_at
+    value["lease_id"] = f"{lease_id:x}" if lease_id else None
+    value["lease_ttl_s"], value["lease_granted_ttl_s"] = ttl if ttl else (None, None)
+    return value
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    workers = commands.add_parser("workers", help="list registered workers: role, address, model, load, lease",
+                                  description="List every worker registered in etcd with its role, gRPC "
+                                  "endpoint, model, load and lease.", epilog=WORKERS_EXAMPLES,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_etcd_arg(workers)
+    workers.add_argument("--model", help="only this model's workers")
+    workers.add_argument("--json", action="store_true", help="print a JSON list (one object per worker)")
+    workers.set_defaults(func=run_workers)
+
+    drain = commands.add_parser("drain", help="drain a worker: it finishes its requests, then exits",
+                                description="Ask a worker, through its Drain RPC, to stop taking work, finish "
+                                "what is in flight, leave the registry and exit.", epilog=DRAIN_EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_etcd_arg(drain)
+    drain.add_argument("worker", metavar="WORKER", help="worker id, as `pdserve workers` lists it")
+    drain.add_argument("--wait", action="store_true", help="wait until the worker has left the registry")
+    drain.add_argument("--timeout", type=duration, default=60.0,
+                       help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
+    drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    drain.set_defaults(func=run_drain)
+
+
+def run_workers(args: argparse.Namespace) -> int:
+    async def body(client: aetcd.Client) -> int:
+        workers = [(e, lease) for e, lease in await read_workers(client) if args.model in (None, e.model)]
+        ttls = await lease_ttls(client, {lease for _, lease in workers})
+        now = time.time()
+        if args.json:
+            print_json([worker_json(e, lease, ttls.get(lease), now) for e, lease in workers])
+            return 0
+        if not workers:
+            where = f" for model {args.model!r}" if args.model else ""
+            print(f"no workers registered{where} in etcd at {args.etcd}")
+            return 0
+        rows = []
+        for e, lease in workers:
+            ttl = ttls.get(lease)
+            rows.append([
+                e.role, e.worker_id, e.endpoint, e.model, e.load.running, e.load.waiting,
+                f"{e.load.kv_usage:.0%}", e.load.held_requests if e.role == "prefill" else None,
+                "draining" if e.load.draining else "ready", fmt_age(now - e.started_at),
+                f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
+            ])  # fmt: skip
+        print(table(["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE"], rows))
+        return 0
+
+    return run_with_etcd(args, body)
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    async def body(client: aetcd.Client) -> int:
+        workers = [e for e, _ in await read_workers(client)]
+        matches = [e for e in workers if e.worker_id == args.worker]
+        if not matches:
+            known = ", ".join(sorted({e.worker_id for e in workers})) or "none are registered"
+            raise OperationFailed(f"no worker {args.worker!r} in the registry at {args.etcd}; known workers: {known}")
+        if len(matches) > 1:
+            places = ", ".join(f"{e.model}/{e.role} at {e.endpoint}" for e in matches)
+            raise OperationFailed(f"worker id {args.worker!r} is registered more than once ({places})")
+        entry = matches[0]
+        async with grpc.aio.insecure_channel(entry.endpoint) as channel:
+            try:
+                reply = await worker_pb2_grpc.WorkerStub(channel).Drain(worker_pb2.DrainRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError as error:
+                raise OperationFailed(
+                    f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: {error.code().name}: {error.details()}"
+                ) from None
+        left = await _wait_gone(client, entry, args.timeout) if args.wait else None
+        if args.json:
+            print_json({"worker_id": entry.worker_id, "role": entry.role, "model": entry.model,
+                        "endpoint": entry.endpoint, "in_flight": reply.in_flight, "left_registry": left})  # fmt: skip
+        else:
+            print(f"draining {entry.role} worker {entry.worker_id} ({entry.model}) at {entry.endpoint}: "
+                  f"{reply.in_flight} request(s) in flight to finish")  # fmt: skip
+            if left:
+                print(f"{entry.worker_id} has left the registry")
+        if left is False:
+            raise OperationFailed(f"{entry.worker_id} is still registered after {fmt_seconds(args.timeout)}")
+        return 0
+
+    return run_with_etcd(args, body)
+
+
+async def _wait_gone(client: aetcd.Client, entry: WorkerEntry, timeout_s: float) -> bool:
+    """Whether the worker's entry (this incarnation of it) disappeared within ``timeout_s``."""
+    key = worker_key(entry.model, entry.role, entry.worker_id).encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kv = await asyncio.wait_for(client.get(key), ETCD_TIMEOUT_S)
+        if kv is None or all(
+            e.started_at != entry.started_at for e in decode_entries([kv], {(kv.key, kv.mod_revision)})
+        ):
+            return True
+        await asyncio.sleep(0.25)
+    return False

@@ -1,0 +1,80 @@
+"""``pdserve up`` as a user runs it: one command, the embedded registry, Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.deployment import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints):
+    path, _ = checkpoints("llama")
+    port = free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port),
+         "--disaggregation", "always", "--threads-per-worker", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert up.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "pdserve is up" in line:
+                break
+        else:
+            pytest.fail(f"pdserve up exited with {up.wait()}:\n{''.join(lines)}")
+        assert f"127.0.0.1:{port}" in lines[-1] and "(embedded)" in lines[-1]
+        pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", "".join(lines))]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
+             "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert len(out["token_ids"]) == 5 and out["breakdown"]["disaggregated"]
+        up.send_signal(signal.SIGINT)  # Ctrl-C
+        assert up.wait(60) == 0
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "a worker outlived pdserve up"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_refuses_a_directory_without_a_model(tmp_path):
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", str(free_port())],
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert up.returncode == 2 and "no config.json in model directory" in up.stderr
+
+
+def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", str(free_port())],
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert up.returncode == 1
+    assert "exited; its last output" in up.stderr and "config.json" in up.stderr
+    assert "Traceback" not in up.stderr.split("pdserve up: error:")[-1]

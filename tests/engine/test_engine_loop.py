@@ -1,0 +1,97 @@
+"""The engine on its own thread, driven from asyncio: streams, aborts, the consumer seam."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_loop import EngineLoop, KVAwaited
+from pdserve.engine.request import KVRole
+from pdserve.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    path, _ = checkpoints("llama")
+    return LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20))
+
+
+async def _collect(stream) -> list[RequestOutput]:
+    return [out async for out in stream.outputs()]
+
+
+def test_concurrent_streams_equal_the_offline_engine(engine):
+    prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        streams = [await loop.add(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+        await loop.stop()
+        return results
+
+    results = asyncio.run(main())
+    for prompt, outputs in zip(prompts, results):
+        engine.add_request("ref", prompt, GREEDY)
+        final = None
+        while final is None:
+            final = next((o for o in engine.step().outputs if o.finished), None)
+        assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+        assert outputs[-1].finished and outputs[-1].first_token_time >= outputs[-1].arrival_time
+    engine.check_idle_integrity()
+
+
+def test_bad_requests_raise_and_aborts_free_everything(engine):
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        with pytest.raises(ValueError, match="vocabulary"):
+            await loop.add("bad", [10**6], GREEDY)
+        stream = await loop.add("long", list(range(2, 30)), SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.next()
+        loop.abort("long")
+        await asyncio.sleep(0.2)
+        load = loop.load
+        await loop.stop()
+        return load
+
+    load = asyncio.run(main())
+    assert load.running == 0 and load.kv_blocks_used == 0
+    engine.check_idle_integrity()
+
+
+def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
+    prompt = list(range(3, 40))
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        produced = await _collect(await loop.add("p", prompt, GREEDY, KVRole.PRODUCER))
+        held = loop.load.held_requests
+        consumer = await loop.add("c", prompt, GREEDY, KVRole.CONSUMER)
+        awaited = await asyncio.wait_for(consumer.next(), 10)
+        # Same engine, so "pulling" is copying the producer's blocks into the consumer's.
+        kv = engine.kv_cache.data
+        for src, dst in zip(produced[-1].held_block_ids, awaited.block_ids):
+            kv[dst] = kv[src]
+        loop.release_held("p")
+        await loop.kv_received("c", produced[-1].token_ids[0])
+        rest = await asyncio.wait_for(_collect(consumer), 30)
+        await loop.stop()
+        return produced, held, awaited, rest
+
+    produced, held, awaited, rest = asyncio.run(main())
+    assert produced[-1].finish_reason == "kv_transfer" and held == 1
+    assert isinstance(awaited, KVAwaited) and len(awaited.block_ids) >= len(produced[-1].held_block_ids)
+    engine.add_request("ref", prompt, GREEDY)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step().outputs if o.finished), None)
+    assert produced[-1].token_ids + [t for o in rest for t in o.new_token_ids] == final.token_ids
+    engine.check_idle_integrity()

@@ -1,0 +1,65 @@
+"""Request validation before routing: each bad field is named."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
+from pdserve.v1 import inference_pb2
+from tests.frontend.test_router import entry
+
+
+def request(**fields) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(**fields)
+
+
+def test_models_are_summarised_with_their_tightest_limits():
+    workers = [entry("p1", "prefill"), entry("d1", "decode"), entry("d2", "decode")]
+    [info] = ModelCatalog.models(workers).values()
+    assert (info.name, info.num_prefill, info.num_decode, info.vocab_size) == ("m", 1, 2, 100)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": "other", "token_ids": inference_pb2.TokenIds(ids=[1])}, "model: 'other' is not served"),
+        ({}, "prompt: set text or token_ids"),
+        ({"token_ids": inference_pb2.TokenIds(ids=[])}, "prompt: empty"),
+        ({"token_ids": inference_pb2.TokenIds(ids=[1, 100])}, "token_ids[1] = 100 is outside the vocabulary [0, 100)"),
+        ({"token_ids": inference_pb2.TokenIds(ids=[1] * 1024)}, "max_model_len) is 1024"),
+        (
+            {
+                "token_ids": inference_pb2.TokenIds(ids=[1] * 1000),
+                "sampling": inference_pb2.SamplingOptions(max_tokens=25),
+            },
+            "sampling.max_tokens = 25 exceeds the room the context window leaves: max_model_len 1024 - 1000",
+        ),
+        (
+            {"token_ids": inference_pb2.TokenIds(ids=[1]), "sampling": inference_pb2.SamplingOptions(top_k=-5)},
+            "sampling.top_k",
+        ),
+        ({"text": "hi"}, "has no tokenizer.json; send token_ids"),
+    ],
+)
+def test_bad_requests_name_the_field(fields, message):
+    with pytest.raises(InvalidRequest) as error:
+        ModelCatalog().validate(request(**fields), [entry("d1", "decode")])
+    assert message in str(error.value)
+
+
+def test_no_workers_is_unavailable_and_several_models_need_a_name():
+    with pytest.raises(ModelUnavailable):
+        ModelCatalog().validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [])
+    other = msgspec.structs.replace(entry("d2", "decode"), model="n")
+    with pytest.raises(InvalidRequest, match="model: required"):
+        ModelCatalog().validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [entry("d1", "decode"), other])
+
+
+def test_a_valid_request_keeps_its_options_for_the_workers():
+    options = inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3)
+    valid = ModelCatalog().validate(
+        request(token_ids=inference_pb2.TokenIds(ids=[4, 5]), sampling=options), [entry("d1", "decode")]
+    )
+    assert valid.token_ids == [4, 5] and valid.params.max_tokens == 5 and valid.params.seed == 3
+    assert valid.options == options

@@ -1,0 +1,92 @@
+"""Router decisions on hand-made registry entries (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
+from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
+from pdserve.frontend.router import NoWorker, Router, RouterConfig
+
+
+def entry(worker_id: str, role: str, **load: int | bool) -> WorkerEntry:
+    return WorkerEntry(
+        worker_id=worker_id, role=role, model="m", model_path="/m", endpoint=f"{worker_id}:1", nixl=b"",
+        block_size=4, num_kv_blocks=100, max_model_len=1024, vocab_size=100, max_num_seqs=8, started_at=0.0,
+        load=WorkerLoad(kv_blocks_total=100, **load),
+    )  # fmt: skip
+
+
+def test_decode_goes_to_the_least_loaded_and_skips_draining_workers():
+    router = Router(RouterConfig(), seed=0)
+    busy = entry("d1", "decode", running=6, kv_blocks_used=50)
+    idle = entry("d2", "decode", running=1, kv_blocks_used=5)
+    draining = entry("d3", "decode", draining=True)
+    assert router.choose_decode([busy, idle, draining]).worker_id == "d2"
+    assert router.choose_decode([busy, idle], exclude=["d2"]).worker_id == "d1"
+    with pytest.raises(NoWorker):
+        router.choose_decode([draining])
+
+
+def test_requests_dispatched_since_the_last_load_report_count():
+    router = Router(RouterConfig(), seed=0)
+    d1, d2 = entry("d1", "decode"), entry("d2", "decode")
+    for _ in range(3):
+        router.decode_started(d1)
+    assert router.choose_decode([d1, d2]).worker_id == "d2"
+    for _ in range(3):
+        router.decode_done(d1)
+    router.decode_started(d2)
+    assert router.choose_decode([d1, d2]).worker_id == "d1"
+
+
+def test_prefill_follows_the_cached_prefix_unless_that_worker_is_swamped():
+    router = Router(RouterConfig(disaggregation="always"), seed=0)
+    p1, p2 = entry("p1", "prefill"), entry("p2", "prefill")
+    prompt = list(range(40))
+    first = router.choose_prefill([p1, p2], prompt)
+    router.prefill_started(first, len(prompt))
+    router.prefill_done(first, len(prompt))
+    again = router.choose_prefill([p1, p2], prompt + [7, 8, 9])
+    assert again.worker.worker_id == first.worker.worker_id and again.cached_tokens == 40
+    other = p2 if first.worker.worker_id == "p1" else p1
+    swamped = entry(first.worker.worker_id, "prefill", queued_prefill_tokens=500)
+    assert router.choose_prefill([swamped, other], prompt).worker.worker_id == other.worker_id
+
+
+def test_conditional_disaggregation_keeps_short_uncached_prompts_on_the_decode_worker():
+    router = Router(RouterConfig(disaggregation="conditional", local_prefill_tokens=16, prefill_saturation_tokens=100))
+    p1 = entry("p1", "prefill")
+    assert router.choose_prefill([p1], list(range(16))) is None
+    assert router.choose_prefill([p1], list(range(17))).worker.worker_id == "p1"
+    assert router.choose_prefill([], list(range(500))) is None  # no prefill pool: prefill locally
+    saturated = entry("p1", "prefill", queued_prefill_tokens=100)
+    assert router.choose_prefill([saturated], list(range(500))) is None
+
+
+def test_always_and_off_force_either_way():
+    p1 = entry("p1", "prefill")
+    assert Router(RouterConfig(disaggregation="always")).choose_prefill([p1], [1, 2]).worker.worker_id == "p1"
+    assert Router(RouterConfig(disaggregation="off")).choose_prefill([p1], list(range(500))) is None
+    with pytest.raises(NoWorker):
+        Router(RouterConfig(disaggregation="always")).choose_prefill([], [1, 2])
+
+
+def test_bad_router_config_names_the_field():
+    with pytest.raises(ValueError, match="disaggregation"):
+        RouterConfig(disaggregation="sometimes")
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        RouterConfig(local_prefill_tokens=-1)
+
+
+def test_prefix_index_is_chained_and_bounded():
+    index = PrefixIndex()
+    a = block_hashes(list(range(12)), 4)
+    b = block_hashes([99] + list(range(1, 12)), 4)  # differs in the first block only
+    assert len(a) == 3 and not set(a) & set(b)  # chained: a change early changes every later hash
+    index.record("w", a, capacity_blocks=4)
+    assert index.overlap("w", a) == 3 and index.overlap("w", b) == 0
+    index.record("w", b, capacity_blocks=4)  # evicts the least recently used two of a's blocks
+    assert index.overlap("w", a) == 0 and index.overlap("w", b) == 3
+    index.forget("w")
+    assert index.overlap("w", b) == 0
