@@ -53,6 +53,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
                 "--transfer-timeout", type=seconds, default=30.0, help="deadline of one KV pull (default: 30s)"
             )
         p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            default=0,
+            help="Prometheus /metrics port (default: 0, a free one, published in the registry; -1: off)",
+        )
         add_engine_args(p)
         p.set_defaults(func=run_worker, role=role)
 
@@ -103,6 +109,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="deadline of a request whose caller set none (default: 600s)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the workers' model directory)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (default: 0, a free one; -1: off)"
+    )
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
@@ -123,7 +132,7 @@ def run_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         role=args.role, model=args.model, etcd=_require_etcd(args), model_name=args.model_name, host=args.host,
         port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id, lease_ttl_s=args.lease_ttl,
-        drain_timeout_s=args.drain_timeout, **extra,
+        drain_timeout_s=args.drain_timeout, metrics_port=None if args.metrics_port < 0 else args.metrics_port, **extra,
     )  # fmt: skip
     asyncio.run(serve(config, engine_config(args)))
     return 0
@@ -138,6 +147,7 @@ def frontend_config(args: argparse.Namespace, etcd: str) -> FrontendConfig:
         router=RouterConfig(disaggregation=args.disaggregation, local_prefill_tokens=args.local_prefill_tokens,
                             prefill_saturation_tokens=args.prefill_saturation_tokens),
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout, tokenizer=args.tokenizer,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
     )  # fmt: skip
 
 

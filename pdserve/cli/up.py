@@ -71,6 +71,8 @@ def _frontend_argv(args: argparse.Namespace) -> list[str]:
             "--max-queued-requests", str(args.max_queued_requests), "--request-timeout", str(args.request_timeout)]  # fmt: skip
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
+    if args.metrics_port != 0:
+        argv += ["--metrics-port", str(args.metrics_port)]
     return argv
 
 

@@ -132,6 +132,19 @@ class DecodeService(WorkerServicer):
         await self.runtime.engine_loop.kv_received(request_id, source.first_token_id)
         return stats, None
 
+    def _record(
+        self, output: RequestOutput, scheduled: float, local_prefill_ms: float, stats: TransferStats | None
+    ) -> None:
+        metrics = self.runtime.metrics
+        metrics.queue_seconds.observe(scheduled - output.arrival_time)
+        metrics.prompt_admitted(output.num_prompt_tokens, output.num_cached_tokens)
+        if stats is None:
+            metrics.prefill_seconds.observe(local_prefill_ms / 1e3)
+        else:
+            metrics.kv_transfer_seconds.observe(stats.seconds)
+            metrics.kv_transfer_bytes.inc(stats.num_bytes)
+        metrics.request_ended(output.finish_reason or "abort")
+
     def _response(
         self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
     ) -> worker_pb2.DecodeResponse:
@@ -145,6 +158,7 @@ class DecodeService(WorkerServicer):
         if output.finished:
             scheduled = output.first_scheduled_time or output.arrival_time
             local_prefill_ms = ((output.first_token_time or scheduled) - scheduled) * 1e3 if source is None else 0.0
+            self._record(output, scheduled, local_prefill_ms, stats)
             response.final.CopyFrom(
                 worker_pb2.DecodeFinal(
                     finish_reason=output.finish_reason or "abort",

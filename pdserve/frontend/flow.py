@@ -76,6 +76,7 @@ class RequestFlow:
         self.deadline = deadline
         self.breakdown = inference_pb2.LatencyBreakdown()
         self.num_tokens = 0  # streamed to the client so far
+        self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
 
     def _timeout(self) -> float:
         remaining = self.deadline - time.monotonic()
@@ -96,6 +97,7 @@ class RequestFlow:
             response = prefilled.response
             self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
             self.num_tokens = 1
+            self._token_times.append((time.monotonic(), 1))
             yield inference_pb2.GenerateResponse(token_ids=[response.first_token_id], text=response.text)
         try:
             async for message in self._decode(decode, prefilled):
@@ -219,6 +221,8 @@ class RequestFlow:
         router.decode_started(decode)
         try:
             async for response in call:
+                if response.token_ids:
+                    self._token_times.append((time.monotonic(), len(response.token_ids)))
                 if response.HasField("final"):
                     if prefilled is not None:
                         prefilled.released = True  # the decode worker's notice released it
@@ -266,6 +270,13 @@ class RequestFlow:
                 breakdown=b,
             ),
         )
+
+    def token_gaps(self) -> list[float]:
+        """Inter-token latencies in seconds: a message of n tokens after a gap counts n gaps of gap/n."""
+        gaps: list[float] = []
+        for (before, _), (at, count) in zip(self._token_times, self._token_times[1:]):
+            gaps += [(at - before) / count] * count
+        return gaps
 
     def _sampling(self) -> inference_pb2.SamplingOptions:
         return self.request.options

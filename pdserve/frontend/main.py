@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from pdserve.control_plane.metrics import serve_metrics
 from pdserve.control_plane.registry import RegistryView
 from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
 from pdserve.rpc.server import RpcServer
@@ -20,6 +21,9 @@ async def serve(config: FrontendConfig) -> None:
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
     try:
         port = await server.start(config.host, config.port)
+        if config.metrics_port is not None:
+            metrics_port = serve_metrics(service.metrics.registry, config.host, config.metrics_port)
+            print(f"pdserve frontend metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
         print(f"pdserve frontend listening on {config.host}:{port}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

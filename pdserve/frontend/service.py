@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 
+from pdserve.control_plane.metrics import FrontendMetrics
 from pdserve.control_plane.registry import RegistryView, WorkerEntry
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
 from pdserve.frontend.channels import WorkerChannels
@@ -36,6 +37,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: requests in flight past which new ones get RESOURCE_EXHAUSTED.
     request_timeout_s: the deadline of a request whose caller set none (or a longer one).
     tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
+    metrics_port: Prometheus /metrics port (0: a free one; None: off).
     """
 
     etcd: str
@@ -45,6 +47,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: int = 1024
     request_timeout_s: float = 600.0
     tokenizer: str | None = None
+    metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -61,6 +64,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.catalog = ModelCatalog(config.tokenizer)
         self.routing = Routing(view, Router(config.router), WorkerChannels())
         self.num_in_flight = 0
+        self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         view.add_listener(self._on_registry_change)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
@@ -114,11 +118,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         flow = RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout)
         self.num_in_flight += 1
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the client went away
         try:
             async for response in flow.run():
                 yield response
+            code = grpc.StatusCode.OK
         except FlowError as exc:
+            code = exc.code
             logger.info("request %s failed: %s %s", request_id, exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
         finally:
             self.num_in_flight -= 1
+            self._record(valid.model.name, flow, code)
+
+    def _record(self, model: str, flow: RequestFlow, code: grpc.StatusCode) -> None:
+        m = self.metrics
+        m.requests.labels(model, code.name).inc()
+        if code != grpc.StatusCode.OK:
+            return
+        b = flow.breakdown
+        m.ttft_seconds.labels(model).observe(b.ttft_ms / 1e3)
+        m.e2e_seconds.labels(model).observe(b.e2e_ms / 1e3)
+        itl = m.itl_seconds.labels(model)
+        for gap in flow.token_gaps():
+            itl.observe(gap)
+        if b.disaggregated and b.ttft_ms > 0:
+            m.kv_transfer_share.labels(model).observe(min(b.kv_transfer_ms / b.ttft_ms, 1.0))

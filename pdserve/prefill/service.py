@@ -50,6 +50,7 @@ class PrefillService(WorkerServicer):
             raise
         assert final is not None
         if final.finish_reason != "kv_transfer" or final.held_block_ids is None:
+            self.runtime.metrics.request_ended(final.finish_reason or "abort")
             # The engine ended it itself: a context that can never fit, or the engine failed.
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED if final.finish_reason == "length" else grpc.StatusCode.UNAVAILABLE,
@@ -57,6 +58,12 @@ class PrefillService(WorkerServicer):
             )
         self.holder.hold(request_id, final.held_block_ids)
         scheduled = final.first_scheduled_time or final.arrival_time
+        first_token = final.first_token_time or time.monotonic()
+        metrics = self.runtime.metrics
+        metrics.queue_seconds.observe(scheduled - final.arrival_time)
+        metrics.prefill_seconds.observe(first_token - scheduled)
+        metrics.prompt_admitted(final.num_prompt_tokens, final.num_cached_tokens)
+        metrics.request_ended("prefilled")
         return worker_pb2.PrefillResponse(
             worker_id=self.runtime.worker_id,
             first_token_id=final.token_ids[0],
@@ -64,7 +71,7 @@ class PrefillService(WorkerServicer):
             block_ids=final.held_block_ids,
             num_cached_tokens=final.num_cached_tokens,
             queue_ms=(scheduled - final.arrival_time) * 1e3,
-            prefill_ms=((final.first_token_time or time.monotonic()) - scheduled) * 1e3,
+            prefill_ms=(first_token - scheduled) * 1e3,
             hold_seconds=self.runtime.config.hold_s,
         )
 

@@ -24,6 +24,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     hold_s: prefill: how long a request's blocks stay pinned waiting for the decode side's pull.
     transfer_timeout_s: decode: the deadline of one KV pull.
     drain_timeout_s: SIGTERM or Drain: how long in-flight requests may take to finish.
+    metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
     """
 
     role: str
@@ -38,6 +39,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     hold_s: float = 30.0
     transfer_timeout_s: float = 30.0
     drain_timeout_s: float = 60.0
+    metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

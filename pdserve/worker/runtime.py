@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.control_plane.metrics import Occupancy, WorkerMetrics, serve_metrics
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, WorkerRegistration
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
@@ -69,6 +70,8 @@ class WorkerRuntime:
         self.engine_loop = EngineLoop(engine)
         self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name)
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
+        self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._occupancy)
+        self.metrics_port: int | None = None
         self.server = RpcServer()
         self.registration: WorkerRegistration | None = None
         self.servicer: WorkerServicer | None = None
@@ -86,6 +89,8 @@ class WorkerRuntime:
         self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s), WORKER_SERVICE)
         port = await self.server.start(self.config.host, self.config.port)
         self.endpoint = f"{self.config.reachable_host}:{port}"
+        if self.config.metrics_port is not None:
+            self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
         self.registration = WorkerRegistration(
             self.config.etcd, self._entry(), self.load, ttl_s=self.config.lease_ttl_s
         )
@@ -108,6 +113,7 @@ class WorkerRuntime:
             vocab_size=engine.model_config.vocab_size,
             max_num_seqs=engine.config.max_num_seqs,
             started_at=time.time(),
+            metrics_port=self.metrics_port,
             load=self.load(),
         )
 
@@ -124,6 +130,14 @@ class WorkerRuntime:
             draining=self.draining,
             updated_at=time.time(),
         )
+
+    def _occupancy(self) -> Occupancy:
+        load = self.engine_loop.load
+        return Occupancy(
+            running=load.running + load.awaiting_kv, waiting=load.waiting, kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total, held_requests=load.held_requests,
+            num_preemptions=load.num_preemptions,
+        )  # fmt: skip
 
     def request_stop(self, reason: str) -> None:
         """Begin the drain (idempotent); ``run`` then finishes the work and exits."""

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -225,3 +226,26 @@ def test_concurrent_load_leaves_nothing_behind(llama):
     assert outcomes.count("done") == 16
     deployment.wait_registered(_idle, 15, "every block free")
     assert threading.active_count() < 50
+
+
+def test_every_process_exposes_prometheus_metrics(llama):
+    deployment, _, _ = llama
+    deployment.generate(list(range(2, 40)), max_tokens=4, temperature=0)
+
+    def scrape(port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    def value(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    for worker in deployment.registered():
+        assert worker.metrics_port, worker.worker_id
+        text = scrape(worker.metrics_port)
+        assert value(text, "pdserve_prompt_tokens_total") > 0 or worker.role == "prefill"
+        if worker.role == "decode":
+            assert value(text, "pdserve_kv_transfer_bytes_total") > 0
+    assert deployment.cluster.frontend is not None
+    [line] = [line for line in deployment.cluster.frontend.output if "metrics on" in line]
+    text = scrape(int(line.rsplit(":", 1)[1].split("/")[0]))
+    assert value(text, "pdserve_ttft_seconds_count") >= 1 and value(text, "pdserve_itl_seconds_count") >= 3
