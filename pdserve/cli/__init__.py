@@ -7,7 +7,6 @@ import logging
 import sys
 
 from pdserve.cli import generate, operate, serve, slo, status, up
-from pdserve.engine.weights import CheckpointError
 
 EPILOG = """examples:
   pdserve generate --model ./Llama-3.1-8B --prompt "The capital of France is"
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, CheckpointError) as error:
+    except (ValueError, FileNotFoundError) as error:  # a CheckpointError is a ValueError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -23,13 +23,13 @@ import grpc
 import msgspec
 
 from pdserve.control_plane.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
-from pdserve.control_plane.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, worker_key
+from pdserve.control_plane.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, decode_entry, worker_key
 from pdserve.control_plane.slo import parse_duration
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Deadline of the connection probe and of each etcd call: with Python's start-up, an
 # unreachable etcd fails a command in a few seconds.
-ETCD_TIMEOUT_S = 2.5
+ETCD_TIMEOUT_S = 2.0
 
 EXIT_STATUS = """exit status: 0 success; 1 etcd unreachable or the operation failed; 2 bad arguments.
 etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379."""
@@ -95,11 +95,17 @@ def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Await
 
     try:
         return asyncio.run(main())
-    except (RegistryUnavailable, OperationFailed) as error:
+    except OperationFailed as error:
         return fail(args, str(error))
-    except ETCD_ERRORS as error:
-        reason = str(error) or f"no answer within {ETCD_TIMEOUT_S:g} s"
-        return fail(args, f"etcd at {args.etcd} is unreachable: {reason}")
+    except (*ETCD_ERRORS, RegistryUnavailable) as error:
+        return fail(args, unreachable(args.etcd, error))
+
+
+def unreachable(url: str, error: Exception) -> str:
+    """``etcd at URL is unreachable: why``, for a failed connection or a failed call."""
+    if isinstance(error, RegistryUnavailable):  # connect() has said it in these words
+        return str(error)
+    return f"etcd at {url} is unreachable: {str(error) or f'no answer within {ETCD_TIMEOUT_S:g} s'}"
 
 
 def fail(args: argparse.Namespace, message: str) -> int:
@@ -190,8 +196,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     workers.set_defaults(func=run_workers)
 
     drain = commands.add_parser("drain", help="drain a worker: it finishes its requests, then exits",
-                                description="Ask a worker, through its Drain RPC, to stop taking work, finish "
-                                "what is in flight, leave the registry and exit.", epilog=DRAIN_EXAMPLES,
+                                description="Ask a worker, through its Drain RPC, to stop taking work, finish what\n"
+                                "is in flight, leave the registry and exit.", epilog=DRAIN_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_etcd_arg(drain)
     drain.add_argument("worker", metavar="WORKER", help="worker id, as `pdserve workers` lists it")
@@ -269,9 +275,14 @@ async def _wait_gone(client: aetcd.Client, entry: WorkerEntry, timeout_s: float)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         kv = await asyncio.wait_for(client.get(key), ETCD_TIMEOUT_S)
-        if kv is None or all(
-            e.started_at != entry.started_at for e in decode_entries([kv], {(kv.key, kv.mod_revision)})
-        ):
+        if kv is None or _started_at(kv.value) != entry.started_at:  # gone, or restarted under the same id
             return True
         await asyncio.sleep(0.25)
     return False
+
+
+def _started_at(value: bytes) -> float | None:
+    try:
+        return decode_entry(value).started_at
+    except msgspec.DecodeError:
+        return None

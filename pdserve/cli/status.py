@@ -25,6 +25,7 @@ from pdserve.cli.operate import (
     read_workers,
     run_with_etcd,
     table,
+    unreachable,
 )
 from pdserve.control_plane.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.control_plane.frontend_stats import ModelStats, list_frontend_stats
@@ -50,7 +51,8 @@ EXAMPLES = f"""examples:
 decode: ready, draining, workers, running, waiting, held_requests, queued_prefill_tokens,
 kv_usage), "latency" (the frontends' stats merged, with "by_frontend"), "checks" ("OK",
 "BREACH" or null per target) and "planner" (the decision as the planner published it).
-With --watch, etcd going away is shown on screen and retried; it does not end the watch.
+With --watch, etcd going away later is shown on screen and retried (only a first connection
+that fails ends the command).
 
 {EXIT_STATUS}
 """
@@ -94,7 +96,7 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
                 status = await collect(current, args.etcd, args.model)
                 text = None if args.json else render(status)
             except (*ETCD_ERRORS, RegistryUnavailable) as error:
-                status, text = None, f"etcd at {args.etcd} is unreachable ({error}); retrying"
+                status, text = None, f"{unreachable(args.etcd, error)}; retrying every {fmt_seconds(args.interval)}"
                 await reconnect.reset()  # the first client is closed by run_with_etcd
                 current = None
             if args.json:

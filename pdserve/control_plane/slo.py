@@ -1,0 +1,75 @@
+"""A model's latency targets and replica bounds: what the planner holds, with the fewest GPUs.
+
+``SLOTargets`` is stored as JSON in etcd under ``registry.slo_key(model)``
+(``/pdserve/v1/slo/{model}``); the operator writes it from the custom resource's
+``spec.slo`` and the CLI from its flags, both through ``parse_duration`` for the targets.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import msgspec
+
+# A number, then an optional unit. A bare number is seconds: every duration in pdserve's
+# structs is in seconds, so "1.5" means what the same value means in the stored JSON.
+_DURATION = re.compile(r"\s*(?P<value>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>us|ms|s|m)?\s*")
+_UNIT_SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: ``"500ms"``, ``"0.5s"``, ``"2s"``, ``"250us"``, ``"1m"``, or a bare
+    number of seconds (``"1.5"``). Raises ValueError naming the text when it is not one."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"duration {text!r} is not a number with an optional unit us, ms, s or m (e.g. 500ms, 0.5s, 2)"
+        )
+    return float(match["value"]) * _UNIT_SECONDS[match["unit"]]
+
+
+class SLOTargets(msgspec.Struct, frozen=True, kw_only=True):
+    """Latency targets for one model and the replica bounds the planner must stay within.
+
+    Latencies are 90th percentiles in seconds over a planner interval: TTFT is arrival to
+    first token, ITL the gap between consecutive tokens of a request (every gap counts), E2E
+    arrival to last token (optional; the planner reports it but sizes nothing on it alone).
+    A pool never goes below one replica: the router needs a worker of each role, and an
+    empty pool has no latency to observe.
+    """
+
+    model: str
+    ttft_p90_s: float
+    itl_p90_s: float
+    e2e_p90_s: float | None = None
+    min_prefill_replicas: int = 1
+    max_prefill_replicas: int = 8
+    min_decode_replicas: int = 1
+    max_decode_replicas: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must not be empty")
+        for name in ("ttft_p90_s", "itl_p90_s", "e2e_p90_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for pool in ("prefill", "decode"):
+            low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
+            if low < 1:
+                raise ValueError(f"min_{pool}_replicas must be >= 1, got {low}")
+            if high < low:
+                raise ValueError(f"max_{pool}_replicas ({high}) must be >= min_{pool}_replicas ({low})")
+
+    def encode(self) -> bytes:
+        """The JSON value stored in etcd."""
+        return msgspec.json.encode(self)
+
+    @staticmethod
+    def decode(data: bytes | str) -> SLOTargets:
+        """Parse a stored value; raises ValueError naming what is wrong."""
+        try:
+            return msgspec.json.decode(data, type=SLOTargets)
+        except msgspec.DecodeError as error:  # ValidationError (a failed check) is a DecodeError
+            raise ValueError(f"SLO targets do not decode: {error}") from None

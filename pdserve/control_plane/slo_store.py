@@ -1,0 +1,63 @@
+"""Models' SLO targets in etcd: ``SLOTargets`` as JSON at ``registry.slo_key(model)``.
+
+Written by the CLI (``pdserve slo set``) and the operator, read by the planner and
+``pdserve status``. Every call runs under a deadline and raises one of ``etcd.ETCD_ERRORS``
+when etcd fails. Writes are plain puts: the last writer wins (the embedded etcd of
+``pdserve up`` has no transactions, and targets change by hand, rarely).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aetcd
+
+from pdserve.control_plane.registry import ROOT, slo_key
+from pdserve.control_plane.slo import SLOTargets
+
+logger = logging.getLogger(__name__)
+
+SLO_PREFIX = f"{ROOT}/slo/"
+
+
+async def get_slo(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> SLOTargets | None:
+    """The model's stored targets, or None when there are none.
+
+    Raises ValueError naming the key when the stored value does not decode, or is another
+    model's (a writer that got the key wrong).
+    """
+    key = slo_key(model)
+    kv = await asyncio.wait_for(client.get(key.encode()), timeout_s)
+    if kv is None:
+        return None
+    try:
+        targets = SLOTargets.decode(kv.value)
+    except ValueError as error:
+        raise ValueError(f"the value at {key}: {error}") from None
+    if targets.model != model:
+        raise ValueError(f"the value at {key} is for model {targets.model!r}, not {model!r}")
+    return targets
+
+
+async def put_slo(client: aetcd.Client, targets: SLOTargets, timeout_s: float = 3.0) -> None:
+    """Store ``targets`` at ``slo_key(targets.model)``, replacing what was there."""
+    await asyncio.wait_for(client.put(slo_key(targets.model).encode(), targets.encode()), timeout_s)
+
+
+async def list_slos(client: aetcd.Client, timeout_s: float = 3.0) -> list[SLOTargets]:
+    """Every model's stored targets, sorted by model; values that do not decode are skipped
+    with a warning."""
+    response = await asyncio.wait_for(client.get_prefix(SLO_PREFIX.encode()), timeout_s)
+    targets = []
+    for kv in response:
+        try:
+            targets.append(SLOTargets.decode(kv.value))
+        except ValueError as error:
+            logger.warning("skipping %s: %s", kv.key.decode(errors="replace"), error)
+    return sorted(targets, key=lambda t: t.model)
+
+
+async def delete_slo(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> bool:
+    """Remove the model's targets; False when there were none."""
+    return bool(await asyncio.wait_for(client.delete(slo_key(model).encode()), timeout_s))
