@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from pdserve.cli.common import size_bytes, token_ids
+from pdserve.cli.common import add_engine_args, engine_config, token_ids
 
 DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
 (--model: the engine runs in this process) or from a running pdserve server (--target
@@ -41,25 +41,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
-    local = gen.add_argument_group("--model only")
-    local.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="compute dtype (default: the checkpoint's)",
-    )
-    local.add_argument(
-        "--kernels",
-        choices=["auto", "torch", "triton"],
-        default="auto",
-        help="compute kernels: auto = Triton on CUDA, torch reference elsewhere",
-    )
-    local.add_argument(
-        "--kv-cache-memory",
-        type=size_bytes,
-        default=None,
-        help="KV cache budget, e.g. 2G (default: sized automatically)",
-    )
+    add_engine_args(gen)  # used with --model only
     gen.set_defaults(func=run)
 
 
@@ -84,16 +66,13 @@ def _print_json(
 
 def _local(args: argparse.Namespace) -> int:
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    engine = LLMEngine(
-        args.model, EngineConfig(dtype=args.dtype, kernels=args.kernels, kv_cache_memory=args.kv_cache_memory)
-    )
+    engine = LLMEngine(args.model, engine_config(args))
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
     request = engine.add_request("cli", prompt, params)
