@@ -32,9 +32,9 @@ def parse_duration(text: str) -> float:
 class SLOTargets(msgspec.Struct, frozen=True, kw_only=True):
     """Latency targets for one model and the replica bounds the planner must stay within.
 
-    Latencies are 90th percentiles in seconds over a planner interval: TTFT is arrival to
-    first token, ITL the gap between consecutive tokens of a request (every gap counts), E2E
-    arrival to last token (optional; the planner reports it but sizes nothing on it alone).
+    Latencies are 90th percentiles in seconds over a planner interval, across requests: TTFT
+    is arrival to first token, ITL a request's mean gap between consecutive tokens, E2E
+    arrival to last token (optional: the planner logs a breach but sizes nothing on it).
     A pool never goes below one replica: the router needs a worker of each role, and an
     empty pool has no latency to observe.
     """

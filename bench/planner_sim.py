@@ -1,0 +1,412 @@
+"""The SLO planner against an averages-based rule and a static allocation, in the simulator.
+
+Each standard trace (``steady``, ``step``, ``burst``, ``length_shift``; Poisson arrivals,
+lognormal lengths, seeded) is replayed through the simulated cluster
+(``pdserve.control_plane.simulator``) whose prefill and decode times come from an engine
+profile measured on pdserve's own engine, three times:
+
+- planner: ``pdserve.control_plane.planner.Planner`` with its default config.
+- baseline: the rule of NVIDIA Dynamo's SLA planner, which sizes pools from interval
+  averages (``AveragesBaseline`` below, step for step).
+- static: the smallest fixed allocation that meets the SLO in at least ``--target`` of the
+  scored intervals over the whole trace, peak included, found by search (each pool on its
+  own latency: TTFT depends on the prefill pool, ITL on the decode pool).
+
+All three run the same deployment: the same engine settings (``Knobs``, with the decode
+batch capped where a step at the base traffic's context would miss the ITL target, as an
+operator would set it), and both dynamic policies start from the static allocation (the
+deployment as it was sized before they took over); only the planner retunes the knobs.
+The first ``--warmup-s`` seconds are not scored. An interval meets the SLO when the true
+TTFT p90 and ITL p90 of that interval (ITL: a request's mean gap between tokens), requests
+not yet done included, are both within target.
+
+The SLO targets and the load are derived from the profile so that any profile gives a
+comparable scenario: TTFT p90 target = 4 x the prefill time of a p90 prompt; ITL p90 target
+= 1.25 x a decode step of 16 median requests; the base rate is 1.5 prefill replicas' worth
+of median traffic (peaks are 3x that).
+
+    python bench/planner_sim.py                     # a table
+    python bench/planner_sim.py --json              # one JSON object
+    python bench/planner_sim.py --plot bench/planner_sim.png
+    python bench/planner_sim.py --measure-profile bench/profiles/cpu-tiny-llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pdserve.control_plane.latency_model import LatencyModel, LengthDistribution  # noqa: E402
+from pdserve.control_plane.observation import Knobs, Observation  # noqa: E402
+from pdserve.control_plane.planner import Decision, Planner, PlannerConfig  # noqa: E402
+from pdserve.control_plane.profile import EngineProfile  # noqa: E402
+from pdserve.control_plane.sim_traces import Trace, standard_traces  # noqa: E402
+from pdserve.control_plane.simulator import SimResult, simulate  # noqa: E402
+from pdserve.control_plane.slo import SLOTargets  # noqa: E402
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "cpu-tiny-llama.json"
+PROMPT_MEDIAN, OUTPUT_MEDIAN = 256, 96  # tokens, of the base traffic
+MAX_REPLICAS = 32  # per pool: room above the peak, so the bounds never decide the outcome
+
+
+# -- the averages-based baseline ----------------------------------------------------------
+
+
+class AveragesBaseline:
+    """NVIDIA Dynamo's SLA planner rule (``planner_core.py``, ``make_adjustments``).
+
+    Every interval, from the interval's averages (mean TTFT, ITL, prompt and output length,
+    request duration, request count) and a constant predictor (next = last):
+
+    - ``p_correction = mean TTFT / profile TTFT at the mean prompt`` (clamped to <= 1 where
+      used); ``prefill = ceil(requests * mean prompt / interval * min(1, p_correction) /
+      prefill throughput per replica at the mean prompt)``;
+    - ``d_correction = mean ITL / profile ITL at the observed concurrency and context``;
+      the best decode throughput per replica whose step holds ``ITL target / d_correction``
+      at context ``mean prompt + mean output / 2`` (batches up to the deployment's cap);
+      ``decode = ceil(requests * mean output / interval / that throughput)``;
+    - clamp to the replica bounds; skip the interval when a metric is missing.
+    """
+
+    def __init__(self, slo: SLOTargets, profile: EngineProfile, knobs: Knobs, interval_s: float) -> None:
+        self.slo, self.profile, self.knobs, self.interval_s = slo, profile, knobs, interval_s
+        self.prefill = self.decode = 0
+
+    def observe(self, obs: Observation) -> Decision | None:
+        if None in (obs.ttft_s, obs.itl_s, obs.e2e_s, obs.prompt_tokens, obs.output_tokens):
+            return None
+        slo, profile = self.slo, self.profile
+        isl, osl, requests = obs.prompt_tokens.mean, obs.output_tokens.mean, obs.num_arrivals
+        context = isl + osl / 2
+        p_correction = obs.ttft_s.mean / profile.prefill_seconds(isl)
+        concurrency = requests / max(obs.num_decode_ready, 1) * obs.e2e_s.mean / self.interval_s
+        expected_itl = profile.decode_step_seconds(max(concurrency, 1.0), max(concurrency, 1.0) * context)
+        d_correction = obs.itl_s.mean / expected_itl
+        prefill_load = requests * isl / self.interval_s * min(1.0, p_correction)
+        prefill = math.ceil(prefill_load / profile.prefill_tokens_per_s(isl))
+        corrected_itl = slo.itl_p90_s / d_correction if d_correction > 0 else slo.itl_p90_s
+        decode = math.ceil(requests * osl / self.interval_s / self._best_decode_throughput(corrected_itl, context))
+        prefill = min(max(prefill, slo.min_prefill_replicas), slo.max_prefill_replicas)
+        decode = min(max(decode, slo.min_decode_replicas), slo.max_decode_replicas)
+        if (prefill, decode) == (self.prefill, self.decode):
+            return None
+        self.prefill, self.decode = prefill, decode
+        return Decision(
+            model=slo.model, time=obs.time, prefill_replicas=prefill, decode_replicas=decode, knobs=self.knobs,
+            reasons=[f"averages: {requests} requests, prompt {isl:.0f}, output {osl:.0f} tokens"],
+            rate=obs.arrival_rate, peak_rate=obs.arrival_rate, predicted_ttft_p90_s=None, predicted_itl_p90_s=None,
+        )  # fmt: skip
+
+    def _best_decode_throughput(self, itl_s: float, context: float) -> float:
+        """Tokens/s of one replica at the largest batch whose step holds ``itl_s`` (Dynamo's
+        ``find_best_throughput_per_gpu``: the highest KV load under the ITL, else the lowest)."""
+        profile = self.profile
+        best = 1
+        for batch in range(1, min(profile.max_num_seqs, self.knobs.decode_max_num_seqs) + 1):
+            if batch * context > profile.kv_capacity_tokens:
+                break
+            if profile.decode_step_seconds(batch, batch * context) <= itl_s:
+                best = batch
+        return best / profile.decode_step_seconds(best, best * context)
+
+
+# -- the scenario ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    slo: SLOTargets
+    knobs: Knobs  # the deployment's settings, the same under every policy
+    base_rate: float  # requests/s
+    duration_s: float
+    interval_s: int
+    warmup_intervals: int
+    target: float  # attainment the static allocation must reach
+
+    def traces(self) -> list[Trace]:
+        return standard_traces(self.base_rate, PROMPT_MEDIAN, OUTPUT_MEDIAN, self.duration_s)
+
+
+def make_scenario(profile: EngineProfile, args: argparse.Namespace) -> Scenario:
+    prompts = LengthDistribution(PROMPT_MEDIAN, PROMPT_MEDIAN * math.exp(0.6 * 1.2816))  # the traces' spread
+    mean_prefill_s = sum(map(profile.prefill_seconds, prompts.quantiles())) / len(prompts.quantiles())
+    context = PROMPT_MEDIAN + OUTPUT_MEDIAN
+    slo = SLOTargets(
+        model="sim",
+        ttft_p90_s=round(4 * profile.prefill_seconds(prompts.p90), 3),
+        itl_p90_s=round(1.25 * profile.decode_step_seconds(16, 16 * context), 4),
+        max_prefill_replicas=MAX_REPLICAS,
+        max_decode_replicas=MAX_REPLICAS,
+    )
+    # The deployment caps the decode batch where a step at the base traffic's context would
+    # exceed the ITL target (with the planner's 0.85 margin): any operator would, and without
+    # it a decode worker on this profile collapses into slow 64-sequence steps under load.
+    mean_context = PROMPT_MEDIAN * math.exp(0.6**2 / 2) + OUTPUT_MEDIAN * math.exp(0.5**2 / 2) / 2
+    cap = LatencyModel(profile).largest_batch_within(0.85 * slo.itl_p90_s, mean_context)
+    return Scenario(
+        slo=slo,
+        knobs=Knobs(decode_max_num_seqs=min(cap, Knobs().decode_max_num_seqs)),
+        base_rate=round(1.5 / mean_prefill_s, 2),
+        duration_s=args.duration_s,
+        interval_s=args.interval_s,
+        warmup_intervals=math.ceil(args.warmup_s / args.interval_s),
+        target=args.target,
+    )
+
+
+# -- runs ---------------------------------------------------------------------------------
+
+
+def _meets(record, slo: SLOTargets, metric: str) -> bool:
+    value, target = (record.ttft_p90_s, slo.ttft_p90_s) if metric == "ttft" else (record.itl_p90_s, slo.itl_p90_s)
+    return value is None or value <= target
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    return present[len(present) // 2] if present else None
+
+
+def static_allocation(profile: EngineProfile, trace: Trace, sc: Scenario, seed: int) -> tuple[int, int, SimResult]:
+    """The fewest replicas per pool whose fixed allocation meets its own latency target in
+    ``sc.target`` of the scored intervals; binary search, each pool judged on its metric."""
+    runs: dict[int, SimResult] = {}
+
+    def run(n: int) -> SimResult:
+        if n not in runs:
+            runs[n] = simulate(
+                profile, trace, sc.slo, None, prefill=n, decode=n, knobs=sc.knobs, interval_s=sc.interval_s, seed=seed
+            )
+        return runs[n]
+
+    def fraction(n: int, metric: str) -> float:
+        scored = run(n).intervals[sc.warmup_intervals :]
+        return sum(_meets(r, sc.slo, metric) for r in scored) / len(scored)
+
+    sizes = []
+    for metric in ("ttft", "itl"):
+        low, high = 1, MAX_REPLICAS
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if fraction(mid, metric) >= sc.target else (mid + 1, high)
+        sizes.append(low)
+    prefill, decode = sizes
+    result = simulate(
+        profile,
+        trace,
+        sc.slo,
+        None,
+        prefill=prefill,
+        decode=decode,
+        knobs=sc.knobs,
+        interval_s=sc.interval_s,
+        seed=seed,
+    )
+    return prefill, decode, result
+
+
+def run_trace(profile: EngineProfile, trace: Trace, sc: Scenario, seed: int) -> dict[str, Any]:
+    prefill, decode, static = static_allocation(profile, trace, sc, seed)
+    knobs = sc.knobs
+    planner = Planner(sc.slo, profile, PlannerConfig(interval_s=sc.interval_s), prefill_replicas=prefill,
+                      decode_replicas=decode, knobs=knobs)  # fmt: skip
+    baseline = AveragesBaseline(sc.slo, profile, knobs, sc.interval_s)
+    baseline.prefill, baseline.decode = prefill, decode
+    common = dict(prefill=prefill, decode=decode, knobs=knobs, interval_s=sc.interval_s, seed=seed)
+    results = {
+        "planner": simulate(profile, trace, sc.slo, planner, **common),
+        "baseline": simulate(profile, trace, sc.slo, baseline, **common),
+        "static": static,
+    }
+    w = sc.warmup_intervals
+    report: dict[str, Any] = {"static_prefill": prefill, "static_decode": decode}
+    for name, result in results.items():
+        scored = result.intervals[w:]
+        report[name] = {
+            "slo_attainment": round(result.attainment(w), 4),
+            "met_intervals": sum(r.slo_met for r in scored),
+            "scored_intervals": len(scored),
+            "gpu_intervals": round(result.gpu_intervals(w), 1),
+            "ttft_met": round(sum(_meets(r, sc.slo, "ttft") for r in scored) / len(scored), 4),
+            "itl_met": round(sum(_meets(r, sc.slo, "itl") for r in scored) / len(scored), 4),
+            "decisions": len(result.decisions),
+            "max_prefill": max(r.prefill_gpus for r in scored),
+            "max_decode": max(r.decode_gpus for r in scored),
+            # Not scored (the SLO is TTFT and ITL): what a request takes from end to end.
+            "e2e_p90_s_median": _median([r.e2e_p90_s for r in scored]),
+            "e2e_p90_s_max": max((r.e2e_p90_s or 0.0) for r in scored),
+        }
+    settings = [knobs] + [d.knobs for d in results["planner"].decisions]
+    report["planner_knob_changes"] = sum(a != b for a, b in zip(settings, settings[1:]))
+    report["series"] = {name: [asdict(r) for r in result.intervals] for name, result in results.items()}
+    return report
+
+
+def summarise(profile: EngineProfile, profile_path: Path, sc: Scenario, traces: dict[str, dict]) -> dict[str, Any]:
+    def total(policy: str, key: str) -> float:
+        return sum(t[policy][key] for t in traces.values())
+
+    scored = total("planner", "scored_intervals")
+    static_gpu = total("static", "gpu_intervals")
+    return {
+        "slo_attainment": round(total("planner", "met_intervals") / scored, 4),
+        "baseline_slo_attainment": round(total("baseline", "met_intervals") / scored, 4),
+        "static_slo_attainment": round(total("static", "met_intervals") / scored, 4),
+        "gpu_intervals_vs_static": round(total("planner", "gpu_intervals") / static_gpu, 4),
+        "baseline_gpu_intervals_vs_static": round(total("baseline", "gpu_intervals") / static_gpu, 4),
+        "traces": {name: {k: v for k, v in t.items() if k != "series"} for name, t in traces.items()},
+        "knobs": msgspec.to_builtins(sc.knobs),
+        "slo": {"ttft_p90_s": sc.slo.ttft_p90_s, "itl_p90_s": sc.slo.itl_p90_s,
+                "max_prefill_replicas": sc.slo.max_prefill_replicas, "max_decode_replicas": sc.slo.max_decode_replicas},
+        "scenario": {"base_rate": sc.base_rate, "peak_rate": 3 * sc.base_rate, "prompt_median": PROMPT_MEDIAN,
+                     "output_median": OUTPUT_MEDIAN, "duration_s": sc.duration_s, "interval_s": sc.interval_s,
+                     "warmup_intervals": sc.warmup_intervals, "static_target": sc.target},
+        "profile": {"path": _shown(profile_path), "name": profile.name, "source": profile.source},
+    }  # fmt: skip
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"profile: {report['profile']['name']}")
+    slo = report["slo"]
+    print(f"SLO: TTFT p90 {slo['ttft_p90_s'] * 1000:.0f} ms, ITL p90 {slo['itl_p90_s'] * 1000:.1f} ms; "
+          f"base {report['scenario']['base_rate']} req/s, peaks 3x")  # fmt: skip
+    print(f"{'trace':<13} {'static P+D':>10} {'static att':>10} {'planner att':>11} {'baseline att':>12} "
+          f"{'planner GPU':>11} {'baseline GPU':>12}")  # fmt: skip
+    for name, t in report["traces"].items():
+        static_gpu = t["static"]["gpu_intervals"]
+        print(f"{name:<13} {t['static_prefill']:>4}+{t['static_decode']:<5} {t['static']['slo_attainment']:>10.3f} "
+              f"{t['planner']['slo_attainment']:>11.3f} {t['baseline']['slo_attainment']:>12.3f} "
+              f"{t['planner']['gpu_intervals'] / static_gpu:>10.2f}x {t['baseline']['gpu_intervals'] / static_gpu:>11.2f}x")  # fmt: skip
+    print(f"{'all':<13} {'':>10} {report['static_slo_attainment']:>10.3f} {report['slo_attainment']:>11.3f} "
+          f"{report['baseline_slo_attainment']:>12.3f} {report['gpu_intervals_vs_static']:>10.2f}x "
+          f"{report['baseline_gpu_intervals_vs_static']:>11.2f}x")  # fmt: skip
+
+
+def plot(path: Path, sc: Scenario, traces: dict[str, dict]) -> None:
+    """Per trace: load; replicas of each policy; p90 TTFT and ITL over their targets."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'pdserve[bench]'", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"planner": "tab:blue", "baseline": "tab:orange", "static": "tab:gray"}
+    fig, axes = plt.subplots(4, len(traces), figsize=(5 * len(traces), 11), sharex="col", squeeze=False)
+    for col, (name, t) in enumerate(traces.items()):
+        series = t["series"]
+        minutes = [r["time"] / 60 for r in series["planner"]]
+        load, replicas, ttft, itl = axes[:, col]
+        load.plot(minutes, [r["arrival_rate"] for r in series["planner"]], color="black", lw=0.8)
+        load.set_title(name)
+        for policy, color in styles.items():
+            rows = series[policy]
+            replicas.plot(minutes, [r["prefill_gpus"] for r in rows], color=color, lw=1, label=f"{policy} prefill")
+            replicas.plot(
+                minutes, [r["decode_gpus"] for r in rows], color=color, lw=1, ls="--", label=f"{policy} decode"
+            )
+            for ax, key, target in ((ttft, "ttft_p90_s", sc.slo.ttft_p90_s), (itl, "itl_p90_s", sc.slo.itl_p90_s)):
+                values = [min((r[key] or 0) / target, 4.0) for r in rows]  # clipped: a stalled pool is off the chart
+                ax.plot(minutes, values, color=color, lw=0.8, label=policy)
+        for ax in (ttft, itl):
+            ax.axhline(1.0, color="red", lw=0.8, ls=":")
+        load.set_ylabel("arrivals (req/s)")
+        replicas.set_ylabel("replicas (GPUs held)")
+        ttft.set_ylabel("TTFT p90 / target")
+        itl.set_ylabel("ITL p90 / target")
+        itl.set_xlabel("minutes")
+    axes[1, 0].legend(fontsize=7, ncol=2)
+    axes[2, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def measure_profile(out: Path) -> None:
+    """Profile bench/offline.py's ``tiny`` Llama (random weights) on this machine."""
+    from offline import SHAPES, write_checkpoint
+
+    from pdserve.control_plane.profiler import ProfilePlan, profile_engine
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.engine_config import EngineConfig
+
+    plan = ProfilePlan(
+        prompt_lengths=(32, 128, 256, 512, 1024, 1536),
+        batch_sizes=(1, 4, 8, 16, 32, 64),
+        context_lengths=(128, 256, 512, 1024),
+        repeats=3,
+    )
+    with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
+        write_checkpoint(SHAPES["tiny"], Path(tmp), "float32", 0, None)
+        engine = LLMEngine(tmp, EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048))
+        source = f"python bench/planner_sim.py --measure-profile {out} (bench/offline.py shape 'tiny', random weights)"
+        profile = profile_engine(engine, plan, source=source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    print(f"wrote {out}: {profile.name}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="bench/planner_sim.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, help="write load, replicas and p90 latencies over time to this PNG")
+    parser.add_argument(
+        "--profile", type=Path, default=DEFAULT_PROFILE, help=f"engine profile (default: {DEFAULT_PROFILE.name})"
+    )
+    parser.add_argument(
+        "--measure-profile", type=Path, metavar="OUT", help="measure the tiny model here, write OUT, exit"
+    )
+    parser.add_argument("--duration-s", type=float, default=1800.0, help="trace length (default: 1800)")
+    parser.add_argument("--interval-s", type=int, default=10, help="planner interval (default: 10)")
+    parser.add_argument("--warmup-s", type=float, default=120.0, help="unscored start (default: 120)")
+    parser.add_argument("--target", type=float, default=0.95, help="attainment the static allocation must reach")
+    parser.add_argument("--traces", default="steady,step,burst,length_shift", help="comma-separated subset")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.measure_profile:
+        measure_profile(args.measure_profile)
+        return
+    started = time.perf_counter()
+    profile = EngineProfile.load(args.profile)
+    sc = make_scenario(profile, args)
+    wanted = args.traces.split(",")
+    traces = {t.name: run_trace(profile, t, sc, args.seed) for t in sc.traces() if t.name in wanted}
+    report = summarise(profile, args.profile, sc, traces)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    if args.plot:
+        plot(args.plot, sc, traces)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+
+
+if __name__ == "__main__":
+    main()
