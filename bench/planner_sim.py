@@ -27,7 +27,7 @@ of median traffic (peaks are 3x that).
 
     python bench/planner_sim.py                     # a table
     python bench/planner_sim.py --json              # one JSON object
-    python bench/planner_sim.py --plot bench/planner_sim.png
+    python bench/planner_sim.py --plot bench/plots/planner_sim.png
     python bench/planner_sim.py --measure-profile bench/profiles/cpu-tiny-llama.json
 """
 
