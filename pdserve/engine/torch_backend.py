@@ -1,8 +1,9 @@
 """The reference backend: plain torch, on CPU or GPU.
 
-Written for clarity first; the Triton kernels are checked against these functions. The
-attention here gathers each sequence's blocks and runs torch's SDPA: decodes as one padded
-batch, every other sequence on its own.
+Written for clarity first; the Triton kernels are checked against these functions.
+Attention copies the blocks it reads out of the paged cache with ``index_select`` (whole
+blocks, each a contiguous run) and computes on them where they land: decodes as one batch
+over all their blocks, every other sequence on its own with torch's SDPA.
 """
 
 from __future__ import annotations
@@ -14,43 +15,28 @@ import torch.nn.functional as F
 
 from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens
 
-
-def _gather_blocks(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The blocks covering ``length`` tokens of each sequence: [S, nb, ...] (one contiguous copy)."""
-    num_blocks = -(-length // _block_size(layer_cache))
-    return layer_cache[block_tables[:, :num_blocks].long()]
-
-
-def _block_size(layer_cache: torch.Tensor) -> int:
-    # GQA layer views are [N, 2, Hkv, block_size, D]; MLA views [N, block_size, L].
-    return layer_cache.shape[3] if layer_cache.dim() == 5 else layer_cache.shape[1]
-
-
-# (layer cache, block tables [S, nb], length) → k [S, Hkv, length, D], v [S, Hkv, length, Dv]
-GatherKV = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# (layer cache, block ids [B]) → keys [B, Hkv, bs, D], values [B, Hkv, bs, Dv]: copies of those blocks
+GatherKV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _attend_cached(
     q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, gather_kv: GatherKV
 ) -> torch.Tensor:
-    """Causal attention of every sequence's new tokens over its cached context, with SDPA.
+    """Causal attention of every sequence's new tokens over its cached context.
 
-    Decodes run as one padded batch; longer queries one sequence at a time, with a
-    bottom-right causal mask when part of the context was cached before this step.
+    Decodes run as one batch (``_decode_attention``); longer queries one sequence at a time
+    with SDPA, with a bottom-right causal mask when part of the context was cached before
+    this step.
     """
     nd = meta.num_decodes
     parts = []
     if nd:
-        k, v = gather_kv(layer_cache, meta.block_tables[:nd], max(meta.seq_lens_list[:nd]))
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:nd, None]
-        out = F.scaled_dot_product_attention(
-            q[:nd, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        parts.append(out[:, :, 0])
+        parts.append(_decode_attention(q[:nd], layer_cache, meta, scale, gather_kv))
     start = nd
     for i in range(nd, meta.num_seqs):
         qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-        k, v = gather_kv(layer_cache, meta.block_tables[i : i + 1], seq_len)
+        blocks = gather_kv(layer_cache, meta.block_tables[i, : -(-seq_len // meta.block_size)])
+        k, v = (_contiguous(x, seq_len) for x in blocks)
         qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, qlen, D]
         if qlen == seq_len:
             out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -64,16 +50,62 @@ def _attend_cached(
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _gather_gqa(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = _gather_blocks(layer_cache, block_tables, length)  # [S, nb, 2, Hkv, bs, D]
-    kv = blocks.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[..., :length, :]  # [2, S, Hkv, nb*bs, D]
-    return kv[0], kv[1]
+def _contiguous(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's blocks [nb, Hkv, bs, D] as the [1, Hkv, length, D] SDPA reads."""
+    num_blocks, num_kv_heads, block_size, dim = blocks.shape
+    return blocks.transpose(0, 1).reshape(1, num_kv_heads, num_blocks * block_size, dim)[:, :, :length]
+
+
+def _decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, gather_kv: GatherKV
+) -> torch.Tensor:
+    """Single-token queries q [S, H, D] of the step's first S sequences; returns [S, H, Dv].
+
+    The blocks of all S sequences are gathered back to back (B blocks, no padding to the
+    longest context) and each block meets its own sequence's query in one batched matmul,
+    so the blocks are read where they land instead of being copied again into one run per
+    sequence and head. The softmax spans a sequence's blocks through a per-sequence max
+    and sum.
+    """
+    num_seqs, num_heads, dim = q.shape
+    bs = meta.block_size
+    seq_lens = meta.seq_lens[:num_seqs]
+    tables = meta.block_tables[:num_seqs]
+    in_use = torch.arange(tables.shape[1], device=q.device) < (seq_lens[:, None] + bs - 1) // bs
+    seq_index, block_index = in_use.nonzero(as_tuple=True)  # [B] each, in the order of tables[in_use]
+    k, v = gather_kv(layer_cache, tables[in_use])  # [B, Hkv, bs, D], [B, Hkv, bs, Dv]
+    num_blocks, num_kv_heads, _, v_dim = v.shape
+    group = num_heads // num_kv_heads
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()  # no-ops in float32; lower precisions accumulate in float32
+    block_q = q[seq_index].view(num_blocks, num_kv_heads, group, dim)
+    scores = torch.matmul(block_q, k.transpose(-1, -2)).mul_(scale)  # [B, Hkv, group, bs]
+    positions = block_index[:, None] * bs + torch.arange(bs, device=q.device)  # [B, bs]
+    scores.masked_fill_((positions >= seq_lens[seq_index, None])[:, None, None, :], float("-inf"))
+    seq_max = _per_sequence(scores.amax(dim=-1), seq_index, num_seqs, "amax")  # [S, Hkv, group]
+    probs = scores.sub_(seq_max[seq_index, ..., None]).exp_()
+    denominator = _per_sequence(probs.sum(dim=-1), seq_index, num_seqs, "sum")  # [S, Hkv, group]
+    out = _per_sequence(torch.matmul(probs, v), seq_index, num_seqs, "sum")  # [S, Hkv, group, Dv]
+    return out.div_(denominator[..., None]).view(num_seqs, num_heads, v_dim).to(dtype)
+
+
+def _per_sequence(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, reduce: str) -> torch.Tensor:
+    """Reduce per-block ``values`` [B, ...] over each sequence's blocks: [S, ...] ("sum" or "amax")."""
+    index = seq_index.view(-1, *[1] * (values.dim() - 1)).expand_as(values)
+    initial = float("-inf") if reduce == "amax" else 0.0
+    return values.new_full((num_seqs, *values.shape[1:]), initial).scatter_reduce_(0, index, values, reduce)
+
+
+def _gather_gqa(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # K and V gathered apart, so each lands contiguous [B, Hkv, bs, D], the layout the
+    # batched matmuls of a decode read without another copy.
+    return layer_cache[:, 0].index_select(0, block_ids), layer_cache[:, 1].index_select(0, block_ids)
 
 
 def _mla_gather(v_dim: int) -> GatherKV:
-    def gather(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = _gather_blocks(layer_cache, block_tables, length).flatten(1, 2)[:, None, :length]  # [S, 1, T, L]
-        return rows, rows[..., :v_dim]  # one KV head: latents are the keys, their head the values
+    def gather(layer_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latents = layer_cache.index_select(0, block_ids)[:, None]  # [B, 1, bs, L]
+        return latents, latents[..., :v_dim]  # one KV head: latents are the keys, their head the values
 
     return gather
 

@@ -84,4 +84,10 @@ class DecoderModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        """Logits [R, vocab] (float32, a transposed view) of hidden [R, hidden].
+
+        Computed as ``(lm_head · hiddenᵀ)ᵀ``: with few rows (one per sampling request) MKL
+        splits this orientation over the vocabulary across threads, where ``hidden ·
+        lm_headᵀ`` scales poorly (32 rows, vocab 32000: 10 ms instead of 15.7 on 2 cores).
+        """
+        return F.linear(self.lm_head, hidden).t().float()

@@ -15,7 +15,7 @@ from pdserve.engine.backend import AttentionMetadata, Backend, RouterConfig
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.base import DecoderModel
-from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin
+from pdserve.engine.models.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
 
@@ -27,9 +27,9 @@ class GQAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, head_dim
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False))
         o_bias = arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False))
-        self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, self.num_heads * head_dim, qkv_bias)
-        self.k_proj = Linear(ckpt, f"{prefix}.k_proj", hidden, self.num_kv_heads * head_dim, qkv_bias)
-        self.v_proj = Linear(ckpt, f"{prefix}.v_proj", hidden, self.num_kv_heads * head_dim, qkv_bias)
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        names = tuple(f"{prefix}.{w}_proj" for w in "qkv")
+        self.qkv_proj = MergedLinear(ckpt, names, hidden, (q_size, kv_size, kv_size), qkv_bias)
         self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * head_dim, hidden, o_bias)
         self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.qk_norm:
@@ -41,9 +41,10 @@ class GQAttention:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
