@@ -25,6 +25,13 @@ ETCD_ERRORS: tuple[type[Exception], ...] = (aetcd.exceptions.ClientError, Timeou
 _PROBE_KEY = b"/pdserve/probe"
 
 
+# Longest wait for one etcd call: short enough that a hung call cannot outlive a lease.
+MAX_CALL_TIMEOUT_S = 2.0
+# Retry pacing while etcd is away: quick first retries, then about once a second.
+MIN_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 1.0
+
+
 class RegistryUnavailable(RuntimeError):
     """etcd could not be reached (or did not answer) within the deadline."""
 

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 
-from pdserve.control_plane.registry import RegistryView, WorkerEntry
+from pdserve.control_plane.registry import WorkerEntry
+from pdserve.control_plane.registry_view import RegistryView
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.engine_loop import KVAwaited, RequestStream
 from pdserve.engine.request import KVRole

@@ -6,7 +6,7 @@ import asyncio
 import signal
 
 from pdserve.control_plane.metrics import serve_metrics
-from pdserve.control_plane.registry import RegistryView
+from pdserve.control_plane.registry_view import RegistryView
 from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
 from pdserve.rpc.server import RpcServer
 from pdserve.v1 import inference_pb2_grpc

@@ -17,7 +17,8 @@ import grpc
 import msgspec
 
 from pdserve.control_plane.metrics import FrontendMetrics
-from pdserve.control_plane.registry import RegistryView, WorkerEntry
+from pdserve.control_plane.registry import WorkerEntry
+from pdserve.control_plane.registry_view import RegistryView
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.control_plane.metrics import Occupancy, WorkerMetrics, serve_metrics
-from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, WorkerRegistration
+from pdserve.control_plane.registration import WorkerRegistration
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer import KVAgent, KVLayout

@@ -24,14 +24,8 @@ import pytest
 
 from pdserve.control_plane.etcd import close_quietly, connect
 from pdserve.control_plane.frontend_stats import RollingWindow
-from pdserve.control_plane.registry import (
-    WorkerEntry,
-    WorkerLoad,
-    WorkerRegistration,
-    frontend_key,
-    list_workers,
-    planner_key,
-)
+from pdserve.control_plane.registration import WorkerRegistration
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, frontend_key, list_workers, planner_key
 
 
 def pdserve(*args: str, etcd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -16,7 +16,9 @@ import pytest
 
 from pdserve.control_plane.embedded_etcd import EmbeddedEtcd
 from pdserve.control_plane.etcd import RegistryUnavailable, connect
-from pdserve.control_plane.registry import RegistryView, WorkerLoad, WorkerRegistration
+from pdserve.control_plane.registration import WorkerRegistration
+from pdserve.control_plane.registry import WorkerLoad
+from pdserve.control_plane.registry_view import RegistryView
 from tests.control_plane.test_registry import eventually, make_entry
 from tests.utils.etcd_server import EtcdServer
 

@@ -21,15 +21,9 @@ import msgspec
 import pytest
 
 from pdserve.control_plane.etcd import EtcdEndpoint, RegistryUnavailable, connect
-from pdserve.control_plane.registry import (
-    RegistryView,
-    WorkerEntry,
-    WorkerLoad,
-    WorkerRegistration,
-    encode_entry,
-    list_workers,
-    worker_key,
-)
+from pdserve.control_plane.registration import WorkerRegistration
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, encode_entry, list_workers, worker_key
+from pdserve.control_plane.registry_view import RegistryView
 from tests.utils.etcd_server import EtcdServer
 
 
@@ -302,7 +296,8 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
 # A worker in its own process: registers, says so, and refreshes until killed.
 CHILD_WORKER = """
 import asyncio, sys
-from pdserve.control_plane.registry import WorkerLoad, WorkerRegistration, decode_entry
+from pdserve.control_plane.registry import WorkerLoad, decode_entry
+from pdserve.control_plane.registration import WorkerRegistration
 
 async def main():
     registration = WorkerRegistration(sys.argv[1], decode_entry(sys.argv[2].encode()), WorkerLoad, ttl_s=2, refresh_s=0.5)

@@ -1,0 +1,183 @@
+"""A worker's registration: its entry in etcd under a lease, kept fresh while the worker lives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from pdserve.control_plane.etcd import (
+    ETCD_ERRORS,
+    MAX_BACKOFF_S,
+    MAX_CALL_TIMEOUT_S,
+    MIN_BACKOFF_S,
+    EtcdConnection,
+    RegistryUnavailable,
+)
+from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, encode_entry
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerRegistration:
+    """Keeps one worker's entry in etcd, under a lease, for as long as the worker runs.
+
+    ``start()`` grants a lease of ``ttl_s`` and writes the entry with the current ``load()``;
+    a background task then, every ``refresh_s``, renews the lease and rewrites the entry with
+    a fresh ``load()``. Draining is reported through ``load()`` (``WorkerLoad.draining``): the
+    worker owns that state, the registration only publishes it.
+
+    While etcd is unreachable the task retries with a short backoff, every call under a
+    deadline, and logs the outage once. When etcd answers again it renews the lease if etcd
+    still has it (a restart with the same data dir keeps leases) or registers under a new
+    lease (the lease expired meanwhile, or etcd came back empty). Nothing escapes the task.
+    """
+
+    def __init__(
+        self,
+        etcd_url: str,
+        entry: WorkerEntry,
+        load: Callable[[], WorkerLoad],
+        *,
+        ttl_s: float = 5.0,
+        refresh_s: float = 1.0,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        if not 0 < refresh_s < ttl_s:
+            raise ValueError(f"refresh_s ({refresh_s}) must be positive and below ttl_s ({ttl_s})")
+        self.etcd_url = etcd_url
+        self.entry = entry
+        self._load = load
+        self._ttl = max(1, math.ceil(ttl_s))  # etcd leases count whole seconds
+        self._refresh_s = refresh_s
+        self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = min(MAX_CALL_TIMEOUT_S, ttl_s / 2)
+        self._etcd = EtcdConnection(etcd_url, self._call_timeout_s)
+        self._lease_id: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._is_registered = False
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease the entry is written under, None before start and after close."""
+        return self._lease_id
+
+    @property
+    def is_registered(self) -> bool:
+        """Whether the last write to etcd succeeded."""
+        return self._is_registered
+
+    async def start(self) -> None:
+        """Register, retrying until ``start_timeout_s``; then keep the entry fresh in the background.
+
+        Raises RegistryUnavailable naming the URL if no registration succeeded in time.
+        """
+        deadline = time.monotonic() + self._start_timeout_s
+        backoff = MIN_BACKOFF_S
+        while True:
+            try:
+                await self._write()
+                break
+            except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+                await self._etcd.reset()
+                if time.monotonic() + backoff > deadline:
+                    raise RegistryUnavailable(f"etcd at {self.etcd_url} is unreachable: {exc}") from exc
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+        self._is_registered = True
+        logger.info(
+            "registered %s at %s (lease %x, ttl %d s)",
+            self.entry.worker_id,
+            self.etcd_url,
+            self._lease_id,
+            self._ttl,
+        )
+        self._task = asyncio.create_task(self._keep_fresh(), name=f"registration {self.entry.worker_id}")
+
+    async def close(self) -> None:
+        """Stop refreshing and revoke the lease, so the entry disappears at once.
+
+        If etcd does not answer within a short deadline, give up: the lease expires by itself.
+        """
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._lease_id is not None:
+            try:
+                client = await self._etcd.client()
+                await asyncio.wait_for(client.revoke_lease(self._lease_id), self._call_timeout_s)
+            except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+                logger.info(
+                    "could not revoke lease %x (%s); it expires within %d s",
+                    self._lease_id,
+                    exc,
+                    self._ttl,
+                )
+        await self._etcd.reset()
+        self._lease_id = None
+        self._is_registered = False
+
+    async def _keep_fresh(self) -> None:
+        backoff = MIN_BACKOFF_S
+        while True:
+            await asyncio.sleep(self._refresh_s if self._is_registered else backoff)
+            try:
+                await self._write()
+            except Exception as exc:  # the task must outlive any one failure
+                if self._is_registered:
+                    # Only expected etcd failures are shown without a traceback.
+                    expected = isinstance(exc, (*ETCD_ERRORS, RegistryUnavailable))
+                    logger.warning(
+                        "%s could not refresh its registration; retrying: %s",
+                        self.entry.worker_id,
+                        exc,
+                        exc_info=not expected,
+                    )
+                self._is_registered = False
+                await self._etcd.reset()
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                continue
+            if not self._is_registered:
+                logger.info(
+                    "%s registered again at %s (lease %x)",
+                    self.entry.worker_id,
+                    self.etcd_url,
+                    self._lease_id,
+                )
+            self._is_registered = True
+            backoff = MIN_BACKOFF_S
+
+    async def refresh_now(self) -> None:
+        """Publish the current load at once (e.g. ``draining``); best effort, bounded by a deadline."""
+        try:
+            await self._write()
+        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            logger.info("%s could not publish its load now (%s); the next refresh will", self.entry.worker_id, exc)
+
+    async def _write(self) -> None:
+        """Renew (or replace) the lease, then write the entry with fresh load under it."""
+        timeout = self._call_timeout_s
+        client = await self._etcd.client()
+        if self._lease_id is not None:
+            reply = await asyncio.wait_for(client.refresh_lease(self._lease_id), timeout)
+            # etcd answers a lease it no longer has with TTL 0 rather than an error.
+            if reply is None or reply.TTL <= 0:
+                logger.warning(
+                    "lease %x of %s is gone; registering under a new lease",
+                    self._lease_id,
+                    self.entry.worker_id,
+                )
+                self._lease_id = None
+        if self._lease_id is None:
+            lease = await asyncio.wait_for(client.lease(self._ttl), timeout)
+            self._lease_id = lease.id
+        load = msgspec.structs.replace(self._load(), updated_at=time.time())
+        value = encode_entry(msgspec.structs.replace(self.entry, load=load))
+        await asyncio.wait_for(client.put(self.entry.key.encode(), value, lease=self._lease_id), timeout)
