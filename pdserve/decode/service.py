@@ -38,6 +38,7 @@ class DecodeService(WorkerServicer):
         super().__init__(runtime)
         self.puller = KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s)
         self.view = RegistryView(runtime.config.etcd)
+        self._removals: set[asyncio.Task[None]] = set()  # peer removals under way (owned here)
 
     async def start(self) -> None:
         await self.view.start()
@@ -45,12 +46,15 @@ class DecodeService(WorkerServicer):
 
     async def close(self) -> None:
         await self.view.close()
+        await asyncio.gather(*self._removals, return_exceptions=True)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
         agent = self.runtime.agent
         for entry in removed:
             if agent.has_peer(entry.worker_id):
-                asyncio.get_running_loop().create_task(agent.remove_peer(entry.worker_id, "left the registry"))
+                task = asyncio.get_running_loop().create_task(agent.remove_peer(entry.worker_id, "left the registry"))
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 
@@ -13,6 +15,9 @@ from pdserve.v1 import worker_pb2_grpc
 class WorkerChannels:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Background work (closing channels, releasing pins) is owned here: the event loop keeps
+        # only weak references to tasks, and close_all waits for it.
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(endpoint)
@@ -24,8 +29,15 @@ class WorkerChannels:
         """Close the worker's channel (in the background: in-flight calls on it fail)."""
         channel = self._channels.pop(endpoint, None)
         if channel is not None:
-            asyncio.get_running_loop().create_task(channel.close(grace=1.0))
+            self.in_background(channel.close(grace=1.0))
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` without waiting for it; ``close_all`` does."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close_all(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)

@@ -12,7 +12,6 @@ told to release it, so no block stays pinned longer than needed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -165,7 +164,7 @@ class RequestFlow:
             except grpc.aio.AioRpcError as exc:
                 logger.info("release of %s on %s: %s", self.request_id, prefilled.worker.worker_id, exc.code().name)
 
-        asyncio.get_running_loop().create_task(release())
+        self.routing.channels.in_background(release())
 
     # ---- decode --------------------------------------------------------------------------------------
     async def _decode(
