@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,9 @@ class EngineLoop:
         try:
             await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role))
         except BaseException:
-            self._streams.pop(request_id, None)
+            # Cancelled while queued, the add still runs on the engine thread: the abort queued
+            # behind it ends the request there (a no-op if the add failed).
+            self.abort(request_id)
             raise
         return stream
 
@@ -156,14 +158,21 @@ class EngineLoop:
         self._commands.put(lambda: self.engine.release_held(request_id))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread and return (or raise) its result."""
+        """Run ``fn`` on the engine thread and return (or raise) its result.
+
+        ``fn`` runs even if the caller is cancelled meanwhile (the caller cleans up after it);
+        its outcome then has nobody to go to, and must not stop the engine thread.
+        """
         done: Future[Any] = Future()
 
         def command() -> None:
             try:
-                done.set_result(fn())
+                result = fn()
             except BaseException as exc:  # handed to the caller, not the engine thread
-                done.set_exception(exc)
+                if not _settle(done.set_exception, exc):
+                    logger.warning("a command whose caller was cancelled failed: %r", exc)
+            else:
+                _settle(done.set_result, result)
 
         self._commands.put(command)
         return await asyncio.wrap_future(done)
@@ -245,3 +254,13 @@ class EngineLoop:
             queued_prefill_tokens=queued,
             num_preemptions=scheduler.num_preemptions,
         )
+
+
+def _settle(setter: Callable[[Any], None], value: Any) -> bool:
+    """Complete a command's future; False when its caller was cancelled (asyncio cancels the
+    wrapped future, from the event loop's thread, at any moment)."""
+    try:
+        setter(value)
+    except InvalidStateError:
+        return False
+    return True

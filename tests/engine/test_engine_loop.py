@@ -11,6 +11,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop, KVAwaited
 from pdserve.engine.request import KVRole
 from pdserve.engine.sampling_params import SamplingParams
+from tests.utils.aio import run_scenario
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -36,7 +37,7 @@ def test_concurrent_streams_equal_the_offline_engine(engine):
         await loop.stop()
         return results
 
-    results = asyncio.run(main())
+    results = run_scenario(main())
     for prompt, outputs in zip(prompts, results):
         engine.add_request("ref", prompt, GREEDY)
         final = None
@@ -61,7 +62,7 @@ def test_bad_requests_raise_and_aborts_free_everything(engine):
         await loop.stop()
         return load
 
-    load = asyncio.run(main())
+    load = run_scenario(main())
     assert load.running == 0 and load.kv_blocks_used == 0
     engine.check_idle_integrity()
 
@@ -86,7 +87,7 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
         await loop.stop()
         return produced, held, awaited, rest
 
-    produced, held, awaited, rest = asyncio.run(main())
+    produced, held, awaited, rest = run_scenario(main())
     assert produced[-1].finish_reason == "kv_transfer" and held == 1
     assert isinstance(awaited, KVAwaited) and len(awaited.block_ids) >= len(produced[-1].held_block_ids)
     engine.add_request("ref", prompt, GREEDY)
@@ -95,3 +96,31 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
         final = next((o for o in engine.step().outputs if o.finished), None)
     assert produced[-1].token_ids + [t for o in rest for t in o.new_token_ids] == final.token_ids
     engine.check_idle_integrity()
+
+
+def test_a_caller_cancelled_while_its_command_waits_leaves_the_engine_running(engine):
+    """The engine thread runs a command whose caller was cancelled; the outcome has nowhere
+    to go and must not stop the thread, and a cancelled add must not leave its request behind."""
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        blocker = asyncio.ensure_future(loop._call(lambda: __import__("time").sleep(0.3)))  # holds the thread
+        await asyncio.sleep(0.05)
+        # Queued behind the blocker, for a consumer: it would await KV forever if left in the engine.
+        add = asyncio.ensure_future(loop.add("gone", list(range(2, 20)), GREEDY, KVRole.CONSUMER))
+        failing = asyncio.ensure_future(loop._call(lambda: 1 / 0))
+        await asyncio.sleep(0.05)
+        add.cancel()
+        failing.cancel()
+        await blocker
+        await asyncio.sleep(0.2)
+        assert loop.error is None
+        stream = await loop.add("after", [5, 6, 7], GREEDY)  # the engine still serves
+        outputs = await asyncio.wait_for(_collect(stream), 30)
+        await loop.stop()
+        return outputs
+
+    outputs = run_scenario(main())
+    assert outputs[-1].finished and len([t for o in outputs for t in o.new_token_ids]) == 6
+    engine.check_idle_integrity()  # the cancelled consumer was aborted: every block is free
