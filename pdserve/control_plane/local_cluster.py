@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -19,10 +20,13 @@ import sys
 from dataclasses import dataclass, field
 
 from pdserve.control_plane.embedded_etcd import EmbeddedEtcd
+from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
 _READY = "listening on "
+# How long a child that did not stop gets to print its stacks before it is killed.
+_DUMP_WAIT_S = 2.0
 
 
 class ChildFailed(RuntimeError):
@@ -103,6 +107,7 @@ class LocalCluster:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve", *argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},  # a killed `up` takes its children with it
         )  # fmt: skip
         child = Child(name, process)
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -139,8 +144,15 @@ class LocalCluster:
             try:
                 await asyncio.wait_for(process.wait(), self.spec.stop_timeout_s)
             except TimeoutError:
-                logger.warning("%s did not stop in %.0fs: killing it", child.name, self.spec.stop_timeout_s)
-                os.killpg(process.pid, signal.SIGKILL)
+                logger.warning(
+                    "%s did not stop in %.0fs: dumping its stacks, then killing it", child.name, self.spec.stop_timeout_s
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, DUMP_SIGNAL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(process.wait(), _DUMP_WAIT_S)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
         if child.reader is not None:
             await asyncio.gather(child.reader, return_exceptions=True)

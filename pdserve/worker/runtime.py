@@ -25,6 +25,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING
+from pdserve.lifecycle import install_stack_dump
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 
@@ -151,6 +152,7 @@ class WorkerRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
+        install_stack_dump(loop, self.worker_id)
         await self._stop.wait()
         logger.info("%s draining (%s)", self.worker_id, self._stop_reason)
         await self.drain()

@@ -26,6 +26,7 @@ from pdserve.control_plane.etcd import close_quietly, connect
 from pdserve.control_plane.frontend_stats import RollingWindow
 from pdserve.control_plane.registration import WorkerRegistration
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, frontend_key, list_workers, planner_key
+from tests.utils.aio import run_scenario
 
 
 def pdserve(*args: str, etcd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -130,7 +131,7 @@ def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> No
             as_table = await pdserve_async("workers", "--model", model, etcd=etcd_url)
         return as_json, as_table
 
-    as_json, as_table = asyncio.run(scenario())
+    as_json, as_table = run_scenario(scenario())
     assert as_json.returncode == 0, as_json.stderr
     workers = json.loads(as_json.stdout)
     assert [(w["role"], w["worker_id"], w["endpoint"]) for w in workers] == [
@@ -201,7 +202,7 @@ def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etc
         pdserve("slo", "set", "--model", model, "--ttft-p90", "500ms", "--itl-p90", "30ms", etcd=etcd_url).returncode
         == 0
     )
-    as_json, as_table = asyncio.run(scenario())
+    as_json, as_table = run_scenario(scenario())
     assert as_json.returncode == 0, as_json.stderr
     [status] = json.loads(as_json.stdout)["models"]
     assert status["model"] == model
@@ -240,7 +241,7 @@ def test_drain_of_an_unknown_worker_names_the_known_ones(etcd_url: str, model: s
         async with registered(etcd_url, (worker, WorkerLoad())):
             return await pdserve_async("drain", "no-such-worker", etcd=etcd_url)
 
-    result = asyncio.run(scenario())
+    result = run_scenario(scenario())
     assert result.returncode == 1
     assert f"no worker 'no-such-worker' in the registry at {etcd_url}" in result.stderr
     assert worker.worker_id in result.stderr
@@ -300,7 +301,7 @@ def test_drain_stops_a_real_decode_worker(etcd_url: str, model: str, checkpoints
             finally:
                 await close_quietly(client)
 
-        asyncio.run(wait_registered())
+        run_scenario(wait_registered())
         result = pdserve("drain", worker_id, "--wait", "--timeout", "30s", "--json", etcd=etcd_url)
         assert result.returncode == 0, result.stderr
         outcome = json.loads(result.stdout)

@@ -20,6 +20,7 @@ from pdserve.control_plane.registration import WorkerRegistration
 from pdserve.control_plane.registry import WorkerLoad
 from pdserve.control_plane.registry_view import RegistryView
 from tests.control_plane.test_registry import eventually, make_entry
+from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
 
 
@@ -117,8 +118,8 @@ def test_answers_as_a_real_etcd_does(etcd_server: EtcdServer) -> None:
         finally:
             await etcd.stop()
 
-    real = asyncio.run(run(etcd_server.url))
-    embedded = asyncio.run(run_embedded())
+    real = run_scenario(run(etcd_server.url))
+    embedded = run_scenario(run_embedded())
     assert real[0] == ("put", 2)  # both start from an empty store at revision 1
     assert embedded == real
 
@@ -142,7 +143,7 @@ def test_leases_expire_and_take_their_keys() -> None:
             await client.close()
             await etcd.stop()
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_what_it_does_not_implement_says_so() -> None:
@@ -157,7 +158,7 @@ def test_what_it_does_not_implement_says_so() -> None:
             await client.close()
             await etcd.stop()
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_registry_in_process_as_pdserve_up_runs_it() -> None:
@@ -183,7 +184,7 @@ def test_registry_in_process_as_pdserve_up_runs_it() -> None:
             await registration.close()
             await etcd.stop()
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_a_stopped_embedded_etcd_is_unreachable() -> None:
@@ -196,4 +197,4 @@ def test_a_stopped_embedded_etcd_is_unreachable() -> None:
             await connect(url, timeout_s=1.0)
         assert time.monotonic() - start < 1.5
 
-    asyncio.run(body())
+    run_scenario(body())

@@ -24,6 +24,7 @@ from pdserve.control_plane.etcd import EtcdEndpoint, RegistryUnavailable, connec
 from pdserve.control_plane.registration import WorkerRegistration
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, encode_entry, list_workers, worker_key
 from pdserve.control_plane.registry_view import RegistryView
+from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
 
 
@@ -130,7 +131,7 @@ def test_connect_to_a_dead_port_fails_fast_naming_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
-        asyncio.run(connect(url, timeout_s=2.0))
+        run_scenario(connect(url, timeout_s=2.0))
     assert time.monotonic() - start < 2.5
 
 
@@ -141,7 +142,7 @@ def test_connect_to_a_server_that_never_answers_fails_at_the_deadline() -> None:
         url = f"127.0.0.1:{silent.getsockname()[1]}"
         start = time.monotonic()
         with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
-            asyncio.run(connect(url, timeout_s=1.0))
+            run_scenario(connect(url, timeout_s=1.0))
         assert time.monotonic() - start < 2.0
 
 
@@ -157,7 +158,7 @@ def test_registration_and_view_give_up_at_their_start_timeout() -> None:
                 await start()
             assert time.monotonic() - began < 2.5
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: str, model: str) -> None:
@@ -191,7 +192,7 @@ def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: 
             await view.close()
             await registration.close()
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, model: str) -> None:
@@ -247,7 +248,7 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
         await eventually(lambda: view.workers(model=model) == [], 2.0, "all gone")
         await view.close()
 
-    asyncio.run(body())
+    run_scenario(body())
     flat = [(tuple(a), tuple(r)) for a, r in events]
     assert flat[0] in {(("d0@1", "d1@1"), ()), (("d0@1",), ())}
     assert ((), ("d0@1",)) in flat
@@ -285,7 +286,7 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
             await view.close()
 
     try:
-        gone_after = asyncio.run(body())
+        gone_after = run_scenario(body())
     finally:
         child.kill()
         child.wait()
@@ -337,7 +338,7 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
             await client.close()
 
     with caplog.at_level(logging.WARNING, logger="pdserve.control_plane.registry"):
-        asyncio.run(body())
+        run_scenario(body())
     warnings = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
     # The view warns once per bad value however often it polls; list_workers once more each.
     assert sum(garbage_key.decode() in w for w in warnings) == 2
@@ -383,7 +384,7 @@ def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wi
             await view.close()
             await registration.close()
 
-    asyncio.run(body())
+    run_scenario(body())
 
 
 def test_close_with_etcd_down_gives_up_quickly(etcd_server: EtcdServer, model: str) -> None:
@@ -396,4 +397,4 @@ def test_close_with_etcd_down_gives_up_quickly(etcd_server: EtcdServer, model: s
         assert time.monotonic() - start < 2.5
         assert registration.lease_id is None
 
-    asyncio.run(body())
+    run_scenario(body())

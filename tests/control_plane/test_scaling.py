@@ -1,12 +1,12 @@
 """The Kubernetes connector patches only the replicas (and the live knobs) of the custom resource."""
 
-import asyncio
 import sys
 
 import pytest
 
 from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.scaling import KubernetesConnector
+from tests.utils.aio import run_scenario
 
 
 class FakeCustomObjectsApi:
@@ -36,10 +36,10 @@ class FakeCustomObjectsApi:
 def test_current_scale_and_knobs():
     api = FakeCustomObjectsApi()
     connector = KubernetesConnector("llama", "serving", api=api)
-    assert asyncio.run(connector.current()) == (2, 3)
-    asyncio.run(connector.scale(4, 6))
+    assert run_scenario(connector.current()) == (2, 3)
+    run_scenario(connector.scale(4, 6))
     assert api.patches[-1] == {"spec": {"prefill": {"replicas": 4}, "decode": {"replicas": 6}}}
-    assert asyncio.run(connector.set_knobs(Knobs(decode_max_num_seqs=32, local_prefill_threshold_tokens=128)))
+    assert run_scenario(connector.set_knobs(Knobs(decode_max_num_seqs=32, local_prefill_threshold_tokens=128)))
     assert api.patches[-1] == {
         "spec": {
             "tuning": {
@@ -51,10 +51,10 @@ def test_current_scale_and_knobs():
         }
     }
     with pytest.raises(ValueError):
-        asyncio.run(connector.scale(-1, 1))
+        run_scenario(connector.scale(-1, 1))
 
 
 def test_a_clear_error_without_the_kubernetes_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # makes `import kubernetes` fail
     with pytest.raises(RuntimeError, match="pip install kubernetes"):
-        asyncio.run(KubernetesConnector("llama").current())
+        run_scenario(KubernetesConnector("llama").current())

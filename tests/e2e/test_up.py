@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -33,16 +34,25 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
          "--disaggregation", "always", "--threads-per-worker", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert up.stdout is not None
+    # Read to the end on a thread: a pipe nobody reads would block `up` once full, and a
+    # failure below shows everything `up` printed.
     lines: list[str] = []
-    try:
+    is_up = threading.Event()
+
+    def read() -> None:
+        assert up.stdout is not None
         for line in up.stdout:
             lines.append(line)
             if "pdserve is up" in line:
-                break
-        else:
-            pytest.fail(f"pdserve up exited with {up.wait()}:\n{''.join(lines)}")
-        assert f"127.0.0.1:{port}" in lines[-1] and "(embedded)" in lines[-1]
+                is_up.set()
+        is_up.set()  # exited before coming up: the check below reports it
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert is_up.wait(120) and up.poll() is None, f"pdserve up did not come up:\n{''.join(lines)}"
+        [up_line] = [line for line in lines if "pdserve is up" in line]
+        assert f"127.0.0.1:{port}" in up_line and "(embedded)" in up_line
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", "".join(lines))]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         result = subprocess.run(
@@ -54,7 +64,11 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
         out = json.loads(result.stdout)
         assert len(out["token_ids"]) == 5 and out["breakdown"]["disaggregated"]
         up.send_signal(signal.SIGINT)  # Ctrl-C
-        assert up.wait(60) == 0
+        try:
+            code = up.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pdserve up did not stop within 60 s of Ctrl-C:\n{''.join(lines)}")
+        assert code == 0, "".join(lines)
         deadline = time.monotonic() + 5
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -63,6 +77,7 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
         if up.poll() is None:
             up.kill()
             up.wait()
+        reader.join(10)
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):

@@ -1,0 +1,63 @@
+"""A server process's life: what it is waiting on when asked, and dying with the parent that ran it.
+
+``kill -USR1 PID`` prints every asyncio task and thread of a pdserve server. A server stuck
+in its event loop shows, to a thread-level tool, only a loop idling in ``select``; the task
+stacks say which ``await`` never returns. ``pdserve up`` sends SIGUSR1 to a child that does
+not stop in time, before killing it, so the answer lands in its log.
+
+A child that ``pdserve up`` starts sets ``PARENT_PID_ENV``; such a child asks the kernel to
+kill it when that parent dies (Linux), so killing ``up`` with SIGKILL leaves no worker behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import io
+import os
+import signal
+import sys
+import threading
+import traceback
+
+DUMP_SIGNAL = signal.SIGUSR1
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def install_stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> None:
+    """Dump the stacks of ``loop``'s tasks and of every thread to stderr on SIGUSR1."""
+    loop.add_signal_handler(DUMP_SIGNAL, lambda: print(stack_dump(loop, name), file=sys.stderr, flush=True))
+
+
+def stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> str:
+    """Every pending task of ``loop`` and every thread, innermost frame last."""
+    out = io.StringIO()
+    tasks = asyncio.all_tasks(loop)
+    out.write(f"--- {name}: {len(tasks)} asyncio tasks ---\n")
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        task.print_stack(file=out)
+    frames = sys._current_frames()
+    out.write(f"--- {name}: {len(frames)} threads ---\n")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in frames.items():
+        out.write(f"thread {names.get(ident, ident)}:\n")
+        out.write("".join(traceback.format_stack(frame)))
+    out.write(f"--- {name}: end ---")
+    return out.getvalue()
+
+
+def die_with_parent() -> None:
+    """If ``PARENT_PID_ENV`` names this process's parent, be SIGKILLed when that parent dies.
+
+    A no-op without the variable and off Linux. The parent may already be gone by the time
+    this runs; the pid check afterwards catches that.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # best effort: without it the child outlives a killed parent, as any process would
+    if str(os.getppid()) != expected:
+        os.kill(os.getpid(), signal.SIGKILL)

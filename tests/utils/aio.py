@@ -1,0 +1,38 @@
+"""Running a test's asyncio scenario under a deadline that explains itself when it passes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def run_scenario(scenario: Coroutine[Any, Any, T], timeout_s: float = DEFAULT_TIMEOUT_S) -> T:
+    """``asyncio.run(scenario)``, failing after ``timeout_s`` with the stack of every pending task.
+
+    pytest-timeout's own report shows only threads, and an asyncio hang shows there as the
+    event loop idling in ``select``; the task stacks say which await never returned.
+    """
+
+    async def guarded() -> T:
+        task = asyncio.ensure_future(scenario)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if task in done:
+            return task.result()
+        stacks = io.StringIO()
+        for pending in asyncio.all_tasks():
+            if pending is not asyncio.current_task():
+                pending.print_stack(file=stacks)
+        # Printed before cancelling: should a task ignore the cancel, asyncio.run's clean-up
+        # would hang, and pytest-timeout's report still shows what was captured.
+        print(stacks.getvalue(), file=sys.stderr, flush=True)
+        task.cancel()
+        raise AssertionError(f"the scenario did not finish within {timeout_s:g} s; pending tasks:\n{stacks.getvalue()}")
+
+    return asyncio.run(guarded())
