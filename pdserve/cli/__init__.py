@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from pdserve.cli import generate, operate, serve, slo, status, up
+from pdserve.cli import generate, operate, planner, profile, serve, slo, status, up
+from pdserve.lifecycle import die_with_parent
 
 EPILOG = """examples:
   pdserve generate --model ./Llama-3.1-8B --prompt "The capital of France is"
@@ -30,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     slo.add_parser(commands)
     status.add_parser(commands)
     operate.add_parser(commands)
+    planner.add_parser(commands)
+    profile.add_parser(commands)
     return parser
 
 
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    die_with_parent()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:  # a CheckpointError is a ValueError

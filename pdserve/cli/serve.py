@@ -112,6 +112,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="Prometheus /metrics port (default: 0, a free one; -1: off)"
     )
+    parser.add_argument(
+        "--stats-window",
+        type=seconds,
+        default=10.0,
+        help="span of the live latency percentiles published in etcd for `pdserve status` and the planner "
+        "(default: 10s, the planner's interval)",
+    )
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
@@ -147,7 +154,7 @@ def frontend_config(args: argparse.Namespace, etcd: str) -> FrontendConfig:
         router=RouterConfig(disaggregation=args.disaggregation, local_prefill_tokens=args.local_prefill_tokens,
                             prefill_saturation_tokens=args.prefill_saturation_tokens),
         max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout, tokenizer=args.tokenizer,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port, stats_window_s=args.stats_window,
     )  # fmt: skip
 
 

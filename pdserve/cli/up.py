@@ -7,10 +7,20 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.cli.common import add_engine_args, engine_argv
+from pdserve.cli.operate import duration
+from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args
+
+if TYPE_CHECKING:
+    from pdserve.control_plane.local_cluster import LocalCluster
+    from pdserve.control_plane.planner import PlannerConfig
+    from pdserve.control_plane.profile import EngineProfile
+    from pdserve.control_plane.slo import SLOTargets
 
 DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as separate
 processes on this machine (each with its own engine and NIXL agent), print where the API
@@ -18,10 +28,17 @@ listens, and serve until Ctrl-C or SIGTERM, which stops every process cleanly (w
 
 Registry: with --etcd, that etcd. Without it, an embedded registry runs inside this process: a
 minimal, in-memory etcd v3 server (KV and leases only, no persistence) that needs nothing
-installed; it is for one machine — use a real etcd cluster in production."""
+installed; it is for one machine — use a real etcd cluster in production.
+
+Autoscaling: with --autoscale, the SLO planner (`pdserve planner`) runs inside this process
+and starts or drains local workers to hold the model's TTFT and ITL p90 targets, within
+--min/--max replicas per pool. The targets are written to the registry at start, so
+`pdserve slo set` changes them live, and `pdserve status` shows the planner's decisions."""
 
 EXAMPLES = """examples:
   pdserve up --model ./tiny-llama
+  pdserve profile --model ./tiny-llama --out tiny.json
+  pdserve up --model ./tiny-llama --autoscale --profile tiny.json --ttft-p90 200ms --itl-p90 20ms --max-decode 4
   pdserve up --model ./Llama-3.1-8B --prefill 2 --decode 2 --port 50051
   pdserve generate --target 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
 """
@@ -51,6 +68,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_frontend_args(up)
     add_engine_args(up)
+    scaling = up.add_argument_group("autoscaling")
+    scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
+    scaling.add_argument("--ttft-p90", type=duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
+    scaling.add_argument("--itl-p90", type=duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
+    for role in ("prefill", "decode"):
+        scaling.add_argument(f"--max-{role}", type=int, default=4, metavar="N",
+                             help=f"autoscale: most {role} workers (default: 4; the fewest is 1)")  # fmt: skip
+    add_planner_args(scaling)
     up.set_defaults(func=run)
 
 
@@ -61,14 +86,27 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--disaggregation always needs --prefill >= 1")
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {args.model}")
-    return asyncio.run(_up(args))
+    planner = None
+    if args.autoscale:
+        if args.ttft_p90 is None or args.itl_p90 is None:
+            raise ValueError("--autoscale needs --ttft-p90 and --itl-p90")
+        if args.prefill < 1:
+            raise ValueError("--autoscale needs --prefill >= 1 (a pool never goes below one worker)")
+        from pdserve.control_plane.slo import SLOTargets
+
+        slo = SLOTargets(model=Path(args.model).resolve().name, ttft_p90_s=args.ttft_p90, itl_p90_s=args.itl_p90,
+                         max_prefill_replicas=max(args.max_prefill, args.prefill),
+                         max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
+        planner = (slo, *load_planner(args))
+    return asyncio.run(_up(args, planner))
 
 
 def _frontend_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--host", args.host, "--port", str(args.port), "--disaggregation", args.disaggregation,
             "--local-prefill-tokens", str(args.local_prefill_tokens),
             "--prefill-saturation-tokens", str(args.prefill_saturation_tokens),
-            "--max-queued-requests", str(args.max_queued_requests), "--request-timeout", str(args.request_timeout)]  # fmt: skip
+            "--max-queued-requests", str(args.max_queued_requests), "--request-timeout", str(args.request_timeout),
+            "--stats-window", str(args.stats_window)]  # fmt: skip
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
     if args.metrics_port != 0:
@@ -76,7 +114,7 @@ def _frontend_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-async def _up(args: argparse.Namespace) -> int:
+async def _up(args: argparse.Namespace, planner: tuple[SLOTargets, EngineProfile, PlannerConfig] | None) -> int:
     from pdserve.control_plane.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
@@ -105,14 +143,51 @@ async def _up(args: argparse.Namespace) -> int:
     registry = args.etcd or f"{cluster.etcd_url} (embedded)"
     print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
           f"{args.prefill} prefill + {args.decode} decode workers; registry {registry}", flush=True)  # fmt: skip
-    while not stop.is_set():
-        dead = cluster.exited()
-        if dead:
-            print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", flush=True)
-            break
-        try:
-            await asyncio.wait_for(stop.wait(), 1.0)
-        except TimeoutError:
-            pass
-    await cluster.stop()
+    autoscaler = await _start_autoscaler(cluster, planner, stop) if planner is not None else None
+    try:
+        while not stop.is_set():
+            dead = cluster.exited()
+            if dead:
+                print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", flush=True)
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+    finally:
+        if autoscaler is not None:
+            await autoscaler()
+        await cluster.stop()
     return 0 if stop.is_set() else 1
+
+
+async def _start_autoscaler(
+    cluster: LocalCluster, planner: tuple[SLOTargets, EngineProfile, PlannerConfig], stop: asyncio.Event
+) -> Callable[[], Awaitable[None]]:
+    """Write the SLO, start the planner over the cluster's workers; returns what stops it."""
+    from pdserve.control_plane.etcd import close_quietly, connect
+    from pdserve.control_plane.local_connector import LocalConnector
+    from pdserve.control_plane.planner_service import PlannerService
+    from pdserve.control_plane.slo_store import put_slo
+
+    slo, profile, config = planner
+    assert cluster.etcd_url is not None
+    client = await connect(cluster.etcd_url)
+    try:
+        await put_slo(client, slo)
+    finally:
+        await close_quietly(client)
+    connector = LocalConnector(cluster)
+    service = PlannerService(cluster.etcd_url, profile, lambda m: connector if m == slo.model else None, config)
+    planner_stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(service.run(planner_stop), name="planner")
+    print(f"pdserve up: autoscaling {slo.model} every {config.interval_s:g}s: TTFT p90 <= {slo.ttft_p90_s:g}s, "
+          f"ITL p90 <= {slo.itl_p90_s:g}s, prefill 1..{slo.max_prefill_replicas}, "
+          f"decode 1..{slo.max_decode_replicas}", flush=True)  # fmt: skip
+
+    async def close() -> None:
+        planner_stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await connector.close()
+
+    return close

@@ -145,7 +145,8 @@ class FrontendMetrics:
         r = self.registry
         self.ttft_seconds = Histogram("pdserve_ttft_seconds", "Time to first token", ["model"],
                                       buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl_seconds = Histogram("pdserve_itl_seconds", "Inter-token latency", ["model"],
+        self.itl_seconds = Histogram("pdserve_itl_seconds", "Inter-token latency, one sample per gap "
+                                     "(pdserve status and the planner judge ITL per request: its mean gap)", ["model"],
                                      buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.e2e_seconds = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", ["model"],
                                      buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip

@@ -175,6 +175,25 @@ class Planner:
         self._interval = 0
         self._last_knob_change = -math.inf
         self._recent_peaks: deque[float] = deque(maxlen=config.down_cooldown_intervals + 1)
+        self._pending: list[str] = []  # changes made outside observe, reported by the next decision
+
+    def set_slo(self, slo: SLOTargets) -> None:
+        """Adopt new targets and bounds (``pdserve slo set`` while running); a pool outside its
+        new bounds is moved inside them at the next ``observe``."""
+        if slo == self.slo:
+            return
+        self.slo = slo
+        for pool, target, low, high in (
+            (self._prefill, slo.ttft_p90_s, slo.min_prefill_replicas, slo.max_prefill_replicas),
+            (self._decode, slo.itl_p90_s, slo.min_decode_replicas, slo.max_decode_replicas),
+        ):
+            pool.target_s, pool.minimum, pool.maximum = target, low, high
+            bounded = min(max(pool.replicas, low), high)
+            if bounded != pool.replicas:
+                self._pending.append(f"{pool.name} {pool.replicas} -> {bounded}: new bounds {low}..{high}")
+                pool.replicas = bounded
+                pool.last_change = self._interval
+        logger.info("%s: new SLO %s", slo.model, slo)
 
     @property
     def prefill_replicas(self) -> int:
@@ -193,7 +212,7 @@ class Planner:
         e2e_target = self.slo.e2e_p90_s
         if e2e_target is not None and obs.e2e_s is not None and obs.e2e_s.p90 > e2e_target:
             logger.warning("%s: end-to-end p90 %s > target %s", self.slo.model, _ms(obs.e2e_s.p90), _ms(e2e_target))
-        reasons: list[str] = []
+        reasons, self._pending = self._pending, []
         knobs = self._plan_knobs(forecast, reasons)
 
         model, prompt, output = self.model, forecast.prompt_tokens, forecast.output_tokens
@@ -231,7 +250,7 @@ class Planner:
             self.knobs = knobs
             self._last_knob_change = self._interval
             changed = True
-        if not changed:
+        if not changed and not reasons:
             return None
         decision = Decision(
             model=self.slo.model,

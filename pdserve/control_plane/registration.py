@@ -1,4 +1,8 @@
-"""A worker's registration: its entry in etcd under a lease, kept fresh while the worker lives."""
+"""Values kept in etcd under a lease while their owner lives: a worker's entry, a frontend's stats.
+
+``LeasedRecord`` is the mechanism (lease, refresh, outage handling); ``WorkerRegistration``
+is a worker's entry with its live load.
+"""
 
 from __future__ import annotations
 
@@ -24,26 +28,26 @@ from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, encode_entry
 logger = logging.getLogger(__name__)
 
 
-class WorkerRegistration:
-    """Keeps one worker's entry in etcd, under a lease, for as long as the worker runs.
+class LeasedRecord:
+    """Keeps one key in etcd, under a lease, for as long as its owner runs.
 
-    ``start()`` grants a lease of ``ttl_s`` and writes the entry with the current ``load()``;
-    a background task then, every ``refresh_s``, renews the lease and rewrites the entry with
-    a fresh ``load()``. Draining is reported through ``load()`` (``WorkerLoad.draining``): the
-    worker owns that state, the registration only publishes it.
+    ``start()`` grants a lease of ``ttl_s`` and writes ``value()`` at ``key``; a background
+    task then, every ``refresh_s``, renews the lease and rewrites the key with a fresh
+    ``value()``. If the owner dies, the lease expires and the key goes with it.
 
     While etcd is unreachable the task retries with a short backoff, every call under a
     deadline, and logs the outage once. When etcd answers again it renews the lease if etcd
-    still has it (a restart with the same data dir keeps leases) or registers under a new
+    still has it (a restart with the same data dir keeps leases) or writes under a new
     lease (the lease expired meanwhile, or etcd came back empty). Nothing escapes the task.
     """
 
     def __init__(
         self,
         etcd_url: str,
-        entry: WorkerEntry,
-        load: Callable[[], WorkerLoad],
+        key: str,
+        value: Callable[[], bytes],
         *,
+        name: str,
         ttl_s: float = 5.0,
         refresh_s: float = 1.0,
         start_timeout_s: float = 30.0,
@@ -51,8 +55,9 @@ class WorkerRegistration:
         if not 0 < refresh_s < ttl_s:
             raise ValueError(f"refresh_s ({refresh_s}) must be positive and below ttl_s ({ttl_s})")
         self.etcd_url = etcd_url
-        self.entry = entry
-        self._load = load
+        self.key = key
+        self.name = name
+        self._value = value
         self._ttl = max(1, math.ceil(ttl_s))  # etcd leases count whole seconds
         self._refresh_s = refresh_s
         self._start_timeout_s = start_timeout_s
@@ -64,7 +69,7 @@ class WorkerRegistration:
 
     @property
     def lease_id(self) -> int | None:
-        """The lease the entry is written under, None before start and after close."""
+        """The lease the key is written under, None before start and after close."""
         return self._lease_id
 
     @property
@@ -73,7 +78,7 @@ class WorkerRegistration:
         return self._is_registered
 
     async def start(self) -> None:
-        """Register, retrying until ``start_timeout_s``; then keep the entry fresh in the background.
+        """Write the key, retrying until ``start_timeout_s``; then keep it fresh in the background.
 
         Raises RegistryUnavailable naming the URL if no registration succeeded in time.
         """
@@ -92,15 +97,15 @@ class WorkerRegistration:
         self._is_registered = True
         logger.info(
             "registered %s at %s (lease %x, ttl %d s)",
-            self.entry.worker_id,
+            self.name,
             self.etcd_url,
             self._lease_id,
             self._ttl,
         )
-        self._task = asyncio.create_task(self._keep_fresh(), name=f"registration {self.entry.worker_id}")
+        self._task = asyncio.create_task(self._keep_fresh(), name=f"registration {self.name}")
 
     async def close(self) -> None:
-        """Stop refreshing and revoke the lease, so the entry disappears at once.
+        """Stop refreshing and revoke the lease, so the key disappears at once.
 
         If etcd does not answer within a short deadline, give up: the lease expires by itself.
         """
@@ -136,7 +141,7 @@ class WorkerRegistration:
                     expected = isinstance(exc, (*ETCD_ERRORS, RegistryUnavailable))
                     logger.warning(
                         "%s could not refresh its registration; retrying: %s",
-                        self.entry.worker_id,
+                        self.name,
                         exc,
                         exc_info=not expected,
                     )
@@ -147,7 +152,7 @@ class WorkerRegistration:
             if not self._is_registered:
                 logger.info(
                     "%s registered again at %s (lease %x)",
-                    self.entry.worker_id,
+                    self.name,
                     self.etcd_url,
                     self._lease_id,
                 )
@@ -155,29 +160,50 @@ class WorkerRegistration:
             backoff = MIN_BACKOFF_S
 
     async def refresh_now(self) -> None:
-        """Publish the current load at once (e.g. ``draining``); best effort, bounded by a deadline."""
+        """Write the current value at once (e.g. a worker now ``draining``); best effort, bounded by a deadline."""
         try:
             await self._write()
         except (*ETCD_ERRORS, RegistryUnavailable) as exc:
-            logger.info("%s could not publish its load now (%s); the next refresh will", self.entry.worker_id, exc)
+            logger.info("%s could not publish its value now (%s); the next refresh will", self.name, exc)
 
     async def _write(self) -> None:
-        """Renew (or replace) the lease, then write the entry with fresh load under it."""
+        """Renew (or replace) the lease, then write a fresh value under it."""
         timeout = self._call_timeout_s
         client = await self._etcd.client()
         if self._lease_id is not None:
             reply = await asyncio.wait_for(client.refresh_lease(self._lease_id), timeout)
             # etcd answers a lease it no longer has with TTL 0 rather than an error.
             if reply is None or reply.TTL <= 0:
-                logger.warning(
-                    "lease %x of %s is gone; registering under a new lease",
-                    self._lease_id,
-                    self.entry.worker_id,
-                )
+                logger.warning("lease %x of %s is gone; registering under a new lease", self._lease_id, self.name)
                 self._lease_id = None
         if self._lease_id is None:
             lease = await asyncio.wait_for(client.lease(self._ttl), timeout)
             self._lease_id = lease.id
+        await asyncio.wait_for(client.put(self.key.encode(), self._value(), lease=self._lease_id), timeout)
+
+
+class WorkerRegistration(LeasedRecord):
+    """A worker's entry at ``entry.key``, rewritten every ``refresh_s`` with a fresh ``load()``.
+
+    Draining is reported through ``load()`` (``WorkerLoad.draining``): the worker owns that
+    state, the registration only publishes it.
+    """
+
+    def __init__(
+        self,
+        etcd_url: str,
+        entry: WorkerEntry,
+        load: Callable[[], WorkerLoad],
+        *,
+        ttl_s: float = 5.0,
+        refresh_s: float = 1.0,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(etcd_url, entry.key, self._entry_value, name=entry.worker_id, ttl_s=ttl_s,
+                         refresh_s=refresh_s, start_timeout_s=start_timeout_s)  # fmt: skip
+        self.entry = entry
+        self._load = load
+
+    def _entry_value(self) -> bytes:
         load = msgspec.structs.replace(self._load(), updated_at=time.time())
-        value = encode_entry(msgspec.structs.replace(self.entry, load=load))
-        await asyncio.wait_for(client.put(self.entry.key.encode(), value, lease=self._lease_id), timeout)
+        return encode_entry(msgspec.structs.replace(self.entry, load=load))

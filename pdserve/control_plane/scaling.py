@@ -73,8 +73,9 @@ class ScalingConnector(ABC):
     """
 
     @abstractmethod
-    async def current(self) -> tuple[int, int]:
-        """The desired (prefill, decode) replica counts now in force."""
+    async def current(self) -> tuple[int, int] | None:
+        """The desired (prefill, decode) replica counts now in force; None when unknown (the
+        planner then starts from the workers registered)."""
 
     @abstractmethod
     async def scale(self, prefill: int, decode: int) -> None:
@@ -84,6 +85,19 @@ class ScalingConnector(ABC):
         """Apply ``knobs``; False when this connector cannot (the caller publishes them in
         etcd for the workers instead)."""
         return False
+
+
+class AdviseOnly(ScalingConnector):
+    """Applies nothing: the planner publishes what it would do (``pdserve planner --connector none``)."""
+
+    def __init__(self) -> None:
+        self._sizes: tuple[int, int] | None = None
+
+    async def current(self) -> tuple[int, int] | None:
+        return self._sizes
+
+    async def scale(self, prefill: int, decode: int) -> None:
+        self._sizes = (prefill, decode)
 
 
 class KubernetesConnector(ScalingConnector):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 
 from pdserve.control_plane.metrics import serve_metrics
+from pdserve.control_plane.registration import LeasedRecord
+from pdserve.control_plane.registry import frontend_key
 from pdserve.control_plane.registry_view import RegistryView
 from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
 from pdserve.rpc.server import RpcServer
+from pdserve.lifecycle import install_stack_dump
 from pdserve.v1 import inference_pb2_grpc
 
 
@@ -19,8 +23,15 @@ async def serve(config: FrontendConfig) -> None:
     service = InferenceService(config, view)
     server = RpcServer()
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
+    stats: LeasedRecord | None = None
     try:
         port = await server.start(config.host, config.port)
+        frontend_id = f"frontend-{socket.gethostname()}-{port}"
+        stats = LeasedRecord(
+            config.etcd, frontend_key(frontend_id), lambda: service.window.snapshot(frontend_id).encode(),
+            name=frontend_id, start_timeout_s=5.0,
+        )  # fmt: skip
+        await stats.start()
         if config.metrics_port is not None:
             metrics_port = serve_metrics(service.metrics.registry, config.host, config.metrics_port)
             print(f"pdserve frontend metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
@@ -29,9 +40,12 @@ async def serve(config: FrontendConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        install_stack_dump(loop, "frontend")
         await stop.wait()
         await server.set_serving(False)
     finally:
         await server.stop(grace_s=5.0)
+        if stats is not None:
+            await stats.close()
         await service.close()
         await view.close()

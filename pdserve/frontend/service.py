@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 
+from pdserve.control_plane.frontend_stats import RollingWindow
 from pdserve.control_plane.metrics import FrontendMetrics
 from pdserve.control_plane.registry import WorkerEntry
 from pdserve.control_plane.registry_view import RegistryView
@@ -39,6 +40,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: the deadline of a request whose caller set none (or a longer one).
     tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
     metrics_port: Prometheus /metrics port (0: a free one; None: off).
+    stats_window_s: the span of the live percentiles published in etcd for ``pdserve status``
+        and the planner; the planner's interval (default 10 s) is the natural choice.
     """
 
     etcd: str
@@ -49,6 +52,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 600.0
     tokenizer: str | None = None
     metrics_port: int | None = 0
+    stats_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,6 +61,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not self.stats_window_s > 0:
+            raise ValueError(f"stats_window_s must be > 0, got {self.stats_window_s}")
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -66,6 +72,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self.routing = Routing(view, Router(config.router), WorkerChannels())
         self.num_in_flight = 0
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
+        self.window = RollingWindow(config.stats_window_s)
         view.add_listener(self._on_registry_change)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
@@ -112,6 +119,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ModelUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.window.arrived(valid.model.name)
         remaining = context.time_remaining()
         timeout = (
             min(remaining, self.config.request_timeout_s) if remaining is not None else self.config.request_timeout_s
@@ -135,13 +143,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _record(self, model: str, flow: RequestFlow, code: grpc.StatusCode) -> None:
         m = self.metrics
         m.requests.labels(model, code.name).inc()
-        if code != grpc.StatusCode.OK:
+        if code == grpc.StatusCode.CANCELLED:  # the caller left: neither a latency nor a failure of ours
             return
-        b = flow.breakdown
+        b, gaps = flow.breakdown, flow.token_gaps()
+        ok = code == grpc.StatusCode.OK
+        e2e_s = b.e2e_ms / 1e3 if ok else time.monotonic() - flow.arrival
+        self.window.record(
+            model, time.time() - e2e_s, ttft_s=b.ttft_ms / 1e3, itl_s=gaps or None, e2e_s=e2e_s,
+            prompt_tokens=len(flow.request.token_ids), output_tokens=flow.num_tokens, ok=ok,
+        )  # fmt: skip
+        if not ok:
+            return
         m.ttft_seconds.labels(model).observe(b.ttft_ms / 1e3)
         m.e2e_seconds.labels(model).observe(b.e2e_ms / 1e3)
         itl = m.itl_seconds.labels(model)
-        for gap in flow.token_gaps():
+        for gap in gaps:
             itl.observe(gap)
         if b.disaggregated and b.ttft_ms > 0:
             m.kv_transfer_share.labels(model).observe(min(b.kv_transfer_ms / b.ttft_ms, 1.0))

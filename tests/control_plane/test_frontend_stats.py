@@ -25,6 +25,7 @@ def window(window_s: float = 60.0, **kwargs) -> tuple[RollingWindow, FakeClock]:
 def test_percentiles_are_nearest_rank_not_means() -> None:
     w, clock = window()
     for i in range(1, 101):  # TTFT 1..100 ms, one request per 0.1 s, all finished by now
+        w.arrived("m", clock.now - 20 + i * 0.1)
         w.record("m", clock.now - 20 + i * 0.1, ttft_s=i / 1e3, itl_s=None, e2e_s=i / 1e2, prompt_tokens=i,
                  output_tokens=2 * i)  # fmt: skip
     stats = w.stats("m")
@@ -50,15 +51,17 @@ def test_a_tail_shows_in_the_p90_where_a_mean_would_hide_it() -> None:
     assert w.stats("m").ttft_p90_ms == pytest.approx(2000)  # now 2 of 11 are slow
 
 
-def test_itl_counts_every_gap_so_long_requests_weigh_more() -> None:
+def test_itl_is_each_requests_mean_gap_so_every_request_weighs_the_same() -> None:
     w, clock = window()
-    # A short request with slow gaps, a long one with fast gaps: per gap, fast dominates.
+    # A short request with slow gaps, a long one with fast gaps: per request, the slow one is
+    # half the sample (counted per gap, the long request's 97 fast gaps would hide it).
     w.record("m", clock.now - 10, ttft_s=0.1, itl_s=[0.1] * 3, e2e_s=1.0, prompt_tokens=4, output_tokens=4)
     w.record("m", clock.now - 10, ttft_s=0.1, itl_s=[0.01] * 97, e2e_s=2.0, prompt_tokens=4, output_tokens=98)
     stats = w.stats("m")
-    assert stats.itl_p50_ms == pytest.approx(10) and stats.itl_p90_ms == pytest.approx(10)
-    # A mean gap stands for output_tokens - 1 equal gaps.
-    w.record("m", clock.now - 10, ttft_s=0.1, itl_s=0.05, e2e_s=3.0, prompt_tokens=4, output_tokens=201)
+    assert stats.itl_p50_ms == pytest.approx(10) and stats.itl_p90_ms == pytest.approx(100)
+    # A mean gap is taken as it is.
+    for _ in range(8):
+        w.record("m", clock.now - 10, ttft_s=0.1, itl_s=0.05, e2e_s=3.0, prompt_tokens=4, output_tokens=201)
     assert w.stats("m").itl_p90_ms == pytest.approx(50)
     # One output token has no gap: its mean is ignored.
     w2, clock2 = window()
@@ -66,17 +69,16 @@ def test_itl_counts_every_gap_so_long_requests_weigh_more() -> None:
     assert w2.stats("m").itl_p90_ms is None
 
 
-def test_long_gap_lists_are_compressed_but_keep_their_tail() -> None:
-    w, clock = window(max_itl_points=16)
-    gaps = [0.01] * 850 + [0.2] * 150  # 15 % slow gaps: the p90 is slow
-    w.record("m", clock.now - 30, ttft_s=0.1, itl_s=gaps, e2e_s=20.0, prompt_tokens=4, output_tokens=1001)
+def test_arrivals_count_when_requests_arrive_second_by_second() -> None:
+    w, clock = window(window_s=10)
+    clock.now = 2000.5
+    for t in (1990.2, 1995.0, 1995.9, 2000.1, 2000.4):  # the first is out of the window (1990.5, 2000.5]
+        w.arrived("m", t)
     stats = w.stats("m")
-    assert stats.itl_p50_ms == pytest.approx(10)
-    assert stats.itl_p90_ms == pytest.approx(200)
-    w.record("m", clock.now - 30, ttft_s=0.1, itl_s=[0.03] * 1000, e2e_s=20.0, prompt_tokens=4, output_tokens=1001)
-    # 2000 gaps: 850 at 10 ms, 1000 at 30 ms, 150 at 200 ms; rank 1800 is 30 ms, and the two
-    # long requests weigh 1000 gaps each although each keeps 16 points.
-    assert w.stats("m").itl_p90_ms == pytest.approx(30)
+    assert stats is not None and stats.num_requests == 0  # none finished yet: a burst shows anyway
+    assert stats.arrivals_per_s == [0, 0, 0, 0, 2, 0, 0, 0, 0, 2]  # seconds 1991..2000
+    assert stats.arrival_rate == pytest.approx(4 / 10)
+    assert stats.ttft_p90_ms is None
 
 
 def test_old_requests_leave_the_window() -> None:
@@ -107,9 +109,11 @@ def test_just_after_start_the_rate_is_over_the_time_covered() -> None:
     w = RollingWindow(60.0, clock=clock)
     clock.now += 5
     for _ in range(10):
+        w.arrived("m", clock.now - 1.5)
         w.record("m", clock.now - 1, ttft_s=0.1, itl_s=None, e2e_s=0.5, prompt_tokens=4, output_tokens=1)
     stats = w.stats("m")
     assert stats.window_s == pytest.approx(5) and stats.arrival_rate == pytest.approx(2)
+    assert stats.arrivals_per_s == [0, 0, 10, 0, 0]  # seconds 1001..1005
 
 
 def test_snapshot_covers_every_model_and_round_trips_as_json() -> None:
@@ -130,14 +134,13 @@ def test_snapshot_covers_every_model_and_round_trips_as_json() -> None:
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ValueError, match="window_s"):
         RollingWindow(0)
-    with pytest.raises(ValueError, match="max_itl_points"):
-        RollingWindow(10, max_itl_points=0)
 
 
 def test_arrivals_from_before_the_window_was_made_extend_what_it_covers() -> None:
     clock = FakeClock()
     w = RollingWindow(60.0, clock=clock)
     for i in range(30):  # fed at once, e.g. replayed from a log: arrivals over the last 30 s
+        w.arrived("m", clock.now - 30 + i)
         w.record("m", clock.now - 30 + i, ttft_s=0.1, itl_s=None, e2e_s=0.0, prompt_tokens=4, output_tokens=1)
     stats = w.stats("m")
     assert stats.window_s == pytest.approx(30) and stats.arrival_rate == pytest.approx(1)

@@ -1,0 +1,138 @@
+"""The planner as a service: every interval, read etcd, decide per model, act, publish.
+
+One ``step`` reads the SLO targets, the frontends' stats and the workers' entries in one
+pass, and for every model with an SLO (and a connector) it builds the interval's
+``Observation``, lets that model's ``Planner`` decide, applies the decision through the
+model's ``ScalingConnector`` and publishes it as JSON at ``registry.planner_key(model)``,
+where ``pdserve status`` shows it. SLO changes are picked up at the next step, without a
+restart. An etcd outage skips steps (logged once); it never ends the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pdserve.control_plane.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
+from pdserve.control_plane.frontend_stats import list_frontend_stats
+from pdserve.control_plane.observer import observe
+from pdserve.control_plane.planner import Decision, Planner, PlannerConfig
+from pdserve.control_plane.profile import EngineProfile
+from pdserve.control_plane.registry import list_workers, planner_key
+from pdserve.control_plane.scaling import ScalingConnector
+from pdserve.control_plane.slo_store import list_slos
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerService:
+    """Plans every model that has SLO targets in etcd and a connector.
+
+    ``connector_for(model)`` gives the connector that resizes the model's pools, or None to
+    leave the model alone (another planner's, or one this deployment does not manage).
+    """
+
+    def __init__(
+        self,
+        etcd_url: str,
+        profile: EngineProfile,
+        connector_for: Callable[[str], ScalingConnector | None],
+        config: PlannerConfig = PlannerConfig(),
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self._connector_for = connector_for
+        self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S)
+        self._planners: dict[str, Planner] = {}
+        self._reachable = True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step every ``interval_s`` until ``stop`` is set."""
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                await self.step()
+                remaining = self.config.interval_s - (time.monotonic() - started)
+                try:
+                    await asyncio.wait_for(stop.wait(), max(remaining, 0.0))
+                except TimeoutError:
+                    pass
+        finally:
+            await self._etcd.reset()
+
+    async def step(self) -> list[Decision]:
+        """One interval: the decisions made (and applied), or none if etcd could not be read."""
+        try:
+            client = await self._etcd.client()
+            slos, frontends, workers = await asyncio.gather(
+                list_slos(client, MAX_CALL_TIMEOUT_S),
+                list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
+                list_workers(client, MAX_CALL_TIMEOUT_S),
+            )
+        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            if self._reachable:
+                logger.warning("planner: etcd at %s unreachable, skipping intervals until it answers: %s",
+                               self._etcd.url, exc)  # fmt: skip
+            self._reachable = False
+            await self._etcd.reset()
+            return []
+        self._reachable = True
+        now = time.time()
+        decisions = []
+        planned = set()
+        for slo in slos:
+            connector = self._connector_for(slo.model)
+            if connector is None:
+                continue
+            planned.add(slo.model)
+            planner = self._planners.get(slo.model)
+            if planner is None:
+                sizes = await connector.current()
+                if sizes is None:  # unknown: what is registered now, within the bounds
+                    ready = [w for w in workers if w.model == slo.model and not w.load.draining]
+                    sizes = (
+                        min(max(sum(w.role == "prefill" for w in ready), slo.min_prefill_replicas),
+                            slo.max_prefill_replicas),
+                        min(max(sum(w.role == "decode" for w in ready), slo.min_decode_replicas),
+                            slo.max_decode_replicas),
+                    )  # fmt: skip
+                prefill, decode = sizes
+                planner = Planner(slo, self.profile, self.config, prefill_replicas=prefill, decode_replicas=decode)
+                self._planners[slo.model] = planner
+                logger.info("planning %s: %d prefill + %d decode replicas now", slo.model, prefill, decode)
+            planner.set_slo(slo)
+            before = (planner.prefill_replicas, planner.decode_replicas, planner.knobs)
+            obs = observe(slo.model, frontends, workers, planner.knobs, now=now, interval_s=self.config.interval_s)
+            decision = planner.observe(obs)
+            if decision is None:
+                continue
+            if not await self._apply(connector, decision, before):
+                del self._planners[slo.model]  # it re-reads what is deployed at the next step
+            await self._publish(decision)
+            decisions.append(decision)
+        for model in set(self._planners) - planned:  # its SLO was removed: start afresh if it returns
+            del self._planners[model]
+        return decisions
+
+    async def _apply(self, connector: ScalingConnector, decision: Decision, before: tuple) -> bool:
+        prefill, decode, knobs = before
+        try:
+            if (decision.prefill_replicas, decision.decode_replicas) != (prefill, decode):
+                await connector.scale(decision.prefill_replicas, decision.decode_replicas)
+            if decision.knobs != knobs and not await connector.set_knobs(decision.knobs):
+                logger.info("%s: knobs %s decided; this connector cannot apply them", decision.model, decision.knobs)
+        except Exception:  # the service outlives a connector failure
+            logger.exception("%s: could not apply %s", decision.model, decision)
+            return False
+        return True
+
+    async def _publish(self, decision: Decision) -> None:
+        try:
+            client = await self._etcd.client()
+            await asyncio.wait_for(client.put(planner_key(decision.model).encode(), decision.encode()),
+                                   MAX_CALL_TIMEOUT_S)  # fmt: skip
+        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            logger.warning("%s: decision not published: %s", decision.model, exc)
+            await self._etcd.reset()
