@@ -41,6 +41,7 @@ def observe(
             index = seconds - 1 - (last - (end - i))
             if 0 <= index < seconds:
                 arrivals[index] += count
+    models = [s for _, s in stats]
     ready = [w for w in workers if w.model == model and not w.load.draining]
     prefill = [w for w in ready if w.role == "prefill"]
     decode = [w for w in ready if w.role == "decode"]
@@ -49,11 +50,11 @@ def observe(
         time=now,
         interval_s=float(seconds),
         arrivals_per_s=arrivals,
-        prompt_tokens=_merge([s for _, s in stats], "prompt_tokens", scale=1.0, mean="prompt_tokens_mean"),
-        output_tokens=_merge([s for _, s in stats], "output_tokens", scale=1.0, mean="output_tokens_mean"),
-        ttft_s=_merge([s for _, s in stats], "ttft", scale=1e-3),
-        itl_s=_merge([s for _, s in stats], "itl", scale=1e-3),
-        e2e_s=_merge([s for _, s in stats], "e2e", scale=1e-3),
+        prompt_tokens=_merge(models, "prompt_tokens_p50", "prompt_tokens_p90", mean="prompt_tokens_mean"),
+        output_tokens=_merge(models, "output_tokens_p50", "output_tokens_p90", mean="output_tokens_mean"),
+        ttft_s=_merge(models, "ttft_p50_ms", "ttft_p90_ms", scale=1e-3),
+        itl_s=_merge(models, "itl_p50_ms", "itl_p90_ms", scale=1e-3),
+        e2e_s=_merge(models, "e2e_p90_ms", "e2e_p90_ms", scale=1e-3),  # only a p90 is published
         num_prefill_ready=len(prefill),
         num_decode_ready=len(decode),
         prefill_waiting=sum(w.load.waiting for w in prefill),
@@ -63,18 +64,19 @@ def observe(
     )
 
 
-def _merge(stats: list[ModelStats], name: str, *, scale: float, mean: str | None = None) -> Summary | None:
-    """One Summary from the frontends' ``{name}_p50``/``_p90`` (``_ms`` for latencies) fields."""
-    suffix = "_ms" if scale != 1.0 else ""
+def _merge(stats: list[ModelStats], p50_field: str, p90_field: str, *, scale: float = 1.0,
+           mean: str | None = None) -> Summary | None:  # fmt: skip
+    """One Summary from the frontends' p50/p90 (and mean) fields, each value times ``scale``."""
     rows = []
     for s in stats:
-        p50, p90 = getattr(s, f"{name}_p50{suffix}", None), getattr(s, f"{name}_p90{suffix}", None)
+        p90 = getattr(s, p90_field)
         if p90 is None:
             continue
+        p50 = getattr(s, p50_field)
         p50 = p90 if p50 is None else p50
         average = getattr(s, mean) if mean is not None else None
-        average = p50 * scale if average is None else average
-        rows.append((max(s.num_requests - s.num_errors, 1), p50 * scale, p90 * scale, average))
+        average = p50 if average is None else average
+        rows.append((max(s.num_requests - s.num_errors, 1), p50 * scale, p90 * scale, average * scale))
     if not rows:
         return None
     total = sum(n for n, *_ in rows)

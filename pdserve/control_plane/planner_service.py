@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from pdserve.control_plane.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
 from pdserve.control_plane.frontend_stats import list_frontend_stats
+from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.observer import observe
 from pdserve.control_plane.planner import Decision, Planner, PlannerConfig
 from pdserve.control_plane.profile import EngineProfile
@@ -116,7 +117,10 @@ class PlannerService:
             del self._planners[model]
         return decisions
 
-    async def _apply(self, connector: ScalingConnector, decision: Decision, before: tuple) -> bool:
+    async def _apply(
+        self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]
+    ) -> bool:
+        """Resize and retune where the decision differs from ``before``; False if the connector failed."""
         prefill, decode, knobs = before
         try:
             if (decision.prefill_replicas, decision.decode_replicas) != (prefill, decode):

@@ -32,7 +32,6 @@ def _decode_sizes(lines: list[str]) -> list[int]:
 
 def _burst(port: int, model: str, seconds: float) -> None:
     """16 concurrent streams at a time for ``seconds``: more than one decode worker's 4 slots."""
-    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
 
     def one(i: int) -> None:
         request = inference_pb2.GenerateRequest(
@@ -42,7 +41,8 @@ def _burst(port: int, model: str, seconds: float) -> None:
         list(stub.Generate(request, timeout=60))
 
     end = time.monotonic() + seconds
-    with ThreadPoolExecutor(16) as pool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(16) as pool:
+        stub = inference_pb2_grpc.InferenceStub(channel)
         while time.monotonic() < end:
             list(pool.map(one, range(16)))
 
