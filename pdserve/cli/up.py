@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--disaggregation always needs --prefill >= 1")
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {args.model}")
+    _check_port_free(args.host, args.port)
     planner = None
     if args.autoscale:
         if args.ttft_p90 is None or args.itl_p90 is None:
@@ -99,6 +101,18 @@ def run(args: argparse.Namespace) -> int:
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         planner = (slo, *load_planner(args))
     return asyncio.run(_up(args, planner))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail now, not after every worker has loaded its model, when the frontend's port is taken."""
+    if port == 0:
+        return
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                         "choose another port, or 0 for any free one") from None  # fmt: skip
 
 
 def _frontend_argv(args: argparse.Namespace) -> list[str]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,10 +34,15 @@ def long_context_copy(checkpoint: Path, directory: Path, max_position_embeddings
     return directory
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def bound_port(line: str) -> int:
+    """The port in a server's "... on HOST:PORT" line.
+
+    Servers in tests bind port 0 and report the port they got: a port picked free beforehand
+    can be taken by another process (a worker's gRPC or NIXL listener) before it is bound.
+    """
+    found = re.search(r" on [^\s;]+:(\d+)", line)
+    assert found, f"no listening address in {line!r}"
+    return int(found.group(1))
 
 
 class Deployment:
@@ -52,18 +57,19 @@ class Deployment:
         worker_args: tuple[str, ...] = (),
         frontend_args: tuple[str, ...] = (),
     ) -> None:
-        self.port = free_port()
         self.etcd = etcd
         self.model_name = model_name
         self.cluster = LocalCluster(ClusterSpec(
             model=model, etcd=etcd, threads_per_worker=1, start_timeout_s=120, stop_timeout_s=30,
             worker_args=("--model-name", model_name, "--lease-ttl", "3s", *worker_args),
-            frontend_args=("--port", str(self.port), *frontend_args),
+            frontend_args=("--port", "0", *frontend_args),
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.run(self.cluster.start(prefill, decode), timeout=240)
+        assert self.cluster.frontend is not None
+        self.port = bound_port(f" on {self.cluster.frontend.address}")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
@@ -132,14 +138,14 @@ class Frontend:
         import subprocess
         import sys
 
-        self.port = free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", str(self.port), *args],
+            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", *args],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if "listening on" in line:
+                self.port = bound_port(line)
                 break
         else:
             raise AssertionError(f"frontend exited with {self.process.wait()}")

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
-from tests.e2e.deployment import free_port
+from tests.e2e.deployment import bound_port
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +57,9 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
     )  # fmt: skip
     config = tmp_path / "planner.json"
     config.write_text(json.dumps(PLANNER_CONFIG))
-    port = free_port()
     # An ITL target a burst on one decode worker breaks: 16 streams wait for its 4 slots.
     up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--model", str(path), "--port", str(port),
+        [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--model", str(path), "--port", "0",
          "--disaggregation", "always", "--threads-per-worker", "1", "--max-num-seqs", "4",
          "--autoscale", "--profile", str(profile), "--planner-config", str(config), "--ttft-p90", "2s",
          "--itl-p90", "6ms", "--max-decode", "3", "--planner-interval", "1s", "--stats-window", "2s"],
@@ -81,6 +80,7 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
     reader.start()
     try:
         assert is_up.wait(120) and up.poll() is None, "".join(lines)
+        port = bound_port(next(line for line in lines if "pdserve is up" in line))
         _burst(port, path.name, seconds=8)
         grown = max(_decode_sizes(lines), default=1)
         assert grown >= 2, f"the decode pool did not grow under the burst:\n{''.join(lines)}"

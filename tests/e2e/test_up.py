@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.e2e.deployment import free_port
+from tests.e2e.deployment import bound_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,8 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints):
     path, _ = checkpoints("llama")
-    port = free_port()
     up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port),
+        [sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", "0",
          "--disaggregation", "always", "--threads-per-worker", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -52,7 +52,8 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
     try:
         assert is_up.wait(120) and up.poll() is None, f"pdserve up did not come up:\n{''.join(lines)}"
         [up_line] = [line for line in lines if "pdserve is up" in line]
-        assert f"127.0.0.1:{port}" in up_line and "(embedded)" in up_line
+        port = bound_port(up_line)
+        assert "(embedded)" in up_line
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", "".join(lines))]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         result = subprocess.run(
@@ -81,14 +82,24 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", str(free_port())],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert up.returncode == 2 and "no config.json in model directory" in up.stderr
 
 
+def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
+    path, _ = checkpoints("llama")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert up.returncode == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in up.stderr
+    assert "worker" not in up.stdout + up.stderr.split("error:")[0]  # nothing was started
+
+
 def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", str(free_port())],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert up.returncode == 1
     assert "exited; its last output" in up.stderr and "config.json" in up.stderr

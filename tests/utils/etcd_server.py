@@ -20,6 +20,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _PortTaken(RuntimeError):
+    pass
+
+
 class EtcdServer:
     """``/usr/bin/etcd`` on free loopback ports with its own data dir.
 
@@ -36,6 +40,7 @@ class EtcdServer:
         self._client_port = _free_port()
         self._peer_port = _free_port()
         self._process: subprocess.Popen | None = None
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -47,7 +52,25 @@ class EtcdServer:
         return self._root / "data"
 
     def start(self) -> EtcdServer:
-        """Start etcd and wait (up to 20 s) until it reports itself healthy."""
+        """Start etcd and wait (up to 20 s) until it reports itself healthy.
+
+        A first start whose free ports were taken in the meantime retries on fresh ones;
+        a restart must keep its ports, so it does not.
+        """
+        for _ in range(3):
+            try:
+                self._start_once()
+            except _PortTaken:
+                if self._started:
+                    raise
+                (self._root / "etcd.log").unlink()
+                self._client_port, self._peer_port = _free_port(), _free_port()
+                continue
+            self._started = True
+            return self
+        raise RuntimeError(f"etcd found no free ports in 3 tries:\n{self._log_tail()}")
+
+    def _start_once(self) -> None:
         peer_url = f"http://127.0.0.1:{self._peer_port}"
         args = [
             self._binary,
@@ -65,12 +88,14 @@ class EtcdServer:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not self._is_healthy():
             if self._process.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self._process.returncode}:\n{self._log_tail()}")
+                log = self._log_tail()
+                if "address already in use" in log:
+                    raise _PortTaken(log)
+                raise RuntimeError(f"etcd exited with {self._process.returncode}:\n{log}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"etcd did not become healthy in {_START_TIMEOUT_S:g} s:\n{self._log_tail()}")
             time.sleep(0.05)
-        return self
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if etcd has not exited within 10 s."""
