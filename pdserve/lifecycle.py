@@ -1,4 +1,5 @@
-"""A server process's life: what it is waiting on when asked, and dying with the parent that ran it.
+"""A server process's life: what it is waiting on when asked, dying with the parent that ran
+it, and stopping its background tasks for certain.
 
 ``kill -USR1 PID`` prints every asyncio task and thread of a pdserve server. A server stuck
 in its event loop shows, to a thread-level tool, only a loop idling in ``select``; the task
@@ -7,6 +8,12 @@ not stop in time, before killing it, so the answer lands in its log.
 
 A child that ``pdserve up`` starts sets ``PARENT_PID_ENV``; such a child asks the kernel to
 kill it when that parent dies (Linux), so killing ``up`` with SIGKILL leaves no worker behind.
+
+Background loops are stopped with ``cancel_and_wait``, never a bare ``cancel()`` and
+``await``: on Python 3.11, ``asyncio.wait_for`` swallows a cancellation that arrives just as
+the call it waits on completes (CPython issue 86296, fixed in 3.12), and the loop around it
+then runs on, so whoever awaits it waits forever. A worker that took minutes to exit on
+SIGTERM, and a test that hung for 600 s in CI, were this.
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import io
+import logging
 import os
 import signal
 import sys
 import threading
 import traceback
+
+logger = logging.getLogger(__name__)
 
 DUMP_SIGNAL = signal.SIGUSR1
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
@@ -61,3 +71,14 @@ def die_with_parent() -> None:
         return  # best effort: without it the child outlives a killed parent, as any process would
     if str(os.getppid()) != expected:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def cancel_and_wait(task: asyncio.Task, *, retry_s: float = 0.5) -> None:
+    """Cancel ``task`` and return once it has ended, cancelling again every ``retry_s`` until
+    it does (a cancellation may be swallowed; see the module's docstring). An exception it
+    ended with is logged, not raised: the caller is shutting it down."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry_s)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("task %s ended with %r", task.get_name(), task.exception())

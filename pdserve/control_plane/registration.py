@@ -7,7 +7,6 @@ is a worker's entry with its live load.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -24,6 +23,7 @@ from pdserve.control_plane.etcd import (
     RegistryUnavailable,
 )
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, encode_entry
+from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ class LeasedRecord:
         If etcd does not answer within a short deadline, give up: the lease expires by itself.
         """
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if self._lease_id is not None:
             try:

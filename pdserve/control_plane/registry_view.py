@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -17,6 +16,7 @@ from pdserve.control_plane.etcd import (
     RegistryUnavailable,
 )
 from pdserve.control_plane.registry import WORKERS_PREFIX, WorkerEntry, decode_entries
+from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,7 @@ class RegistryView:
     async def close(self) -> None:
         """Stop polling and close the connection."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         await self._etcd.reset()
 

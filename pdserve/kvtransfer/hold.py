@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from pdserve.kvtransfer.agent import KVAgent
 from pdserve.kvtransfer.messages import decode_notice
+from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,7 @@ class BlockHolder:
         """Stop listening and free every block still held."""
         self.agent.remove_notification_handler(self._on_notification)
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await asyncio.wait_for(self._sweeper, timeout=5.0)
-            except (asyncio.CancelledError, TimeoutError):
-                pass
+            await cancel_and_wait(self._sweeper)
             self._sweeper = None
         for request_id in list(self._held):
             self._release(request_id, "holder closed")
