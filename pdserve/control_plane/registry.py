@@ -3,10 +3,11 @@
 Key layout (a contract: routers, the planner, the CLI and the operator read these keys)::
 
     /pdserve/v1/workers/{model}/{role}/{worker_id}   JSON WorkerEntry, under the worker's lease
-    /pdserve/v1/slo/{model}                          reserved: the model's TTFT/ITL targets
-    /pdserve/v1/planner/{model}                      reserved: the planner's decisions
+    /pdserve/v1/slo/{model}                          JSON SLOTargets: the model's TTFT/ITL targets
+    /pdserve/v1/planner/{model}                      JSON Decision: the planner's latest decision
     /pdserve/v1/drain/{worker_id}                    reserved: a request to drain a worker
-    /pdserve/v1/frontends/{frontend_id}              reserved: live frontends, under leases
+    /pdserve/v1/frontends/{frontend_id}              JSON FrontendStats, under the frontend's lease
+    /pdserve/v1/knobs/{model}                        JSON Knobs: live scheduler and router settings
 
 Each ``{...}`` component is percent-encoded (``urllib.parse.quote(s, safe="")``), so a
 Hugging Face model name such as ``org/name`` stays one path segment and no prefix of one
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 ROOT = "/pdserve/v1"
 WORKERS_PREFIX = f"{ROOT}/workers/"
+KNOBS_PREFIX = f"{ROOT}/knobs/"
 ROLES = ("prefill", "decode")
 
 
@@ -60,6 +62,11 @@ def drain_key(worker_id: str) -> str:
     return f"{ROOT}/drain/{_segment(worker_id)}"
 
 
+def knobs_key(model: str) -> str:
+    """The key of a model's live knobs (``knobs_store``)."""
+    return f"{KNOBS_PREFIX}{_segment(model)}"
+
+
 def frontend_key(frontend_id: str) -> str:
     """The key reserved for a live frontend."""
     return f"{ROOT}/frontends/{_segment(frontend_id)}"
@@ -77,6 +84,10 @@ class WorkerLoad(msgspec.Struct, kw_only=True, frozen=True):
     queued_prefill_tokens: int = 0
     # A draining worker finishes what it has and must be sent nothing new.
     draining: bool = False
+    # The scheduler limits in force (live knobs may lower them below the entry's start-up
+    # values); 0 when not reported.
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
     updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
 
     @property
@@ -98,7 +109,8 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
-    max_num_seqs: int
+    max_num_seqs: int  # start-up limits: the most that live knobs can set
+    max_num_batched_tokens: int = 0  # 0: not reported (an older worker)
     started_at: float  # unix seconds; tells a restarted worker from its earlier self
     metrics_port: int | None = None
     load: WorkerLoad = WorkerLoad()

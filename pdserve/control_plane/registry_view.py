@@ -1,4 +1,5 @@
-"""A local, eventually consistent copy of the worker registry (what routers and workers read)."""
+"""A local, eventually consistent copy of the worker registry and the models' live knobs
+(what routers read)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from pdserve.control_plane.etcd import (
     EtcdConnection,
     RegistryUnavailable,
 )
-from pdserve.control_plane.registry import WORKERS_PREFIX, WorkerEntry, decode_entries
+from pdserve.control_plane.knobs_store import parse_knobs
+from pdserve.control_plane.observation import Knobs
+from pdserve.control_plane.registry import KNOBS_PREFIX, WORKERS_PREFIX, WorkerEntry, decode_entries
 from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
 
 class RegistryView:
-    """A local, eventually consistent copy of the worker registry, refreshed by polling.
+    """A local, eventually consistent copy of the worker registry and the models' knobs,
+    refreshed by polling.
 
     Polling (``get_prefix`` every ``poll_s``) rather than a watch is deliberate: a poll is a
     plain read under a deadline, so the view survives etcd restarts, data loss and network
@@ -45,6 +49,7 @@ class RegistryView:
         self._start_timeout_s = start_timeout_s
         self._etcd = EtcdConnection(etcd_url, min(MAX_CALL_TIMEOUT_S, max(poll_s, 0.5)))
         self._workers: dict[str, WorkerEntry] = {}
+        self._knobs: dict[str, Knobs] = {}
         self._listeners: list[Callable[[list[WorkerEntry], list[WorkerEntry]], None]] = []
         self._warned: set[tuple[bytes, int]] = set()
         self._last_read = -math.inf  # time.monotonic() of the last successful read
@@ -62,6 +67,10 @@ class RegistryView:
             for _, entry in sorted(self._workers.items())
             if (role is None or entry.role == role) and (model is None or entry.model == model)
         ]
+
+    def knobs(self, model: str) -> Knobs | None:
+        """The model's live knobs (``knobs_store``), or None when none are stored."""
+        return self._knobs.get(model)
 
     def get(self, worker_id: str) -> WorkerEntry | None:
         """One worker's latest entry, or None if it is not registered."""
@@ -128,11 +137,16 @@ class RegistryView:
 
     async def _poll(self) -> None:
         client = await self._etcd.client()
-        response = await asyncio.wait_for(client.get_prefix(WORKERS_PREFIX.encode()), self._etcd.timeout_s)
-        kvs = list(response)
+        workers, knobs = await asyncio.wait_for(
+            asyncio.gather(client.get_prefix(WORKERS_PREFIX.encode()), client.get_prefix(KNOBS_PREFIX.encode())),
+            self._etcd.timeout_s,
+        )
+        workers, knobs = list(workers), list(knobs)
+        kvs = [*workers, *knobs]
         self._warned &= {(kv.key, kv.mod_revision) for kv in kvs}  # forget values since replaced
         self._last_read = time.monotonic()
-        self._apply({entry.worker_id: entry for entry in decode_entries(kvs, self._warned)})
+        self._knobs = parse_knobs(knobs, self._warned)
+        self._apply({entry.worker_id: entry for entry in decode_entries(workers, self._warned)})
 
     def _apply(self, workers: dict[str, WorkerEntry]) -> None:
         def identity(entry: WorkerEntry) -> tuple[str, float]:

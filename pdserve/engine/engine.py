@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -215,6 +215,24 @@ class LLMEngine:
             return None
         self.scheduler.finish(request, reason)
         return self._finish_output(request, [first_token_id], delta)
+
+    def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Change the scheduler's limits from the next step on (live knobs).
+
+        Neither may exceed the start-up value: memory was reserved for that step size.
+        Requests already running above a lowered ``max_num_seqs`` finish; only admission waits.
+        """
+        cfg = self.config
+        if not 1 <= max_num_seqs <= cfg.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be in [1, {cfg.max_num_seqs}] (the start-up value), got {max_num_seqs}")
+        if not max_num_seqs <= max_num_batched_tokens <= cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens must be in [max_num_seqs={max_num_seqs}, {cfg.max_num_batched_tokens}] "
+                f"(the start-up value), got {max_num_batched_tokens}"
+            )
+        self.scheduler.config = replace(
+            self.scheduler.config, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_requests > 0

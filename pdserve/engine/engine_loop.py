@@ -45,6 +45,8 @@ class EngineLoad:
     kv_blocks_total: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens not computed yet, over waiting and running requests
     num_preemptions: int = 0
+    max_num_seqs: int = 0  # the scheduler's limits in force
+    max_num_batched_tokens: int = 0
 
 
 class RequestStream:
@@ -157,6 +159,10 @@ class EngineLoop:
         """Prefill role: the decode side is done with the request's blocks."""
         self._commands.put(lambda: self.engine.release_held(request_id))
 
+    async def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Change the scheduler's limits (``LLMEngine.retune``); raises its ValueError."""
+        await self._call(lambda: self.engine.retune(max_num_seqs, max_num_batched_tokens))
+
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and return (or raise) its result.
 
@@ -253,6 +259,8 @@ class EngineLoop:
             kv_blocks_total=pool.num_blocks,
             queued_prefill_tokens=queued,
             num_preemptions=scheduler.num_preemptions,
+            max_num_seqs=scheduler.config.max_num_seqs,
+            max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         )
 
 

@@ -89,7 +89,8 @@ class RequestFlow:
         view, router = self.routing.view, self.routing.router
         try:
             decode = router.choose_decode(view.workers("decode", model))
-            choice = router.choose_prefill(view.workers("prefill", model), self.request.token_ids)
+            choice = router.choose_prefill(view.workers("prefill", model), self.request.token_ids,
+                                           knobs=view.knobs(model))  # fmt: skip
         except NoWorker as exc:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}") from None
         prefilled = await self._prefill(choice) if choice is not None else None
@@ -125,7 +126,8 @@ class RequestFlow:
             if attempt == 1:
                 try:
                     others = view.workers("prefill", self.request.model.name)
-                    current = router.choose_prefill(others, self.request.token_ids, exclude=[choice.worker.worker_id])
+                    current = router.choose_prefill(others, self.request.token_ids, exclude=[choice.worker.worker_id],
+                                                    knobs=view.knobs(self.request.model.name))  # fmt: skip
                 except NoWorker:
                     current = None
                 if current is None and router.config.disaggregation == "conditional":

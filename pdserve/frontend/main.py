@@ -28,7 +28,7 @@ async def serve(config: FrontendConfig) -> None:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
         stats = LeasedRecord(
-            config.etcd, frontend_key(frontend_id), lambda: service.window.snapshot(frontend_id).encode(),
+            config.etcd, frontend_key(frontend_id), lambda: service.stats(frontend_id).encode(),
             name=frontend_id, start_timeout_s=5.0,
         )  # fmt: skip
         await stats.start()

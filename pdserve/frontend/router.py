@@ -1,11 +1,13 @@
 """Which workers serve a request: the prefill worker (or none) and the decode worker.
 
-- Decode: the least loaded by KV usage and occupancy (running and queued over ``max_num_seqs``).
+- Decode: the least loaded by KV usage and occupancy (running and queued over the
+  ``max_num_seqs`` in force).
 - Prefill: the cheapest by estimated work — the prompt tokens it would have to compute (its
   prefix-cache overlap counts for it) plus the prompt tokens already queued on it.
 - Conditional disaggregation: a prompt whose uncached part is at most ``local_prefill_tokens``,
   or one arriving while every prefill worker is saturated, is prefilled on the decode worker;
   moving its KV would cost more than computing it there. ``always`` and ``off`` force either way.
+  The model's live knobs, when stored, set the threshold in place of ``local_prefill_tokens``.
 
 Registry loads are up to a second old, so the router also counts what it dispatched itself
 since, and takes the larger of the two.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.registry import WorkerEntry
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
@@ -78,12 +81,19 @@ class Router:
     def _decode_score(self, worker: WorkerEntry) -> float:
         load = worker.load
         busy = max(load.running + load.waiting, self._requests[worker.worker_id])
-        return load.kv_usage + busy / max(worker.max_num_seqs, 1)
+        return load.kv_usage + busy / max(load.max_num_seqs or worker.max_num_seqs, 1)
 
     def choose_prefill(
-        self, workers: Sequence[WorkerEntry], token_ids: Sequence[int], exclude: Sequence[str] = ()
+        self,
+        workers: Sequence[WorkerEntry],
+        token_ids: Sequence[int],
+        exclude: Sequence[str] = (),
+        knobs: Knobs | None = None,
     ) -> PrefillChoice | None:
-        """The prefill worker for the prompt, or None to prefill on the decode worker."""
+        """The prefill worker for the prompt, or None to prefill on the decode worker.
+
+        ``knobs``: the model's live knobs, if any are stored.
+        """
         mode = self.config.disaggregation
         if mode == "off":
             return None
@@ -109,7 +119,8 @@ class Router:
         if mode == "conditional":
             uncached = len(token_ids) - choice.cached_tokens
             saturated = all(self._queued_tokens(w) >= self.config.prefill_saturation_tokens for w in candidates)
-            if uncached <= self.config.local_prefill_tokens or saturated:
+            threshold = self.config.local_prefill_tokens if knobs is None else knobs.local_prefill_threshold_tokens
+            if uncached <= threshold or saturated:
                 return None
         return choice
 

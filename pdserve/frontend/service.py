@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 
-from pdserve.control_plane.frontend_stats import RollingWindow
+from pdserve.control_plane.frontend_stats import FrontendStats, RollingWindow
 from pdserve.control_plane.metrics import FrontendMetrics
 from pdserve.control_plane.registry import WorkerEntry
 from pdserve.control_plane.registry_view import RegistryView
@@ -85,6 +85,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def close(self) -> None:
         await self.routing.channels.close_all()
+
+    def stats(self, frontend_id: str) -> FrontendStats:
+        """What this frontend publishes for the planner and ``pdserve status``."""
+        router = self.config.router
+        threshold = router.local_prefill_tokens if router.disaggregation == "conditional" else None
+        return msgspec.structs.replace(self.window.snapshot(frontend_id), local_prefill_tokens=threshold)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

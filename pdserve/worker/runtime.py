@@ -1,9 +1,10 @@
 """A worker process's parts and their lifecycle.
 
 Start-up order: the engine (already loaded) on its thread → the NIXL agent registering the KV
-pool → the role's gRPC service → the etcd registration (last, so that nothing is routed here
-before it can serve). Shutdown is the reverse, after a drain: the worker reports itself
-draining (registry and health), refuses new requests, lets in-flight ones finish — bounded by
+pool → the role's gRPC service → the model's live knobs, read once and then followed → the
+etcd registration (last, so that nothing is routed here before it can serve, with the knobs
+in force). Shutdown is the reverse, after a drain: the worker reports itself draining
+(registry and health), refuses new requests, lets in-flight ones finish — bounded by
 ``drain_timeout_s`` — then revokes its lease and closes everything it owns.
 """
 
@@ -17,7 +18,9 @@ from collections.abc import Callable
 
 import grpc
 
+from pdserve.control_plane.knobs_follower import KnobsFollower
 from pdserve.control_plane.metrics import Occupancy, WorkerMetrics, serve_metrics
+from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.registration import WorkerRegistration
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
 from pdserve.engine.engine import LLMEngine
@@ -76,6 +79,7 @@ class WorkerRuntime:
         self.metrics_port: int | None = None
         self.server = RpcServer()
         self.registration: WorkerRegistration | None = None
+        self.knobs = KnobsFollower(config.etcd, config.served_model_name, self.apply_knobs)
         self.servicer: WorkerServicer | None = None
         self.draining = False
         self.endpoint: str | None = None
@@ -93,6 +97,8 @@ class WorkerRuntime:
         self.endpoint = f"{self.config.reachable_host}:{port}"
         if self.config.metrics_port is not None:
             self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
+        await self.knobs.poll()
+        self.knobs.start()
         self.registration = WorkerRegistration(
             self.config.etcd, self._entry(), self.load, ttl_s=self.config.lease_ttl_s
         )
@@ -114,6 +120,7 @@ class WorkerRuntime:
             max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size,
             max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
             started_at=time.time(),
             metrics_port=self.metrics_port,
             load=self.load(),
@@ -130,8 +137,28 @@ class WorkerRuntime:
             held_requests=load.held_requests,
             queued_prefill_tokens=load.queued_prefill_tokens,
             draining=self.draining,
+            max_num_seqs=load.max_num_seqs,
+            max_num_batched_tokens=load.max_num_batched_tokens,
             updated_at=time.time(),
         )
+
+    async def apply_knobs(self, knobs: Knobs | None) -> None:
+        """Set the scheduler's limits from the model's live knobs (None: the start-up ones).
+
+        A decode worker takes the decode batch and token budget, a prefill worker the chunk
+        size as its token budget; either is capped at its start-up value.
+        """
+        start = self.engine.config
+        seqs, tokens = start.max_num_seqs, start.max_num_batched_tokens
+        if knobs is not None and self.config.role == "decode":
+            seqs = min(knobs.decode_max_num_seqs, seqs)
+            tokens = min(knobs.decode_max_num_batched_tokens, tokens)
+        elif knobs is not None:
+            tokens = min(knobs.prefill_chunk_size, tokens)
+        seqs = min(seqs, tokens)  # every running request must fit one step's budget
+        await self.engine_loop.retune(seqs, tokens)
+        logger.info("%s: scheduler limits now %d sequences, %d tokens a step%s", self.worker_id, seqs, tokens,
+                    "" if knobs is not None else " (start-up settings)")  # fmt: skip
 
     def _occupancy(self) -> Occupancy:
         load = self.engine_loop.load
@@ -174,6 +201,7 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         """Leave the registry, stop serving, free the agent and the engine thread."""
+        await self.knobs.close()
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(grace_s=1.0)

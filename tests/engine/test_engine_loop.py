@@ -124,3 +124,32 @@ def test_a_caller_cancelled_while_its_command_waits_leaves_the_engine_running(en
     outputs = run_scenario(main())
     assert outputs[-1].finished and len([t for o in outputs for t in o.new_token_ids]) == 6
     engine.check_idle_integrity()  # the cancelled consumer was aborted: every block is free
+
+
+def test_retune_changes_the_scheduler_limits_live_within_the_start_up_ones(checkpoints):
+    path, _ = checkpoints("llama")
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20, max_num_seqs=4, max_num_batched_tokens=64))
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            with pytest.raises(ValueError, match=r"max_num_seqs must be in \[1, 4\]"):
+                await loop.retune(8, 64)
+            with pytest.raises(ValueError, match=r"max_num_batched_tokens must be in \[max_num_seqs=2, 64\]"):
+                await loop.retune(2, 128)
+            await loop.retune(1, 32)
+            # One sequence at a time: while the first decodes, the others wait.
+            streams = [await loop.add(f"r{i}", [5, 6, 7], GREEDY) for i in range(3)]
+            await streams[0].next()
+            during = loop.load
+            results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+            return during, results, loop.load
+        finally:
+            await loop.stop()
+
+    during, results, after = run_scenario(main())
+    assert during.running <= 1 and during.max_num_seqs == 1 and during.max_num_batched_tokens == 32
+    assert all(out[-1].finished for out in results)
+    assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (1, 32)
+    engine.check_idle_integrity()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.router import NoWorker, Router, RouterConfig
@@ -62,6 +63,24 @@ def test_conditional_disaggregation_keeps_short_uncached_prompts_on_the_decode_w
     assert router.choose_prefill([], list(range(500))) is None  # no prefill pool: prefill locally
     saturated = entry("p1", "prefill", queued_prefill_tokens=100)
     assert router.choose_prefill([saturated], list(range(500))) is None
+
+
+def test_live_knobs_set_the_local_prefill_threshold_in_place_of_the_config():
+    router = Router(RouterConfig(disaggregation="conditional", local_prefill_tokens=16))
+    p1, prompt = entry("p1", "prefill"), list(range(40))
+    assert router.choose_prefill([p1], prompt) is not None
+    assert router.choose_prefill([p1], prompt, knobs=Knobs(local_prefill_threshold_tokens=64)) is None
+    assert router.choose_prefill([p1], list(range(10)), knobs=Knobs(local_prefill_threshold_tokens=0)) is not None
+    always = Router(RouterConfig(disaggregation="always"))
+    assert always.choose_prefill([p1], prompt, knobs=Knobs(local_prefill_threshold_tokens=64)) is not None
+
+
+def test_decode_occupancy_counts_against_the_batch_limit_in_force():
+    router = Router(RouterConfig(), seed=0)
+    # Of a start-up limit of 8, d1 runs 2 and d2 runs 3; but d1's live knobs allow it only 2: it is full.
+    full = entry("d1", "decode", running=2, max_num_seqs=2)
+    roomy = entry("d2", "decode", running=3)
+    assert router.choose_decode([full, roomy]).worker_id == "d2"
 
 
 def test_always_and_off_force_either_way():
