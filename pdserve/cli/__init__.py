@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pdserve.cli import generate, operate, planner, profile, serve, slo, status, up
+from pdserve.cli import generate, knobs, operate, planner, profile, serve, slo, status, up
 from pdserve.lifecycle import die_with_parent
 
 EPILOG = """examples:
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_parser(commands)
     serve.add_parsers(commands)
     slo.add_parser(commands)
+    knobs.add_parser(commands)
     status.add_parser(commands)
     operate.add_parser(commands)
     planner.add_parser(commands)

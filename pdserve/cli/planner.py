@@ -21,11 +21,13 @@ if TYPE_CHECKING:
 DESCRIPTION = """Every interval, for each model with SLO targets in etcd (`pdserve slo set`):
 read the frontends' live stats and the workers' loads, forecast the load (bursts included),
 predict TTFT and ITL p90 from the engine profile, and resize the prefill and decode pools
-(with hysteresis, cool-downs and bounded steps, within the SLO's min/max replicas). Every
+(with hysteresis, cool-downs and bounded steps, within the SLO's min/max replicas); where
+pools are at their maximum, retune the model's knobs (`pdserve knobs --help`). Every
 decision is logged with its reasons and published in etcd for `pdserve status`.
 
 --connector kubernetes patches the replicas of each model's PDServeDeployment (pdserve.io/
-v1alpha1); --connector none only advises (decisions are published, nothing is resized).
+v1alpha1) and stores the knobs in etcd, where workers and frontends apply them live;
+--connector none only advises (decisions are published, nothing is resized or retuned).
 `pdserve up --autoscale` runs the same planner over local worker processes."""
 
 EXAMPLES = """examples:

@@ -29,6 +29,7 @@ from pdserve.cli.operate import (
 )
 from pdserve.control_plane.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.control_plane.frontend_stats import ModelStats, list_frontend_stats
+from pdserve.control_plane.knobs_store import deployed_knobs, list_knobs
 from pdserve.control_plane.registry import ROLES, ROOT, WorkerEntry
 from pdserve.control_plane.slo import SLOTargets
 from pdserve.control_plane.slo_store import list_slos
@@ -50,7 +51,8 @@ EXAMPLES = f"""examples:
 --json prints {{"etcd", "time", "models": [...]}}; each model has "slo", "pools" (prefill and
 decode: ready, draining, workers, running, waiting, held_requests, queued_prefill_tokens,
 kv_usage), "latency" (the frontends' stats merged, with "by_frontend"), "checks" ("OK",
-"BREACH" or null per target) and "planner" (the decision as the planner published it).
+"BREACH" or null per target), "planner" (the decision as the planner published it) and
+"knobs" (the live knobs in force, with "source": "stored" or "start-up").
 With --watch, etcd going away later is shown on screen and retried (only a first connection
 that fails ends the command).
 
@@ -127,9 +129,9 @@ async def read_decisions(client: aetcd.Client) -> dict[str, dict[str, Any]]:
 
 async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> dict[str, Any]:
     """Everything ``status`` shows, as the JSON it prints; etcd is read once, concurrently."""
-    workers, slos, decisions, frontends = await asyncio.gather(
+    workers, slos, decisions, frontends, stored_knobs = await asyncio.gather(
         read_workers(client), list_slos(client, ETCD_TIMEOUT_S), read_decisions(client),
-        list_frontend_stats(client, ETCD_TIMEOUT_S),
+        list_frontend_stats(client, ETCD_TIMEOUT_S), list_knobs(client, ETCD_TIMEOUT_S),
     )  # fmt: skip
     now = time.time()
     slo_by_model = {t.model: t for t in slos}
@@ -143,6 +145,10 @@ async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> 
         entries = [e for e, _ in workers if e.model == name]
         slo = slo_by_model.get(name)
         latency = merged_latency(stats_by_model.get(name, {}), now)
+        knobs = stored_knobs.get(name)
+        source = "stored" if knobs is not None else "start-up"
+        if knobs is None:
+            knobs = deployed_knobs(name, entries, frontends)
         models.append({
             "model": name,
             "slo": msgspec.to_builtins(slo) if slo is not None else None,
@@ -150,8 +156,9 @@ async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> 
             "latency": latency,
             "checks": checks(slo, latency),
             "planner": decisions.get(name),
+            "knobs": {"source": source, **msgspec.to_builtins(knobs)},
         })  # fmt: skip
-    return {"etcd": etcd, "time": now, "models": models}
+    return {"etcd": etcd, "time": now, "num_frontends": len(frontends), "models": models}
 
 
 def pool_status(entries: list[WorkerEntry]) -> dict[str, Any]:
@@ -216,10 +223,10 @@ def render(status: dict[str, Any]) -> str:
     """The human-readable screen for ``collect``'s result."""
     if not status["models"]:
         return f"no models: no workers, SLOs, planner decisions or frontend stats in etcd at {status['etcd']}"
-    return "\n\n".join(_render_model(m, status["time"]) for m in status["models"])
+    return "\n\n".join(_render_model(m, status["time"], status["num_frontends"]) for m in status["models"])
 
 
-def _render_model(m: dict[str, Any], now: float) -> str:
+def _render_model(m: dict[str, Any], now: float, num_frontends: int) -> str:
     slo, latency, planner, pools = m["slo"], m["latency"], m["planner"] or {}, m["pools"]
     lines = [f"MODEL {m['model']}"]
     if slo is None:
@@ -236,8 +243,11 @@ def _render_model(m: dict[str, Any], now: float) -> str:
     headers = ["POOL", "READY", "DRAINING", "RUNNING", "WAITING", "HELD", "QUEUED_TOK", "KV", "PLANNED", "BOUNDS"]
     lines.append(table(headers, rows, "  "))
     lines.append("")
-    if latency is None:
-        lines.append("  latency: no frontend has published stats for this model")
+    if latency is None and num_frontends:
+        lines.append(f"  latency: no requests for this model in the current window of the {num_frontends} "
+                     f"live frontend{'s' if num_frontends > 1 else ''}")  # fmt: skip
+    elif latency is None:
+        lines.append("  latency: no frontend is running (none has published stats)")
     else:
         target = {key: slo.get(f"{key}_p90_s") if slo else None for key in ("ttft", "itl", "e2e")}
         rows = [
@@ -254,6 +264,10 @@ def _render_model(m: dict[str, Any], now: float) -> str:
             f"{frontends} frontend{'s' if frontends > 1 else ''}{worst}, "
             f"updated {fmt_age(latency['oldest_update_age_s'])} ago"
         )
+    knobs = dict(m["knobs"])
+    source = knobs.pop("source")
+    lines.append(f"  knobs in force ({'stored' if source == 'stored' else 'start-up settings'}): "
+                 + ", ".join(f"{k}={v}" for k, v in knobs.items()))  # fmt: skip
     lines.append("")
     lines.extend(_render_planner(m["planner"], now))
     return "\n".join(lines)

@@ -148,6 +148,10 @@ class Planner:
 
     ``prefill_replicas``, ``decode_replicas`` and ``knobs`` are what is deployed now (read
     from the connector at start); ``knobs`` are also the defaults the planner returns to.
+    ``knobs_now`` are the knobs in force when they differ from those defaults (left by an
+    earlier planner). ``knob_limits`` caps what the planner raises above the defaults (the
+    prefill chunk size) at the workers' start-up budgets, which their engines reserved memory
+    for; None leaves it uncapped (the simulator's clusters have no such limit).
     """
 
     def __init__(
@@ -159,11 +163,14 @@ class Planner:
         prefill_replicas: int,
         decode_replicas: int,
         knobs: Knobs = Knobs(),
+        knobs_now: Knobs | None = None,
+        knob_limits: Knobs | None = None,
     ) -> None:
         self.slo = slo
         self.config = config
         self.default_knobs = knobs
-        self.knobs = knobs
+        self.knobs = knobs if knobs_now is None else knobs_now
+        self.knob_limits = knob_limits
         self.model = LatencyModel(profile)
         self._forecaster = Forecaster(config.forecast)
         self._prefill = _Pool(
@@ -382,7 +389,10 @@ class Planner:
         if ttft(wanted) > slo.ttft_p90_s * cfg.scale_up_above:
             why.append(f"TTFT p90 {_ms(ttft(wanted))} > target at the prefill maximum {max_p}")
             if prompt.p90 > wanted.prefill_chunk_size:
-                wanted = replace(wanted, prefill_chunk_size=1 << math.ceil(math.log2(prompt.p90)))
+                chunk = 1 << math.ceil(math.log2(prompt.p90))
+                if self.knob_limits is not None:
+                    chunk = min(chunk, self.knob_limits.prefill_chunk_size)
+                wanted = replace(wanted, prefill_chunk_size=max(chunk, wanted.prefill_chunk_size))
             # Only prompts whose whole prefill fits in one ITL target go local: a decode step
             # that carries one then at most doubles, and the prompt's TTFT stays tiny.
             short = [

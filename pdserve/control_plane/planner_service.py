@@ -4,8 +4,12 @@ One ``step`` reads the SLO targets, the frontends' stats and the workers' entrie
 pass, and for every model with an SLO (and a connector) it builds the interval's
 ``Observation``, lets that model's ``Planner`` decide, applies the decision through the
 model's ``ScalingConnector`` and publishes it as JSON at ``registry.planner_key(model)``,
-where ``pdserve status`` shows it. SLO changes are picked up at the next step, without a
-restart. An etcd outage skips steps (logged once); it never ends the service.
+where ``pdserve status`` shows it. New knobs are stored at ``registry.knobs_key(model)``
+(unless the connector only advises), where the model's workers and the frontends pick them
+up (``knobs_store``); a model's
+planner starts from the knobs stored there, or else from what the workers were started with.
+SLO changes are picked up at the next step, without a restart. An etcd outage skips steps
+(logged once); it never ends the service.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 
 from pdserve.control_plane.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
 from pdserve.control_plane.frontend_stats import list_frontend_stats
+from pdserve.control_plane.knobs_store import deployed_knobs, list_knobs, put_knobs
 from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.observer import observe
 from pdserve.control_plane.planner import Decision, Planner, PlannerConfig
@@ -67,10 +72,11 @@ class PlannerService:
         """One interval: the decisions made (and applied), or none if etcd could not be read."""
         try:
             client = await self._etcd.client()
-            slos, frontends, workers = await asyncio.gather(
+            slos, frontends, workers, stored_knobs = await asyncio.gather(
                 list_slos(client, MAX_CALL_TIMEOUT_S),
                 list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
                 list_workers(client, MAX_CALL_TIMEOUT_S),
+                list_knobs(client, MAX_CALL_TIMEOUT_S),
             )
         except (*ETCD_ERRORS, RegistryUnavailable) as exc:
             if self._reachable:
@@ -100,9 +106,12 @@ class PlannerService:
                             slo.max_decode_replicas),
                     )  # fmt: skip
                 prefill, decode = sizes
-                planner = Planner(slo, self.profile, self.config, prefill_replicas=prefill, decode_replicas=decode)
+                deployed = deployed_knobs(slo.model, workers, frontends)
+                planner = Planner(slo, self.profile, self.config, prefill_replicas=prefill, decode_replicas=decode,
+                                  knobs=deployed, knobs_now=stored_knobs.get(slo.model), knob_limits=deployed)  # fmt: skip
                 self._planners[slo.model] = planner
-                logger.info("planning %s: %d prefill + %d decode replicas now", slo.model, prefill, decode)
+                logger.info("planning %s: %d prefill + %d decode replicas now; knobs %s", slo.model, prefill, decode,
+                            planner.knobs)  # fmt: skip
             planner.set_slo(slo)
             before = (planner.prefill_replicas, planner.decode_replicas, planner.knobs)
             obs = observe(slo.model, frontends, workers, planner.knobs, now=now, interval_s=self.config.interval_s)
@@ -120,14 +129,16 @@ class PlannerService:
     async def _apply(
         self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]
     ) -> bool:
-        """Resize and retune where the decision differs from ``before``; False if the connector failed."""
+        """Resize and retune where the decision differs from ``before``; False if that failed."""
         prefill, decode, knobs = before
         try:
             if (decision.prefill_replicas, decision.decode_replicas) != (prefill, decode):
                 await connector.scale(decision.prefill_replicas, decision.decode_replicas)
-            if decision.knobs != knobs and not await connector.set_knobs(decision.knobs):
-                logger.info("%s: knobs %s decided; this connector cannot apply them", decision.model, decision.knobs)
-        except Exception:  # the service outlives a connector failure
+            if decision.knobs != knobs and connector.applies_knobs:
+                client = await self._etcd.client()
+                await put_knobs(client, decision.model, decision.knobs, MAX_CALL_TIMEOUT_S)
+                await connector.set_knobs(decision.knobs)
+        except Exception:  # the service outlives a connector (or etcd) failure
             logger.exception("%s: could not apply %s", decision.model, decision)
             return False
         return True

@@ -1,8 +1,9 @@
 """Scaling connectors: how the planner's decisions reach the machines.
 
-``ScalingConnector`` is the planner's one way to change pool sizes (and, where the
-connector can, the knobs). ``KubernetesConnector`` patches pdserve's custom resource and
-leaves the pods to the operator.
+``ScalingConnector`` is the planner's one way to change pool sizes. Knobs travel through
+etcd (``knobs_store``), where workers and frontends apply them live; a connector may also
+record them where its platform shows them. ``KubernetesConnector`` patches pdserve's custom
+resource and leaves the pods to the operator.
 
 The custom resource (group ``pdserve.io``, version ``v1alpha1``, kind ``PDServeDeployment``,
 plural ``pdservedeployments``), one per served model::
@@ -23,7 +24,7 @@ plural ``pdservedeployments``), one per served model::
         maxPrefillReplicas: 8
         minDecodeReplicas: 1
         maxDecodeReplicas: 8
-      tuning:                           # live knobs, written by the planner
+      tuning:                           # live knobs, mirrored here by the planner
         decodeMaxNumSeqs: 64
         decodeMaxNumBatchedTokens: 2048
         prefillChunkSize: 2048
@@ -38,8 +39,9 @@ plural ``pdservedeployments``), one per served model::
 For the operator: ``replicas`` of each pool is the only field the planner writes, so a
 reconcile loop that owns the rest of ``spec`` never fights it; a pool's replicas are
 honoured within the ``slo`` bounds (the planner already keeps to them). A change to
-``engineArgs`` rolls the pool's pods; a change to ``tuning`` must not: the operator
-forwards it to the workers through etcd, where they apply it live. Scale-down should drain
+``engineArgs`` rolls the pool's pods; a change to ``tuning`` must not: the planner has
+already stored the same knobs in etcd, where the workers apply them live, so ``tuning`` is
+there for ``kubectl`` readers and needs no reconciling. Scale-down should drain
 (mark the worker draining in etcd, wait for its requests, then delete the pod), never kill.
 """
 
@@ -70,7 +72,12 @@ class ScalingConnector(ABC):
     ``scale`` returns once the request is accepted, not when replicas are ready: readiness
     shows up in the planner's next observations. Calls must be idempotent (the planner may
     repeat a decision after a restart).
+
+    ``applies_knobs``: whether the planner stores its knobs in etcd, where workers and
+    frontends apply them, for the models this connector manages.
     """
+
+    applies_knobs: bool = True
 
     @abstractmethod
     async def current(self) -> tuple[int, int] | None:
@@ -81,14 +88,19 @@ class ScalingConnector(ABC):
     async def scale(self, prefill: int, decode: int) -> None:
         """Ask for ``prefill`` and ``decode`` replicas; raises on rejection."""
 
-    async def set_knobs(self, knobs: Knobs) -> bool:
-        """Apply ``knobs``; False when this connector cannot (the caller publishes them in
-        etcd for the workers instead)."""
-        return False
+    async def set_knobs(self, knobs: Knobs) -> None:
+        """Record ``knobs`` where this connector's platform shows them (default: nowhere).
+
+        The planner has already stored them in etcd, which is what workers and frontends
+        follow; a failure here is logged, and the planner re-reads what is deployed.
+        """
 
 
 class AdviseOnly(ScalingConnector):
-    """Applies nothing: the planner publishes what it would do (``pdserve planner --connector none``)."""
+    """Applies nothing, knobs included: the planner publishes what it would do (``pdserve
+    planner --connector none``)."""
+
+    applies_knobs = False
 
     def __init__(self) -> None:
         self._sizes: tuple[int, int] | None = None
@@ -138,10 +150,9 @@ class KubernetesConnector(ScalingConnector):
             raise ValueError(f"replica counts must be >= 0, got prefill={prefill}, decode={decode}")
         await self._patch({"spec": {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}}})
 
-    async def set_knobs(self, knobs: Knobs) -> bool:
+    async def set_knobs(self, knobs: Knobs) -> None:
         tuning = {key: getattr(knobs, field) for field, key in _TUNING_KEYS.items()}
         await self._patch({"spec": {"tuning": tuning}})
-        return True
 
     async def _patch(self, body: dict[str, Any]) -> None:
         # A dict body is sent as a JSON merge patch: only the named fields change.

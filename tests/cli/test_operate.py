@@ -41,11 +41,6 @@ async def pdserve_async(*args: str, etcd: str) -> subprocess.CompletedProcess:
     return await asyncio.to_thread(pdserve, *args, etcd=etcd)
 
 
-@pytest.fixture
-def model() -> str:
-    return f"org/cli-{uuid.uuid4().hex[:8]}"
-
-
 def make_entry(model: str, worker_id: str, role: str, endpoint: str = "127.0.0.1:50051") -> WorkerEntry:
     return WorkerEntry(
         worker_id=worker_id, role=role, model=model, model_path="/models/tiny", endpoint=endpoint, nixl=b"\x00nixl",
@@ -222,6 +217,7 @@ def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etc
     assert status["checks"] == {"ttft_p90": "OK", "itl_p90": "BREACH", "e2e_p90": None}
     assert status["planner"]["decode_replicas"] == 3
     assert status["planner"]["reasons"] == msgspec.json.decode(decision)["reasons"]
+    assert status["knobs"]["source"] == "start-up" and status["knobs"]["decode_max_num_seqs"] == 64
 
     text = as_table.stdout
     assert as_table.returncode == 0, as_table.stderr
@@ -232,6 +228,7 @@ def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etc
     )
     assert re.search(r"planner \(\d+s ago\): prefill 1, decode 3", text), text
     assert msgspec.json.decode(decision)["reasons"][0] in text
+    assert "knobs in force (start-up settings): decode_max_num_seqs=64" in text
 
 
 def test_drain_of_an_unknown_worker_names_the_known_ones(etcd_url: str, model: str) -> None:

@@ -175,6 +175,28 @@ def test_knobs_move_only_at_the_maximum_and_come_back():
     assert back and back[0][0] - decisions[-1][0] >= 10.0 * CONFIG.down_cooldown_intervals - 10.0
 
 
+def test_the_chunk_size_rises_for_long_prompts_no_higher_than_the_workers_can_go():
+    slo = SLOTargets(model="m", ttft_p90_s=0.3, itl_p90_s=0.03, max_prefill_replicas=1, max_decode_replicas=8)
+
+    def chunk(limits: Knobs | None) -> int:
+        planner = Planner(slo, synthetic_profile(), CONFIG, prefill_replicas=1, decode_replicas=2,
+                          knobs=Knobs(decode_max_num_seqs=16), knob_limits=limits)  # fmt: skip
+        decisions = run(planner, 4, rate=10.0, ttft=2.0, itl=0.015, prompt=(2000.0, 3000.0))
+        return decisions[0][1].knobs.prefill_chunk_size if decisions else planner.knobs.prefill_chunk_size
+
+    assert chunk(None) == 4096
+    assert chunk(Knobs(prefill_chunk_size=2048)) == 2048
+
+
+def test_a_planner_starts_from_the_knobs_in_force_and_returns_to_the_defaults():
+    left = Knobs(decode_max_num_seqs=16, local_prefill_threshold_tokens=256)  # by an earlier planner
+    planner = Planner(SLO, synthetic_profile(), CONFIG, prefill_replicas=2, decode_replicas=2,
+                      knobs=Knobs(decode_max_num_seqs=16), knobs_now=left)  # fmt: skip
+    assert planner.knobs == left
+    decisions = run(planner, 3 + CONFIG.down_cooldown_intervals, rate=2.0, ttft=0.02, itl=0.011)
+    assert decisions and decisions[-1][1].knobs == Knobs(decode_max_num_seqs=16)
+
+
 def test_decode_batch_is_capped_where_a_step_would_miss_the_itl_target():
     # A decode step that grows steeply with the batch: past about 14 sequences of ~1000
     # tokens a step takes longer than 0.85 x the 23 ms target.

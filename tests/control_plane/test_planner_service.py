@@ -6,9 +6,12 @@ import time
 import uuid
 
 import msgspec
+import pytest
 
 from pdserve.control_plane.etcd import close_quietly, connect
 from pdserve.control_plane.frontend_stats import FrontendStats, ModelStats
+from pdserve.control_plane.knobs_store import delete_knobs, get_knobs, put_knobs
+from pdserve.control_plane.observation import Knobs
 from pdserve.control_plane.planner import PlannerConfig
 from pdserve.control_plane.planner_service import PlannerService
 from pdserve.control_plane.registry import WorkerLoad, encode_entry, frontend_key, planner_key
@@ -67,3 +70,65 @@ def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(et
 def test_an_unreachable_etcd_skips_the_interval_without_raising() -> None:
     service = PlannerService("http://127.0.0.1:9", synthetic_profile(), lambda m: AdviseOnly())
     assert run_scenario(service.step()) == []
+
+
+class Retuning(AdviseOnly):
+    """Resizes nothing but lets the planner store knobs, and records what it mirrors."""
+
+    applies_knobs = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mirrored: list[Knobs] = []
+
+    async def set_knobs(self, knobs: Knobs) -> None:
+        self.mirrored.append(knobs)
+
+
+@pytest.mark.parametrize("connector", [Retuning(), AdviseOnly()], ids=["retuning", "advise-only"])
+def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides(
+    etcd_url: str, connector: AdviseOnly
+) -> None:
+    model = f"org/knobs-{uuid.uuid4().hex[:8]}"
+    left = Knobs(decode_max_num_seqs=16, decode_max_num_batched_tokens=1024, local_prefill_threshold_tokens=256)
+
+    async def scenario():
+        client = await connect(etcd_url)
+        lease = await client.lease(60)
+        try:
+            await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
+            await put_knobs(client, model, left)  # left by an earlier planner
+            for worker_id, role in (("p", "prefill"), ("d", "decode")):
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=WorkerLoad(),
+                                                max_num_seqs=32, max_num_batched_tokens=1024)  # fmt: skip
+                await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
+            # Light traffic far inside both targets: the knobs go back to the workers' start-up settings.
+            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
+                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=5, itl_p90_ms=6,
+                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
+                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
+            service = PlannerService(etcd_url, synthetic_profile(), lambda m: connector if m == model else None,
+                                     PlannerConfig(interval_s=1, warmup_intervals=1, down_cooldown_intervals=1))  # fmt: skip
+            decisions = []
+            for _ in range(4):
+                frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats},
+                                         local_prefill_tokens=64)  # fmt: skip
+                await client.put(frontend_key(f"fe-{model}").encode(), frontend.encode(), lease=lease.id)
+                decisions += [d for d in await service.step() if d.model == model]
+            return decisions, await get_knobs(client, model)
+        finally:
+            await client.revoke_lease(lease.id)
+            await delete_slo(client, model)
+            await delete_knobs(client, model)
+            await client.delete(planner_key(model).encode())
+            await close_quietly(client)
+
+    decisions, stored = run_scenario(scenario())
+    deployed = Knobs(decode_max_num_seqs=32, decode_max_num_batched_tokens=1024, prefill_chunk_size=1024,
+                     local_prefill_threshold_tokens=64)
+    assert decisions and decisions[-1].knobs == deployed, decisions
+    assert any("local_prefill_threshold_tokens 256→64" in r for d in decisions for r in d.reasons)
+    if isinstance(connector, Retuning):
+        assert stored == deployed and connector.mirrored == [deployed]
+    else:  # advice changes nothing
+        assert stored == left

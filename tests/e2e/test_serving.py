@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -185,6 +186,58 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
         assert results["short"].kv_transfer_bytes == 0
         assert results["long"].disaggregated and results["long"].kv_transfer_bytes > 0
     finally:
+        frontend.close()
+
+
+def _pdserve(*args: str, etcd: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args, "--etcd", etcd], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def test_live_knobs_retune_the_workers_and_the_router_without_a_restart(llama, etcd_url):
+    deployment, path, _ = llama
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    def generate(stub, prompt):
+        request = inference_pb2.GenerateRequest(
+            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+            sampling=inference_pb2.SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True),
+        )  # fmt: skip
+        responses = list(stub.Generate(request, timeout=60))
+        return [t for r in responses for t in r.token_ids], responses[-1].final.breakdown
+
+    def limits(workers, role):
+        return {(w.load.max_num_seqs, w.load.max_num_batched_tokens) for w in workers if w.role == role}
+
+    start_up = {role: {(w.max_num_seqs, w.max_num_batched_tokens) for w in deployment.registered() if w.role == role}
+                for role in ("prefill", "decode")}  # fmt: skip
+    prompts = [list(range(150, 190)), list(range(200, 240)), list(range(250, 290))]
+    want = [out.token_ids for out in LLM(str(path)).generate(prompts, greedy)]
+    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-tokens", "0")
+    try:
+        tokens, before = generate(frontend.stub, prompts[0])
+        assert tokens == want[0] and before.disaggregated
+        stored = _pdserve("knobs", "set", "--model", MODEL, "--local-prefill-threshold", "1000",
+                          "--decode-max-num-seqs", "2", "--prefill-chunk-size", "16", etcd=etcd_url)  # fmt: skip
+        assert stored.returncode == 0, stored.stderr
+        [(_, decode_tokens)] = start_up["decode"]
+        retuned = {"decode": {(2, decode_tokens)}, "prefill": {(16, 16)}}  # a prefill step fits 16 sequences at most
+        deployment.wait_registered(
+            lambda ws: {r: limits(ws, r) for r in start_up} == retuned, 10, "the workers' new scheduler limits"
+        )
+        time.sleep(1.0)  # the frontend polls the registry every 0.5 s
+        tokens, local = generate(frontend.stub, prompts[1])
+        assert tokens == want[1] and not local.disaggregated and local.kv_transfer_bytes == 0
+        # The always-disaggregating frontend still uses the prefill pool, now in chunks of 16 tokens.
+        tokens, chunked = generate(deployment.stub, prompts[2])
+        assert tokens == want[2] and chunked.disaggregated
+        reset = _pdserve("knobs", "reset", "--model", MODEL, etcd=etcd_url)
+        assert reset.returncode == 0, reset.stderr
+        deployment.wait_registered(
+            lambda ws: {r: limits(ws, r) for r in start_up} == start_up, 10, "the start-up limits back"
+        )
+    finally:
+        _pdserve("knobs", "reset", "--model", MODEL, etcd=etcd_url)  # the next tests share the deployment
         frontend.close()
 
 
