@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import unquote
 
 import aetcd
@@ -90,15 +90,16 @@ def deployed_knobs(model: str, workers: Sequence[WorkerEntry], frontends: Sequen
     (the tightest of each pool) and its frontends' local-prefill threshold; ``Knobs()``'s
     defaults for whatever no live component reports."""
     default = Knobs()
-    decode = [w for w in workers if w.model == model and w.role == "decode"]
-    prefill = [w for w in workers if w.model == model and w.role == "prefill"]
+
+    def tightest(role: str, limit: Callable[[WorkerEntry], int], fallback: int) -> int:
+        return min((limit(w) for w in workers if w.model == model and w.role == role and limit(w)), default=fallback)
+
+    seqs = tightest("decode", lambda w: w.max_num_seqs, default.decode_max_num_seqs)
+    tokens = tightest("decode", lambda w: w.max_num_batched_tokens, default.decode_max_num_batched_tokens)
     thresholds = [f.local_prefill_tokens for f in frontends if f.local_prefill_tokens is not None]
-    seqs = min((w.max_num_seqs for w in decode), default=default.decode_max_num_seqs)
     return Knobs(
         decode_max_num_seqs=seqs,
-        decode_max_num_batched_tokens=max(seqs, min((w.max_num_batched_tokens for w in decode if w.max_num_batched_tokens),
-                                                    default=default.decode_max_num_batched_tokens)),  # fmt: skip
-        prefill_chunk_size=min((w.max_num_batched_tokens for w in prefill if w.max_num_batched_tokens),
-                               default=default.prefill_chunk_size),  # fmt: skip
+        decode_max_num_batched_tokens=max(seqs, tokens),
+        prefill_chunk_size=tightest("prefill", lambda w: w.max_num_batched_tokens, default.prefill_chunk_size),
         local_prefill_threshold_tokens=min(thresholds, default=default.local_prefill_threshold_tokens),
     )
