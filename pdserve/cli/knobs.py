@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import aetcd
 import msgspec
@@ -84,7 +85,7 @@ async def _stored(client: aetcd.Client, model: str) -> Knobs | None:
     try:
         return await get_knobs(client, model)
     except ValueError as error:  # a bad value: `set` replaces it
-        print(f"note: {error}; replacing it")
+        print(f"note: {error}; replacing it", file=sys.stderr)
         return None
 
 

@@ -48,7 +48,7 @@ EXAMPLES = f"""examples:
   pdserve status --json | jq '.models[] | {{model, checks}}'
   pdserve status --watch --json           # one JSON document per line, every --interval
 
---json prints {{"etcd", "time", "models": [...]}}; each model has "slo", "pools" (prefill and
+--json prints {{"etcd", "time", "num_frontends", "models": [...]}}; each model has "slo", "pools" (prefill and
 decode: ready, draining, workers, running, waiting, held_requests, queued_prefill_tokens,
 kv_usage), "latency" (the frontends' stats merged, with "by_frontend"), "checks" ("OK",
 "BREACH" or null per target), "planner" (the decision as the planner published it) and

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -135,9 +137,6 @@ class Frontend:
     """One more frontend process over the same registry (e.g. with other routing or limits)."""
 
     def __init__(self, etcd: str, *args: str) -> None:
-        import subprocess
-        import sys
-
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", *args],
             stdout=subprocess.PIPE, text=True,
@@ -156,3 +155,41 @@ class Frontend:
         self.channel.close()
         self.process.terminate()
         self.process.wait(30)
+
+
+class UpProcess:
+    """``pdserve up ARGS`` as a user runs it, its output read to the end on a thread (a pipe
+    nobody reads would block ``up`` once full) and kept, so that a failure can show it all."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.lines: list[str] = []
+        self._is_up = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if "pdserve is up" in line:
+                self._is_up.set()
+        self._is_up.set()  # exited before coming up: wait_up reports it
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_up(self, timeout: float = 120) -> tuple[str, int]:
+        """The "pdserve is up" line and the port it names; fails with the output otherwise."""
+        assert self._is_up.wait(timeout) and self.process.poll() is None, f"pdserve up did not come up:\n{self.output}"
+        line = next(line for line in self.lines if "pdserve is up" in line)
+        return line, bound_port(line)
+
+    def close(self) -> None:
+        """Kill ``up`` if it still runs (a test that passed has stopped it already)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(10)

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +14,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
-from tests.e2e.deployment import bound_port
+from tests.e2e.deployment import UpProcess
 
 pytestmark = pytest.mark.slow
 
@@ -58,29 +57,15 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
     config = tmp_path / "planner.json"
     config.write_text(json.dumps(PLANNER_CONFIG))
     # An ITL target a burst on one decode worker breaks: 16 streams wait for its 4 slots.
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "--log-level", "INFO", "up", "--model", str(path), "--port", "0",
-         "--disaggregation", "always", "--threads-per-worker", "1", "--max-num-seqs", "4",
-         "--autoscale", "--profile", str(profile), "--planner-config", str(config), "--ttft-p90", "2s",
-         "--itl-p90", "6ms", "--max-decode", "3", "--planner-interval", "1s", "--stats-window", "2s"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    up = UpProcess(
+        "--log-level", "INFO", "up", "--model", str(path), "--port", "0", "--disaggregation", "always",
+        "--threads-per-worker", "1", "--max-num-seqs", "4", "--autoscale", "--profile", str(profile),
+        "--planner-config", str(config), "--ttft-p90", "2s", "--itl-p90", "6ms", "--max-decode", "3",
+        "--planner-interval", "1s", "--stats-window", "2s",
     )  # fmt: skip
-    lines: list[str] = []
-    is_up = threading.Event()
-
-    def read() -> None:
-        assert up.stdout is not None
-        for line in up.stdout:
-            lines.append(line)
-            if "pdserve is up" in line:
-                is_up.set()
-        is_up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    lines = up.lines
     try:
-        assert is_up.wait(120) and up.poll() is None, "".join(lines)
-        port = bound_port(next(line for line in lines if "pdserve is up" in line))
+        _, port = up.wait_up()
         _burst(port, path.name, seconds=8)
         grown = max(_decode_sizes(lines), default=1)
         assert grown >= 2, f"the decode pool did not grow under the burst:\n{''.join(lines)}"
@@ -89,10 +74,7 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
             time.sleep(0.5)
         assert _decode_sizes(lines)[-1] == 1, f"the decode pool did not shrink back:\n{''.join(lines)}"
         assert "ITL p90" in "".join(lines)  # every decision is logged with its reason
-        up.send_signal(signal.SIGINT)
-        assert up.wait(60) == 0, "".join(lines)
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(60) == 0, up.output
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        reader.join(10)
+        up.close()

@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from tests.e2e.deployment import bound_port
+from tests.e2e.deployment import UpProcess
 
 pytestmark = pytest.mark.slow
 
@@ -29,32 +28,11 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints):
     path, _ = checkpoints("llama")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", "0",
-         "--disaggregation", "always", "--threads-per-worker", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    # Read to the end on a thread: a pipe nobody reads would block `up` once full, and a
-    # failure below shows everything `up` printed.
-    lines: list[str] = []
-    is_up = threading.Event()
-
-    def read() -> None:
-        assert up.stdout is not None
-        for line in up.stdout:
-            lines.append(line)
-            if "pdserve is up" in line:
-                is_up.set()
-        is_up.set()  # exited before coming up: the check below reports it
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1")
     try:
-        assert is_up.wait(120) and up.poll() is None, f"pdserve up did not come up:\n{''.join(lines)}"
-        [up_line] = [line for line in lines if "pdserve is up" in line]
-        port = bound_port(up_line)
+        up_line, port = up.wait_up()
         assert "(embedded)" in up_line
-        pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", "".join(lines))]
+        pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         result = subprocess.run(
             [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
@@ -64,21 +42,18 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
         assert len(out["token_ids"]) == 5 and out["breakdown"]["disaggregated"]
-        up.send_signal(signal.SIGINT)  # Ctrl-C
+        up.process.send_signal(signal.SIGINT)  # Ctrl-C
         try:
-            code = up.wait(60)
+            code = up.process.wait(60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"pdserve up did not stop within 60 s of Ctrl-C:\n{''.join(lines)}")
-        assert code == 0, "".join(lines)
+            pytest.fail(f"pdserve up did not stop within 60 s of Ctrl-C:\n{up.output}")
+        assert code == 0, up.output
         deadline = time.monotonic() + 5
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in pids), "a worker outlived pdserve up"
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        reader.join(10)
+        up.close()
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):
