@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -77,6 +78,25 @@ class Backend(ABC):
     """The ops models need. Shapes are given per method; all return new tensors."""
 
     name: str
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A linear layer's weight [out, in] in the form ``linear`` reads; by default itself.
+
+        Called once per weight at load time, so a backend may repack it (a copy) for its GEMM.
+        """
+        return weight
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] · weightᵀ + bias`` → [..., out], ``weight`` as ``prepare_weight`` returned it."""
+        return F.linear(x, weight, bias)
+
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """The LM head: float32 logits [R, vocab] of hidden [R, H], ``lm_head`` as ``prepare_weight`` returned it.
+
+        Its own method because its shape is its own: few rows (one per sampled sequence)
+        against the widest weight of the model.
+        """
+        return self.linear(hidden, lm_head).float()
 
     @abstractmethod
     def rms_norm(

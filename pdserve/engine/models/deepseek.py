@@ -31,18 +31,20 @@ class MLAttention:
         qk_dim = self.nope_dim + self.rope_dim
         bias = bool(config.get("attention_bias", False))
         if self.q_lora_rank:
-            self.q_a_proj = Linear(ckpt, f"{prefix}.q_a_proj", hidden, self.q_lora_rank, bias)
+            self.q_a_proj = Linear(ckpt, f"{prefix}.q_a_proj", hidden, self.q_lora_rank, backend, bias)
             self.q_a_norm = RMSNorm(ckpt, f"{prefix}.q_a_layernorm", self.q_lora_rank, config.rms_norm_eps, backend)
-            self.q_b_proj = Linear(ckpt, f"{prefix}.q_b_proj", self.q_lora_rank, self.num_heads * qk_dim)
+            self.q_b_proj = Linear(ckpt, f"{prefix}.q_b_proj", self.q_lora_rank, self.num_heads * qk_dim, backend)
         else:
-            self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, self.num_heads * qk_dim)
-        self.kv_a_proj = Linear(ckpt, f"{prefix}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias)
+            self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, self.num_heads * qk_dim, backend)
+        self.kv_a_proj = Linear(
+            ckpt, f"{prefix}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, backend, bias
+        )
         self.kv_a_norm = RMSNorm(ckpt, f"{prefix}.kv_a_layernorm", self.kv_lora_rank, config.rms_norm_eps, backend)
         kv_b = ckpt.get(f"{prefix}.kv_b_proj.weight", (self.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank))
         kv_b = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk = kv_b[:, : self.nope_dim]  # [H, nope, L]
         self.w_uv = kv_b[:, self.nope_dim :]  # [H, v, L]
-        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * self.v_dim, hidden, bias)
+        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * self.v_dim, hidden, backend, bias)
         self.backend = backend
         self.cos_sin = cos_sin
         # DeepSeek's v2 and v3 checkpoints store rope dims interleaved (pairs 2i, 2i+1).
@@ -102,11 +104,11 @@ class DeepseekModel(DecoderModel):
             and index % c.get("moe_layer_freq", 1) == 0
         )
         if not is_moe:
-            return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size)
+            return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend)
         moe_intermediate = c.require("moe_intermediate_size")
         num_shared = c.get("n_shared_experts", 0)
         shared = (
-            DenseMLP(ckpt, f"{prefix}.shared_experts", c.hidden_size, moe_intermediate * num_shared)
+            DenseMLP(ckpt, f"{prefix}.shared_experts", c.hidden_size, moe_intermediate * num_shared, self.backend)
             if num_shared
             else None
         )

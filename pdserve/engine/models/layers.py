@@ -17,20 +17,26 @@ from pdserve.engine.weights import Checkpoint
 
 
 class Linear:
-    def __init__(self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, bias: bool = False) -> None:
-        self.weight = ckpt.get(f"{name}.weight", (out_features, in_features))
+    """``x · Wᵀ + b``, with W in the form the backend's GEMM reads fastest (``prepare_weight``)."""
+
+    def __init__(
+        self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, backend: Backend, bias: bool = False
+    ) -> None:
+        self.weight = backend.prepare_weight(ckpt.get(f"{name}.weight", (out_features, in_features)))
         self.bias = ckpt.get(f"{name}.bias", (out_features,)) if bias else None
+        self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.backend.linear(x, self.weight, self.bias)
 
 
 class MergedLinear:
     """Linears that read the same input (q/k/v, gate/up) run as one GEMM.
 
     Their weights are concatenated once at load time (a copy; every other weight stays a
-    view of the mapped checkpoint): one GEMM and one kernel launch instead of two or three.
-    Returns each linear's output, as column slices of the one result.
+    view of the mapped checkpoint unless the backend repacks it): one GEMM and one kernel
+    launch instead of two or three. Returns each linear's output, as column slices of the
+    one result.
     """
 
     def __init__(
@@ -39,15 +45,17 @@ class MergedLinear:
         names: tuple[str, ...],
         in_features: int,
         out_features: tuple[int, ...],
+        backend: Backend,
         bias: bool = False,
     ) -> None:
         self.out_features = list(out_features)
-        parts = [Linear(ckpt, name, in_features, size, bias) for name, size in zip(names, out_features)]
-        self.weight = torch.cat([p.weight for p in parts])
-        self.bias = torch.cat([p.bias for p in parts]) if bias else None
+        weight = torch.cat([ckpt.get(f"{name}.weight", (size, in_features)) for name, size in zip(names, out_features)])
+        self.weight = backend.prepare_weight(weight)
+        self.bias = torch.cat([ckpt.get(f"{n}.bias", (size,)) for n, size in zip(names, out_features)]) if bias else None
+        self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.out_features, dim=-1)
+        return self.backend.linear(x, self.weight, self.bias).split(self.out_features, dim=-1)
 
 
 class RMSNorm:
@@ -67,11 +75,13 @@ class RMSNorm:
 class DenseMLP:
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(
+        self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, backend: Backend, bias: bool = False
+    ) -> None:
         self.gate_up = MergedLinear(
-            ckpt, (f"{name}.gate_proj", f"{name}.up_proj"), hidden, (intermediate, intermediate), bias
+            ckpt, (f"{name}.gate_proj", f"{name}.up_proj"), hidden, (intermediate, intermediate), backend, bias
         )
-        self.down = Linear(ckpt, f"{name}.down_proj", intermediate, hidden, bias)
+        self.down = Linear(ckpt, f"{name}.down_proj", intermediate, hidden, backend, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)

@@ -29,8 +29,8 @@ class GQAttention:
         o_bias = arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False))
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         names = tuple(f"{prefix}.{w}_proj" for w in "qkv")
-        self.qkv_proj = MergedLinear(ckpt, names, hidden, (q_size, kv_size, kv_size), qkv_bias)
-        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * head_dim, hidden, o_bias)
+        self.qkv_proj = MergedLinear(ckpt, names, hidden, (q_size, kv_size, kv_size), backend, qkv_bias)
+        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * head_dim, hidden, backend, o_bias)
         self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.qk_norm:
             self.q_norm = RMSNorm(ckpt, f"{prefix}.q_norm", head_dim, config.rms_norm_eps, backend)
@@ -93,7 +93,7 @@ class LlamaModel(DecoderModel):
                 intermediate=c.require("moe_intermediate_size"),
                 router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
             )
-        return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, bias=bool(c.get("mlp_bias", False)))
+        return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, bias=bool(c.get("mlp_bias", False)))
 
     def _is_sparse_qwen3_layer(self, index: int) -> bool:
         c = self.config
