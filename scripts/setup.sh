@@ -29,4 +29,8 @@ fi
 "${pip[@]}" "${index_args[@]}" "$torch_spec"
 
 "${pip[@]}" -e ".[test]"
+if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+    echo "setup: no C compiler found: on CPU pdserve will run its slower torch reference;" \
+         "install one (apt-get install -y gcc) for the compiled CPU kernels"
+fi
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_config import KERNEL_CHOICES, EngineConfig
 
 
 def token_ids(text: str) -> list[int]:
@@ -46,9 +46,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kernels",
-        choices=["auto", "torch", "triton"],
+        choices=list(KERNEL_CHOICES),
         default="auto",
-        help="compute kernels: auto = Triton on CUDA, torch reference elsewhere",
+        help="compute kernels: triton (GPU); cpu (oneDNN linears and a C decode attention, compiled on first "
+        "use with the machine's C compiler and cached in ~/.cache/pdserve or $PDSERVE_CACHE_DIR); torch (the "
+        "plain reference); auto = triton on CUDA, else cpu, falling back to torch with a warning when no "
+        "compiler builds the C kernel",
     )
     group.add_argument(
         "--kv-cache-memory",

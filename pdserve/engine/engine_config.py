@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -14,7 +14,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's
     device: str = "auto"  # auto: cuda when available
-    kernels: str = "auto"  # auto: triton on cuda, torch elsewhere
+    # auto: triton on cuda; on CPU the C kernels (cpu), or torch when no C compiler builds them
+    kernels: str = "auto"
     block_size: int = 16
     # KV budget in bytes; None: gpu_memory_utilization of free GPU memory, or on CPU at most
     # cpu_kv_cache_memory (never more than max_num_seqs full contexts need).

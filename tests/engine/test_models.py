@@ -27,12 +27,15 @@ def _assert_matches_reference(hf_model, prompts, outputs, max_tokens: int = 10) 
     assert compared >= len(prompts) * max_tokens // 2, "too many near-ties: the comparison proves little"
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_mixed_batch_with_chunked_prefill_matches_transformers(checkpoints, arch):
+def test_mixed_batch_with_chunked_prefill_matches_transformers(checkpoints, arch, kernels):
     path, hf_model = checkpoints(arch)
     # A 24-token budget splits the 40- and 33-token prompts into chunks; 16 and 17 tokens
-    # end exactly on and just past a block boundary.
-    llm = LLM(str(path), max_num_batched_tokens=24, max_num_seqs=8)
+    # end exactly on and just past a block boundary. Both CPU backends: the C kernels and
+    # oneDNN linears ("cpu", the default here) and the plain torch reference ("torch").
+    llm = LLM(str(path), max_num_batched_tokens=24, max_num_seqs=8, kernels=kernels)
+    assert llm.engine.backend.name == kernels
     prompts = _prompts(1, [5, 16, 17, 40, 33, 1])
     outputs = llm.generate(prompts, GREEDY)
     _assert_matches_reference(hf_model, prompts, outputs)

@@ -1,0 +1,116 @@
+"""Compile a kernel's C file once per machine and load it with ``ctypes``.
+
+The shared library is cached under ``$PDSERVE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/pdserve``, else ``~/.cache/pdserve``) in ``cpu_kernels/``, named by a hash
+of the source, the compiler, the flags and the CPU, so that an edit, a new compiler or a
+checkout shared between different machines never loads a stale or foreign build. Processes
+that start together (a prefill and a decode worker) may both compile; each writes its own
+temporary file and renames it into place, so a reader never sees half a library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -march=native: the library is built on the machine that runs it (the cache key holds the
+# CPU's flags). -fassociative-math lets reductions vectorize; the kernels' exp uses fmaf
+# so that reassociation cannot change it. No -ffast-math: infinities and NaN must behave.
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+    "-fopenmp", "-fPIC", "-shared",
+)
+COMPILE_TIMEOUT_S = 120.0
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR")
+    if root:
+        return Path(root) / "cpu_kernels"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError:  # no home directory (some containers): a per-user temporary one
+            base = Path(tempfile.gettempdir()) / f"pdserve-{os.getuid()}"
+    return Path(base) / "pdserve" / "cpu_kernels"
+
+
+@functools.cache
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled ``source``, built now if no cached build matches; raises ``CpuKernelsUnavailable``."""
+    compiler = _compiler()
+    code = source.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([code, " ".join(FLAGS).encode(), _compiler_version(compiler).encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    directory = cache_dir()
+    library = directory / f"{source.stem}-{key}.so"
+    if not library.is_file():
+        _compile(compiler, source, directory, library)
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as exc:
+        raise CpuKernelsUnavailable(f"cannot load the compiled kernel {library}: {exc}") from exc
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CC"), "cc", "gcc"):
+        if candidate and (path := shutil.which(candidate)):
+            return path
+    raise CpuKernelsUnavailable("no C compiler found (install gcc, or set CC to one)")
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CpuKernelsUnavailable(f"the C compiler {compiler} does not run: {exc}") from exc
+    return done.stdout.strip()
+
+
+def _cpu_signature() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _compile(compiler: str, source: Path, directory: Path, library: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=f".{library.stem}.", suffix=".so", dir=directory)
+        os.close(fd)
+    except OSError as exc:
+        raise CpuKernelsUnavailable(
+            f"cannot write the kernel cache {directory}: {exc} (set PDSERVE_CACHE_DIR to a writable directory)"
+        ) from exc
+    command = [compiler, *FLAGS, "-o", partial, str(source), "-lm"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise CpuKernelsUnavailable(
+                f"compiling {source.name} failed ({' '.join(command)}):\n{done.stderr.strip()[-2000:]}"
+            )
+        os.replace(partial, library)
+    except subprocess.TimeoutExpired as exc:
+        raise CpuKernelsUnavailable(f"compiling {source.name} took over {COMPILE_TIMEOUT_S:.0f} s") from exc
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

@@ -1,0 +1,78 @@
+"""``CpuBackend``: the torch reference, with the two changes that matter most on a CPU.
+
+- **Decode attention** runs ``paged_decode.c``, which reads the cache in place; the
+  reference copies every block a step reads before computing on it.
+- **Linear layers** run oneDNN's GEMM on weights repacked once at load time into its
+  blocked layout (``torch.ops.mkldnn``, the path torch's own compiler takes for CPU
+  inference). With the few rows of a decode step, and above all the LM head's 32 rows
+  against a vocabulary-wide weight, MKL's GEMM on the plain layout runs at a third of the
+  machine's speed; the repacked GEMM is 1.2–3× faster, the same float32 arithmetic.
+
+Everything else is the reference. Tensors other than float32 take the reference path: the
+kernels are float32 only, which is what CPUs run fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.backend import AttentionMetadata
+from pdserve.engine.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
+from pdserve.kernels.cpu.paged_decode import load, paged_decode
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        load()  # compile now, so that a missing compiler shows at start-up, not mid-request
+        self.repacks_weights = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+    def prepare_weight(self, weight):
+        if not self.repacks_weights or weight.dtype != torch.float32:
+            return weight
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    def linear(self, x, weight, bias=None):
+        if weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return super().linear(x, weight, bias)
+
+    def logits(self, hidden, lm_head):
+        if lm_head.is_mkldnn:
+            return self.linear(hidden, lm_head)
+        return super().logits(hidden, lm_head)
+
+    def paged_attention(self, q, layer_cache, meta, scale):
+        if not _is_float32(q, layer_cache):
+            return super().paged_attention(q, layer_cache, meta, scale)
+        keys, values = layer_cache[:, 0], layer_cache[:, 1]  # [num_blocks, Hkv, block_size, D] each
+
+        def decode(q_decodes: torch.Tensor) -> torch.Tensor:
+            return _decode(q_decodes, keys, values, meta, scale, values.shape[-1])
+
+        return attend_cached(q, layer_cache, meta, scale, gather_gqa, decode)
+
+    def mla_attention(self, q, layer_cache, meta, scale, v_dim):
+        if not _is_float32(q, layer_cache):
+            return super().mla_attention(q, layer_cache, meta, scale, v_dim)
+        latents = layer_cache[:, None]  # [num_blocks, 1, block_size, L]: one KV head, keys and values
+
+        def decode(q_decodes: torch.Tensor) -> torch.Tensor:
+            return _decode(q_decodes, latents, latents, meta, scale, v_dim)
+
+        return attend_cached(q, layer_cache, meta, scale, mla_gather(v_dim), decode)
+
+
+def _is_float32(q: torch.Tensor, layer_cache: torch.Tensor) -> bool:
+    return q.dtype == torch.float32 and layer_cache.dtype == torch.float32
+
+
+def _decode(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+) -> torch.Tensor:
+    num_seqs = q.shape[0]
+    return paged_decode(
+        q, keys, values, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs],
+        max(meta.seq_lens_list[:num_seqs]), scale, v_dim,
+    )

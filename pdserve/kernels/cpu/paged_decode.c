@@ -1,0 +1,145 @@
+/* Paged decode attention on CPU: each sequence's single query token over its cached keys
+ * and values, read in place through the block table.
+ *
+ * The torch reference copies every block a step reads out of the cache before it can run a
+ * batched matmul on it; on a CPU that copy and the second pass over the copy cost more than
+ * the attention itself, since decode attention only streams memory. Here each (sequence,
+ * KV head) pair walks its blocks once: the group of query heads sharing that KV head scores a
+ * block's keys, and an online softmax (a running max and sum per query head) folds the
+ * block's values into the output, so nothing the size of the context is ever written.
+ *
+ * Layout, in elements (float32):
+ *   q            [num_seqs, num_heads, k_dim], contiguous
+ *   k_cache      key of token t of block b, KV head h: k_cache[b*block_stride + h*head_stride + t*token_stride + i]
+ *   v_cache      the same strides, first v_dim values of each row (MLA: the latent itself)
+ *   block_tables [num_seqs, table_stride] int32
+ *   seq_lens     [num_seqs] int32, each >= 1 and covered by the row's table
+ *   out          [num_seqs, num_heads, v_dim], contiguous
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 within 2 ulp of expf, written so that the compiler vectorizes the loops
+ * that call it (libm's expf is a call it cannot vectorize). x = n ln2 + r with |r| <= ln2/2,
+ * ln2 split in two so that n ln2 is exact enough; exp(r) by the Cephes library's degree-6
+ * polynomial; 2^n built in the exponent bits. fmaf everywhere, so that the reassociation the
+ * build allows (-fassociative-math) cannot reorder the steps. Below -87.3 the result is
+ * clamped to about 1e-38, which is 0 to every sum it enters; NaN stays NaN. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = __builtin_floorf(__builtin_fmaf(x, 1.44269504088896341f, 0.5f));
+    const float r = __builtin_fmaf(n, 2.12194440e-4f, __builtin_fmaf(n, -0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    p = __builtin_fmaf(p * r, r, r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* One (sequence, KV head): `group` query heads q[group][k_dim] into out[group][v_dim].
+ * `scratch` holds group * (block_size + 2 + v_dim) floats. Returns 0, or -2 when the block
+ * table names a block outside the cache (out is then left unwritten). */
+static int attend_one(const float *q, const float *k_base, const float *v_base, const int32_t *table,
+                      int64_t seq_len, int64_t num_blocks, int64_t block_stride, int64_t token_stride,
+                      int64_t block_size, int64_t group, int64_t k_dim, int64_t v_dim, float scale,
+                      float *scratch, float *out) {
+    float *scores = scratch;                      /* [group][block_size] */
+    float *run_max = scores + group * block_size; /* [group] */
+    float *run_sum = run_max + group;             /* [group] */
+    float *acc = run_sum + group;                 /* [group][v_dim] */
+    for (int64_t g = 0; g < group; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * group * v_dim);
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        if (block < 0 || block >= num_blocks) return -2;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const float *keys = k_base + block * block_stride;
+        const float *values = v_base + block * block_stride;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * k_dim;
+            float *sg = scores + g * block_size;
+            for (int64_t t = 0; t < n; t++) sg[t] = dot(qg, keys + t * token_stride, k_dim) * scale;
+            float block_max = -INFINITY;
+#pragma omp simd reduction(max : block_max)
+            for (int64_t t = 0; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max;
+            const float new_max = block_max > run_max[g] ? block_max : run_max[g];
+            /* The first block rescales the empty sums: by exp(-inf), about 0, times 0. */
+            const float rescale = exp_nonpositive(run_max[g] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                sg[t] = exp_nonpositive(sg[t] - new_max);
+                sum += sg[t];
+            }
+            float *ag = acc + g * v_dim;
+            for (int64_t i = 0; i < v_dim; i++) ag[i] *= rescale;
+            for (int64_t t = 0; t < n; t++) {
+                const float p = sg[t];
+                const float *v = values + t * token_stride;
+#pragma omp simd
+                for (int64_t i = 0; i < v_dim; i++) ag[i] += p * v[i];
+            }
+            run_sum[g] = run_sum[g] * rescale + sum;
+            run_max[g] = new_max;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / run_sum[g];
+        for (int64_t i = 0; i < v_dim; i++) out[g * v_dim + i] = acc[g * v_dim + i] * inv;
+    }
+    return 0;
+}
+
+/* Returns 0; -1 when scratch memory could not be allocated; -2 when a block table entry is
+ * outside [0, num_blocks). On an error `out` is incomplete. */
+int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                         int64_t block_stride, int64_t head_stride, int64_t token_stride,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                         int64_t k_dim, int64_t v_dim, float scale, float *out, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t items = num_seqs * num_kv_heads;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * group * (block_size + 2 + v_dim));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (scratch == NULL) continue;
+            const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+            const int64_t first_head = seq * num_heads + kv_head * group;
+            const int rc = attend_one(q + first_head * k_dim, k_cache + kv_head * head_stride,
+                                      v_cache + kv_head * head_stride, block_tables + seq * table_stride,
+                                      seq_lens[seq], num_blocks, block_stride, token_stride, block_size, group,
+                                      k_dim, v_dim, scale, scratch, out + first_head * v_dim);
+            if (rc != 0) {
+#pragma omp atomic write
+                status = rc;
+            }
+        }
+        free(scratch);
+    }
+    return status;
+}

@@ -1,0 +1,84 @@
+"""Paged decode attention on CPU (``paged_decode.c``): single-token queries over the cache, in place.
+
+Serves both cache layouts: GQA keys and values are two views with the same strides
+(``[blocks, kv_heads, tokens, dim]``); MLA's latents are one view read as keys (all of a
+row) and as values (its first ``v_dim`` entries).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels.cpu.build import load_library
+
+_SOURCE = Path(__file__).with_suffix(".c")
+_ERRORS = {-1: "out of memory for the kernel's scratch space", -2: "a block table entry is outside the cache"}
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr:
+    function = load_library(_SOURCE).pdserve_paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ptr, ptr, ptr, i64,  # q, k_cache, v_cache, num_blocks
+        i64, i64, i64,  # block, head and token strides
+        ptr, i64, ptr,  # block_tables, table_stride, seq_lens
+        i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size
+        i64, i64, ctypes.c_float, ptr, ctypes.c_int,  # k_dim, v_dim, scale, out, num_threads
+    ]
+    return function
+
+
+def load() -> None:
+    """Build (or find the cached build of) the kernel now; raises ``CpuKernelsUnavailable``."""
+    _kernel()
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Attention of q [S, H, Dk] over each sequence's first ``seq_lens[s]`` cached tokens.
+
+    ``k_cache``/``v_cache``: float32 ``[num_blocks, Hkv, block_size, Dk]`` views with equal
+    strides and contiguous rows; ``block_tables`` [S, max_blocks] and ``seq_lens`` [S] int32;
+    ``max_seq_len`` is ``max(seq_lens)``, known on the host. Returns [S, H, v_dim] float32.
+    """
+    num_seqs, num_heads, k_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    if {q.dtype, k_cache.dtype, v_cache.dtype} != {torch.float32}:
+        raise ValueError(f"the CPU decode kernel takes float32 only, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if num_heads % num_kv_heads or k_cache.shape[-1] != k_dim or v_cache.shape[-1] < v_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(k_cache.shape)} / values "
+                         f"{tuple(v_cache.shape)} with v_dim {v_dim}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"keys and values need the same strides and contiguous rows, got {k_cache.stride()}, "
+                         f"{v_cache.stride()}")
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
+                         f"{block_tables.shape[1]} blocks of {block_size}")
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
+    status = _kernel()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, block_size,
+        k_dim, v_dim, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged decode attention failed: {_ERRORS.get(status, f'status {status}')}")
+    return out

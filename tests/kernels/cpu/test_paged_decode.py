@@ -1,0 +1,69 @@
+"""The C decode attention against the torch reference, both cache layouts, many shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
+
+from pdserve.engine.torch_backend import decode_attention, gather_gqa, mla_gather
+from pdserve.kernels.cpu.paged_decode import paged_decode
+
+
+def _gqa(meta, q, cache, scale):
+    keys, values = cache[:, 0], cache[:, 1]
+    return paged_decode(q, keys, values, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, values.shape[-1])
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(8, 4, 64, 16), (4, 4, 32, 16), (8, 1, 128, 8), (6, 2, 16, 1), (2, 2, 8, 32)],
+)
+def test_gqa_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    # Contexts of one token, one token short of, on and past a block boundary, and a long one.
+    seq_lens = [1, block_size - 1 or 1, block_size, block_size + 1, 7 * block_size + 3]
+    meta = make_metadata(seq_lens, [1] * len(seq_lens), block_size, num_blocks=64)
+    cache = gqa_cache(64, num_kv_heads, block_size, head_dim, torch.float32)
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    expected = decode_attention(q, cache, meta, 0.3, gather_gqa)
+    assert_close(_gqa(meta, q, cache, 0.3), expected, f"seq_lens {seq_lens}")
+
+
+def test_mla_reads_latents_as_keys_and_their_head_as_values():
+    seq_lens = [1, 16, 33, 70]
+    meta = make_metadata(seq_lens, [1] * len(seq_lens), 16, num_blocks=16)
+    cache = mla_cache(16, 16, 96, torch.float32)
+    q = torch.randn(len(seq_lens), 4, 96)
+    latents = cache[:, None]
+    out = paged_decode(q, latents, latents, meta.block_tables, meta.seq_lens, meta.max_seq_len, 0.1, 64)
+    assert out.shape == (4, 4, 64)
+    assert_close(out, decode_attention(q, cache, meta, 0.1, mla_gather(64)))
+
+
+def test_large_scores_do_not_overflow():
+    # Scores in the thousands: only a max-subtracted softmax stays finite.
+    meta = make_metadata([40], [1], 16, num_blocks=4)
+    cache = gqa_cache(4, 1, 16, 8, torch.float32) * 30
+    q = torch.randn(1, 1, 8) * 30
+    assert_close(_gqa(meta, q, cache, 1.0), decode_attention(q, cache, meta, 1.0, gather_gqa))
+
+
+def test_a_block_id_outside_the_cache_is_an_error_not_a_read():
+    meta = make_metadata([20], [1], 16, num_blocks=4)
+    meta.block_tables[0, 1] = 4
+    cache = gqa_cache(4, 2, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="block table entry is outside the cache"):
+        _gqa(meta, torch.randn(1, 2, 8), cache, 1.0)
+
+
+def test_bad_inputs_name_the_problem():
+    meta = make_metadata([20], [1], 16, num_blocks=4)
+    cache = gqa_cache(4, 2, 16, 8, torch.float32)
+    keys, values = cache[:, 0], cache[:, 1]
+    with pytest.raises(ValueError, match="float32 only"):
+        paged_decode(torch.randn(1, 2, 8).bfloat16(), keys, values, meta.block_tables, meta.seq_lens, 20, 1.0, 8)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        paged_decode(torch.randn(1, 2, 8), keys, values, meta.block_tables, meta.seq_lens, 33, 1.0, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_decode(torch.randn(1, 3, 8), keys, values, meta.block_tables, meta.seq_lens, 20, 1.0, 8)
