@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="pdserve: most requests running at once (default: --num-requests)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="pdserve: token budget of one step, prompts are chunked to it (default: 2048)")
+    parser.add_argument("--kernels", choices=["auto", "cpu", "torch", "triton"], default="auto",
+                        help="pdserve: compute kernels (default: auto, i.e. the CPU backend on CPU; torch = "
+                        "the plain reference, for comparison)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="transformers: requests per generate call, taken in order "
                         "(default: --max-num-seqs, i.e. the same concurrency as pdserve)")
@@ -275,7 +278,7 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
             "checkpoint": str(checkpoint), "dtype": args.dtype, "threads": args.threads, "workloads": workloads,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.prompt_len_max + args.output_len_max, "batch_size": batch_size,
-            "check_requests": args.check_requests,
+            "check_requests": args.check_requests, "kernels": args.kernels,
         }
         (work_dir / "settings.json").write_text(json.dumps(settings))
         results = {}
@@ -358,7 +361,7 @@ def _pdserve_runner(settings: dict[str, Any]):
     llm = LLM(
         model=settings["checkpoint"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"]),
-        max_model_len=settings["max_model_len"], seed=0,
+        max_model_len=settings["max_model_len"], seed=0, kernels=settings["kernels"],
     )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -368,6 +371,7 @@ def _pdserve_runner(settings: dict[str, Any]):
 
     config = {"max_num_seqs": settings["max_num_seqs"], "max_num_batched_tokens": settings["max_num_batched_tokens"],
               "max_model_len": settings["max_model_len"], "num_kv_blocks": llm.engine.block_pool.num_blocks,
+              "backend": llm.engine.backend.name,
               "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1)}
     return generate, config
 
