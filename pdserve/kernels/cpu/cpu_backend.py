@@ -26,7 +26,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         load()  # compile now, so that a missing compiler shows at start-up, not mid-request
-        self.repacks_weights = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        self.repacks_weights = _onednn_linear_works()
 
     def prepare_weight(self, weight):
         if not self.repacks_weights or weight.dtype != torch.float32:
@@ -62,6 +62,16 @@ class CpuBackend(TorchBackend):
             return _decode(q_decodes, latents, latents, meta, scale, v_dim)
 
         return attend_cached(q, layer_cache, meta, scale, mla_gather(v_dim), decode)
+
+
+def _onednn_linear_works() -> bool:
+    """Probe the oneDNN ops once: they are internal to torch, and absent from builds without oneDNN."""
+    try:
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2))
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), weight, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(out.eq(2).all())
 
 
 def _is_float32(q: torch.Tensor, layer_cache: torch.Tensor) -> bool:
