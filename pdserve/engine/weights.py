@@ -53,6 +53,7 @@ class Checkpoint:
         self.dtype = dtype
         self._entries: dict[str, _Entry] = {}
         self._maps: dict[Path, torch.Tensor] = {}
+        self._mmaps: list[mmap.mmap] = []
         self._expected_file: dict[str, str] = {}  # from the index: which shard should hold a name
         self._progress = None
         files = self._find_files()
@@ -115,6 +116,7 @@ class Checkpoint:
             with file.open("rb") as handle:
                 # Copy-on-write: pages stay shared with the page cache and are never written.
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._mmaps.append(mapped)
             self._maps[file] = torch.frombuffer(mapped, dtype=torch.uint8)
         return self._maps[file]
 
@@ -144,5 +146,14 @@ class Checkpoint:
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def close(self) -> None:
+        """Loading is over: the pages read so far leave this process's resident memory.
+
+        Weights the model copied (merged, converted, repacked by the backend, moved to a
+        GPU) would otherwise count twice. Tensors that are still views of the files fault
+        their pages back in from the page cache when next read: the mapping is never
+        written, so dropping its pages loses nothing.
+        """
         if self._progress is not None:
             self._progress.close()
+        for mapped in self._mmaps:
+            mapped.madvise(mmap.MADV_DONTNEED)
