@@ -5,7 +5,8 @@ The shared library is cached under ``$PDSERVE_CACHE_DIR`` (default
 of the source, the compiler, the flags and the CPU, so that an edit, a new compiler or a
 checkout shared between different machines never loads a stale or foreign build. Processes
 that start together (a prefill and a decode worker) may both compile; each writes its own
-temporary file and renames it into place, so a reader never sees half a library.
+temporary file and renames it into place, so a reader never sees half a library. A new build
+replaces the kernel's older ones in the cache.
 """
 
 from __future__ import annotations
@@ -109,8 +110,18 @@ def _compile(compiler: str, source: Path, directory: Path, library: Path) -> Non
                 f"compiling {source.name} failed ({' '.join(command)}):\n{done.stderr.strip()[-2000:]}"
             )
         os.replace(partial, library)
+        _remove_other_builds(library, source.stem)
     except subprocess.TimeoutExpired as exc:
         raise CpuKernelsUnavailable(f"compiling {source.name} took over {COMPILE_TIMEOUT_S:.0f} s") from exc
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def _remove_other_builds(library: Path, stem: str) -> None:
+    # One build per kernel stays cached: an edit or a new compiler would otherwise leave its
+    # old build behind forever. A process still running an older build keeps its mapping;
+    # one that alternates between two builds recompiles, which takes about a second.
+    for other in library.parent.glob(f"{stem}-*.so"):
+        if other != library:
+            other.unlink(missing_ok=True)
