@@ -13,7 +13,9 @@ Background loops are stopped with ``cancel_and_wait``, never a bare ``cancel()``
 ``await``: on Python 3.11, ``asyncio.wait_for`` swallows a cancellation that arrives just as
 the call it waits on completes (CPython issue 86296, fixed in 3.12), and the loop around it
 then runs on, so whoever awaits it waits forever. A worker that took minutes to exit on
-SIGTERM, and a test that hung for 600 s in CI, were this.
+SIGTERM, and a test that hung for 600 s in CI, were this. pdserve's own deadlines therefore
+use ``asyncio.timeout``, which runs the call in the waiting task itself and cannot lose a
+cancellation; ``cancel_and_wait`` still guards against any library call that might.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ def fmt_age(seconds: float | None) -> str:
 async def read_workers(client: aetcd.Client) -> list[tuple[WorkerEntry, int]]:
     """Every registered worker with the id of the lease its entry lives under (0: none),
     sorted by model, role (prefill first) and id."""
-    response = await asyncio.wait_for(client.get_prefix(WORKERS_PREFIX.encode()), ETCD_TIMEOUT_S)
+    async with asyncio.timeout(ETCD_TIMEOUT_S):
+        response = await client.get_prefix(WORKERS_PREFIX.encode())
     warned: set[tuple[bytes, int]] = set()
     workers = [(entry, kv.lease) for kv in response for entry in decode_entries([kv], warned)]
     return sorted(workers, key=lambda w: (w[0].model, ROLES.index(w[0].role), w[0].worker_id))
@@ -168,7 +169,8 @@ async def lease_ttls(client: aetcd.Client, lease_ids: set[int]) -> dict[int, tup
     ids = sorted(i for i in lease_ids if i)
 
     async def one(lease_id: int) -> Any:
-        return await asyncio.wait_for(client.get_lease_info(lease_id, keys=False), ETCD_TIMEOUT_S)
+        async with asyncio.timeout(ETCD_TIMEOUT_S):
+            return await client.get_lease_info(lease_id, keys=False)
 
     replies = await asyncio.gather(*(one(i) for i in ids), return_exceptions=True)
     return {i: (r.TTL, r.grantedTTL) for i, r in zip(ids, replies) if not isinstance(r, BaseException) and r.TTL >= 0}
@@ -274,7 +276,8 @@ async def _wait_gone(client: aetcd.Client, entry: WorkerEntry, timeout_s: float)
     key = worker_key(entry.model, entry.role, entry.worker_id).encode()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        kv = await asyncio.wait_for(client.get(key), ETCD_TIMEOUT_S)
+        async with asyncio.timeout(ETCD_TIMEOUT_S):
+            kv = await client.get(key)
         if kv is None or _started_at(kv.value) != entry.started_at:  # gone, or restarted under the same id
             return True
         await asyncio.sleep(0.25)

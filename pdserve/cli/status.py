@@ -115,7 +115,8 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
 
 async def read_decisions(client: aetcd.Client) -> dict[str, dict[str, Any]]:
     """The planner's last published decision per model, as raw JSON objects (any fields)."""
-    response = await asyncio.wait_for(client.get_prefix(PLANNER_PREFIX.encode()), ETCD_TIMEOUT_S)
+    async with asyncio.timeout(ETCD_TIMEOUT_S):
+        response = await client.get_prefix(PLANNER_PREFIX.encode())
     decisions = {}
     for kv in response:
         try:

@@ -165,7 +165,8 @@ async def _up(args: argparse.Namespace, planner: tuple[SLOTargets, EngineProfile
                 print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", flush=True)
                 break
             try:
-                await asyncio.wait_for(stop.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await stop.wait()
             except TimeoutError:
                 pass
     finally:

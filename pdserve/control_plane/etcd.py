@@ -3,7 +3,7 @@
 aetcd's own ``connect()`` only builds a gRPC channel and never talks to the server, and its
 calls have no deadline unless one is given; a server that accepts connections but never
 answers would hang them forever. So :func:`connect` probes the server with one read under a
-deadline, and every caller in pdserve wraps each aetcd call in ``asyncio.wait_for``.
+deadline, and every caller in pdserve wraps each aetcd call in ``asyncio.timeout``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DEFAULT_PORT = 2379
 
 # What a failed etcd call raises: aetcd maps gRPC errors to ClientError subclasses
 # (ConnectionFailedError when nothing listens, ConnectionTimeoutError past the gRPC deadline);
-# asyncio.wait_for raises TimeoutError past ours.
+# asyncio.timeout raises TimeoutError past ours.
 ETCD_ERRORS: tuple[type[Exception], ...] = (aetcd.exceptions.ClientError, TimeoutError)
 
 # Any key does for the probe: a read of a missing key is the cheapest round trip etcd serves.
@@ -72,12 +72,13 @@ async def connect(url: str, timeout_s: float = 3.0) -> aetcd.Client:
 
     Raises ValueError for a malformed URL, and RegistryUnavailable within ``timeout_s`` when
     the server refuses, does not answer, or errs. The client's own per-call gRPC deadline is
-    ``timeout_s`` too, a second guard under the callers' ``asyncio.wait_for``.
+    ``timeout_s`` too, a second guard under the callers' ``asyncio.timeout``.
     """
     endpoint = EtcdEndpoint.parse(url)
     client = aetcd.Client(endpoint.host, endpoint.port, timeout=timeout_s)
     try:
-        await asyncio.wait_for(client.get(_PROBE_KEY), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await client.get(_PROBE_KEY)
     except ETCD_ERRORS as exc:
         await close_quietly(client, timeout_s)
         reason = str(exc) or f"no answer within {timeout_s:g} s"
@@ -88,7 +89,8 @@ async def connect(url: str, timeout_s: float = 3.0) -> aetcd.Client:
 async def close_quietly(client: aetcd.Client, timeout_s: float = 1.0) -> None:
     """Close a client, giving up after ``timeout_s``: closing a dead channel must not block."""
     try:
-        await asyncio.wait_for(client.close(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await client.close()
     except (*ETCD_ERRORS, OSError):
         pass
 

@@ -90,7 +90,8 @@ class FrontendStats(msgspec.Struct, frozen=True, kw_only=True):
 async def list_frontend_stats(client: aetcd.Client, timeout_s: float = 3.0) -> list[FrontendStats]:
     """Every live frontend's latest stats, sorted by id; values that do not decode are skipped
     with a warning. Raises one of ``etcd.ETCD_ERRORS`` if etcd fails."""
-    response = await asyncio.wait_for(client.get_prefix(FRONTENDS_PREFIX.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        response = await client.get_prefix(FRONTENDS_PREFIX.encode())
     stats = []
     for kv in response:
         try:

@@ -42,7 +42,8 @@ async def get_knobs(client: aetcd.Client, model: str, timeout_s: float = 3.0) ->
     Raises ValueError naming the key when the stored value does not decode.
     """
     key = knobs_key(model)
-    kv = await asyncio.wait_for(client.get(key.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        kv = await client.get(key.encode())
     if kv is None:
         return None
     try:
@@ -53,17 +54,20 @@ async def get_knobs(client: aetcd.Client, model: str, timeout_s: float = 3.0) ->
 
 async def put_knobs(client: aetcd.Client, model: str, knobs: Knobs, timeout_s: float = 3.0) -> None:
     """Store ``knobs`` for ``model``, replacing what was there (the last writer wins)."""
-    await asyncio.wait_for(client.put(knobs_key(model).encode(), msgspec.json.encode(knobs)), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        await client.put(knobs_key(model).encode(), msgspec.json.encode(knobs))
 
 
 async def delete_knobs(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> bool:
     """Remove the model's knobs (back to start-up settings); False when there were none."""
-    return bool(await asyncio.wait_for(client.delete(knobs_key(model).encode()), timeout_s))
+    async with asyncio.timeout(timeout_s):
+        return bool(await client.delete(knobs_key(model).encode()))
 
 
 async def list_knobs(client: aetcd.Client, timeout_s: float = 3.0) -> dict[str, Knobs]:
     """Every model's stored knobs; values that do not decode are skipped with a warning."""
-    response = await asyncio.wait_for(client.get_prefix(KNOBS_PREFIX.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        response = await client.get_prefix(KNOBS_PREFIX.encode())
     return parse_knobs(response)
 
 

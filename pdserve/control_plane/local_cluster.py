@@ -113,7 +113,8 @@ class LocalCluster:
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         child.reader = asyncio.get_running_loop().create_task(self._read(child, ready))
         try:
-            child.address = await asyncio.wait_for(ready, self.spec.start_timeout_s)
+            async with asyncio.timeout(self.spec.start_timeout_s):
+                child.address = await ready
         except (TimeoutError, ChildFailed) as exc:
             await self._terminate(child)
             last = "\n  ".join(child.output) or "(no output)"
@@ -142,7 +143,8 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
             try:
-                await asyncio.wait_for(process.wait(), self.spec.stop_timeout_s)
+                async with asyncio.timeout(self.spec.stop_timeout_s):
+                    await process.wait()
             except TimeoutError:
                 logger.warning(
                     "%s did not stop in %.0fs: dumping its stacks, then killing it", child.name, self.spec.stop_timeout_s
@@ -150,7 +152,8 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, DUMP_SIGNAL)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(process.wait(), _DUMP_WAIT_S)
+                    async with asyncio.timeout(_DUMP_WAIT_S):
+                        await process.wait()
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()

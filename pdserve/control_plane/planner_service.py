@@ -62,7 +62,8 @@ class PlannerService:
                 await self.step()
                 remaining = self.config.interval_s - (time.monotonic() - started)
                 try:
-                    await asyncio.wait_for(stop.wait(), max(remaining, 0.0))
+                    async with asyncio.timeout(max(remaining, 0.0)):
+                        await stop.wait()
                 except TimeoutError:
                     pass
         finally:
@@ -146,8 +147,8 @@ class PlannerService:
     async def _publish(self, decision: Decision) -> None:
         try:
             client = await self._etcd.client()
-            await asyncio.wait_for(client.put(planner_key(decision.model).encode(), decision.encode()),
-                                   MAX_CALL_TIMEOUT_S)  # fmt: skip
+            async with asyncio.timeout(MAX_CALL_TIMEOUT_S):
+                await client.put(planner_key(decision.model).encode(), decision.encode())
         except (*ETCD_ERRORS, RegistryUnavailable) as exc:
             logger.warning("%s: decision not published: %s", decision.model, exc)
             await self._etcd.reset()

@@ -115,7 +115,8 @@ class LeasedRecord:
         if self._lease_id is not None:
             try:
                 client = await self._etcd.client()
-                await asyncio.wait_for(client.revoke_lease(self._lease_id), self._call_timeout_s)
+                async with asyncio.timeout(self._call_timeout_s):
+                    await client.revoke_lease(self._lease_id)
             except (*ETCD_ERRORS, RegistryUnavailable) as exc:
                 logger.info(
                     "could not revoke lease %x (%s); it expires within %d s",
@@ -169,15 +170,18 @@ class LeasedRecord:
         timeout = self._call_timeout_s
         client = await self._etcd.client()
         if self._lease_id is not None:
-            reply = await asyncio.wait_for(client.refresh_lease(self._lease_id), timeout)
+            async with asyncio.timeout(timeout):
+                reply = await client.refresh_lease(self._lease_id)
             # etcd answers a lease it no longer has with TTL 0 rather than an error.
             if reply is None or reply.TTL <= 0:
                 logger.warning("lease %x of %s is gone; registering under a new lease", self._lease_id, self.name)
                 self._lease_id = None
         if self._lease_id is None:
-            lease = await asyncio.wait_for(client.lease(self._ttl), timeout)
+            async with asyncio.timeout(timeout):
+                lease = await client.lease(self._ttl)
             self._lease_id = lease.id
-        await asyncio.wait_for(client.put(self.key.encode(), self._value(), lease=self._lease_id), timeout)
+        async with asyncio.timeout(timeout):
+            await client.put(self.key.encode(), self._value(), lease=self._lease_id)
 
 
 class WorkerRegistration(LeasedRecord):

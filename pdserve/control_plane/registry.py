@@ -156,5 +156,6 @@ def decode_entries(kvs: Iterable[aetcd.rtypes.KeyValue], warned: set[tuple[bytes
 
 async def list_workers(client: aetcd.Client, timeout_s: float = 3.0) -> list[WorkerEntry]:
     """Every registered worker, read once; raises one of ``ETCD_ERRORS`` if etcd fails."""
-    response = await asyncio.wait_for(client.get_prefix(WORKERS_PREFIX.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        response = await client.get_prefix(WORKERS_PREFIX.encode())
     return decode_entries(response, set())

@@ -137,10 +137,10 @@ class RegistryView:
 
     async def _poll(self) -> None:
         client = await self._etcd.client()
-        workers, knobs = await asyncio.wait_for(
-            asyncio.gather(client.get_prefix(WORKERS_PREFIX.encode()), client.get_prefix(KNOBS_PREFIX.encode())),
-            self._etcd.timeout_s,
-        )
+        async with asyncio.timeout(self._etcd.timeout_s):
+            workers, knobs = await asyncio.gather(
+                client.get_prefix(WORKERS_PREFIX.encode()), client.get_prefix(KNOBS_PREFIX.encode())
+            )
         workers, knobs = list(workers), list(knobs)
         kvs = [*workers, *knobs]
         self._warned &= {(kv.key, kv.mod_revision) for kv in kvs}  # forget values since replaced

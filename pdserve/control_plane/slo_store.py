@@ -28,7 +28,8 @@ async def get_slo(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> S
     model's (a writer that got the key wrong).
     """
     key = slo_key(model)
-    kv = await asyncio.wait_for(client.get(key.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        kv = await client.get(key.encode())
     if kv is None:
         return None
     try:
@@ -42,13 +43,15 @@ async def get_slo(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> S
 
 async def put_slo(client: aetcd.Client, targets: SLOTargets, timeout_s: float = 3.0) -> None:
     """Store ``targets`` at ``slo_key(targets.model)``, replacing what was there."""
-    await asyncio.wait_for(client.put(slo_key(targets.model).encode(), targets.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        await client.put(slo_key(targets.model).encode(), targets.encode())
 
 
 async def list_slos(client: aetcd.Client, timeout_s: float = 3.0) -> list[SLOTargets]:
     """Every model's stored targets, sorted by model; values that do not decode are skipped
     with a warning."""
-    response = await asyncio.wait_for(client.get_prefix(SLO_PREFIX.encode()), timeout_s)
+    async with asyncio.timeout(timeout_s):
+        response = await client.get_prefix(SLO_PREFIX.encode())
     targets = []
     for kv in response:
         try:
@@ -60,4 +63,5 @@ async def list_slos(client: aetcd.Client, timeout_s: float = 3.0) -> list[SLOTar
 
 async def delete_slo(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> bool:
     """Remove the model's targets; False when there were none."""
-    return bool(await asyncio.wait_for(client.delete(slo_key(model).encode()), timeout_s))
+    async with asyncio.timeout(timeout_s):
+        return bool(await client.delete(slo_key(model).encode()))

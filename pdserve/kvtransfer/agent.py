@@ -123,7 +123,8 @@ class KVAgent:
         self._closed = True
         self._wake.set()
         if self._poller is not None:
-            await asyncio.wait_for(self._poller, timeout=5.0)
+            async with asyncio.timeout(5.0):
+                await self._poller
         for name in list(self._peers):
             await self.remove_peer(name, reason="agent closed")
         await self.call(self._close_on_thread)
@@ -276,7 +277,8 @@ class KVAgent:
             interval = self.poll_interval_s if self._watches else self.notif_poll_interval_s
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -227,7 +227,8 @@ class KVPuller:
         try:
             # Bounded even if a send blocks on a dead peer: the prefill side's deadline covers it.
             timeout = max(0.5, deadline - time.perf_counter())
-            await asyncio.wait_for(self.agent.call(_send_notices, messages), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self.agent.call(_send_notices, messages)
         except Exception:
             logger.warning("completion notices for %s not sent", request_id, exc_info=True)
 
