@@ -154,11 +154,10 @@ class DecodeService(WorkerServicer):
         self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
     ) -> worker_pb2.DecodeResponse:
         new_tokens, text = output.new_token_ids, output.text_delta
-        if source is not None:
-            # The first token (and its text) came from the prefill worker; never send it twice.
-            first_index = len(output.token_ids) - len(new_tokens)
-            if first_index == 0 and new_tokens:
-                new_tokens, text = new_tokens[1:], ""
+        if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
+            # The first token came from the prefill worker; never send it twice. Its text is
+            # not in text_delta (LLMEngine.kv_received), bar what the prefill held back.
+            new_tokens = new_tokens[1:]
         response = worker_pb2.DecodeResponse(token_ids=new_tokens, text=text)
         if output.finished:
             scheduled = output.first_scheduled_time or output.arrival_time

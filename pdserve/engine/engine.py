@@ -217,18 +217,21 @@ class LLMEngine:
         """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``.
 
         Returns the request's final output when that first token already ends it (a stop
-        token, or ``max_tokens`` of 1), else None.
+        token, or ``max_tokens`` of 1), else None. The producer streamed the first token's
+        text, so no output here repeats it: a final output's ``text_delta`` holds only the
+        text the producer held back at a possible stop string.
         """
         request = self.scheduler.kv_received(request_id, first_token_id)
         if request.generator is not None and not request.params.is_greedy:
             skip_draw(request.generator, self.model_config.vocab_size)
         detok = self._detokenizers.get(request_id)
-        delta = detok.add(first_token_id) if detok is not None else ""
+        if detok is not None:
+            detok.add(first_token_id)  # the same delta the producer's detokenizer streamed
         reason = self._stop_reason(request, first_token_id)
         if reason is None:
             return None
         self.scheduler.finish(request, reason)
-        return self._finish_output(request, [first_token_id], delta)
+        return self._finish_output(request, [first_token_id], "")
 
     def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Change the scheduler's limits from the next step on (live knobs).
@@ -287,7 +290,9 @@ class LLMEngine:
             return self._output(request, [token], delta)
         hold = request.kv_role is KVRole.PRODUCER
         self.scheduler.finish(request, reason, hold_blocks=hold)
-        output = self._finish_output(request, [token], delta)
+        # A producer's text goes on on the consumer, which decides whether the text held back
+        # at a possible stop string is one: flushing it here could stream what a stop cuts.
+        output = self._finish_output(request, [token], delta, flush=not hold)
         if hold:
             self._held[request.request_id] = output.held_block_ids = list(self.kv.block_table(request.request_id))
         return output
@@ -322,9 +327,9 @@ class LLMEngine:
             first_token_time=request.first_token_time,
         )
 
-    def _finish_output(self, request: Request, new: list[int], delta: str) -> RequestOutput:
+    def _finish_output(self, request: Request, new: list[int], delta: str, flush: bool = True) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
+        if detok is not None and flush:
             delta += detok.flush()
         output = self._output(request, new, delta)
         self._requests.pop(request.request_id, None)

@@ -115,7 +115,7 @@ class Deployment:
 
     # ---- requests --------------------------------------------------------------------------
     def generate(self, prompt: list[int] | str, timeout: float = 120, **sampling: Any) -> dict[str, Any]:
-        """One streamed request: its tokens, text, and final message."""
+        """One streamed request: its tokens, the text its messages streamed, and its final message."""
         request = inference_pb2.GenerateRequest(
             model=self.model_name, sampling=inference_pb2.SamplingOptions(**sampling)
         )
@@ -124,13 +124,15 @@ class Deployment:
         else:
             request.token_ids.ids.extend(prompt)
         tokens: list[int] = []
+        text = ""
         final = None
         for response in self.stub.Generate(request, timeout=timeout):
             tokens += response.token_ids
+            text += response.text
             if response.HasField("final"):
                 final = response.final
         assert final is not None, "the stream ended without a final message"
-        return {"token_ids": tokens, "final": final}
+        return {"token_ids": tokens, "text": text, "final": final}
 
 
 class Frontend:

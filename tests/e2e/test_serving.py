@@ -24,6 +24,7 @@ from pdserve.v1 import inference_pb2
 from tests.e2e.deployment import Deployment, Frontend, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
 from tests.utils.checkpoints import reference_greedy
+from tests.utils.stop_strings import stop_after_the_first_token
 
 pytestmark = pytest.mark.slow
 MODEL = "e2e-llama"
@@ -100,7 +101,20 @@ def test_text_prompts_stream_text(llama):
     result = deployment.generate("hello world", max_tokens=8, seed=3, ignore_eos=True)
     want = LLM(str(path)).generate(["hello world"], SamplingParams(max_tokens=8, seed=3, ignore_eos=True))[0]
     assert result["token_ids"] == want.token_ids
-    assert result["final"].text == want.text
+    assert result["text"] == result["final"].text == want.text
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8])
+def test_a_stop_string_straddling_the_first_token_streams_each_character_once(llama, max_tokens):
+    # The prefill worker holds back the first token's last character (it may begin the stop
+    # string); the decode worker streams it, or cuts it with the stop, exactly once.
+    deployment, path, _ = llama
+    offline = LLM(str(path))
+    prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
+    want = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    result = deployment.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
+    assert result["final"].breakdown.disaggregated
+    assert (result["text"], result["final"].text, result["final"].finish_reason) == (want.text, want.text, want.finish_reason)
 
 
 def test_cancelling_a_stream_frees_its_blocks_on_both_workers(llama):

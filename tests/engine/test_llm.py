@@ -11,6 +11,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import KVRole
 from tests.utils.checkpoints import VOCAB
+from tests.utils.stop_strings import stop_after_the_first_token
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,39 @@ def test_consumer_ends_at_once_when_the_first_token_already_finishes_it(checkpoi
     assert not consumer.has_unfinished()
     consumer.check_idle_integrity()
     assert consumer.block_pool.all_free()
+
+
+def _disaggregated_stream(path, prompt: list[int], params: SamplingParams) -> tuple[str, str, str]:
+    """Prefill on a producer, decode on a consumer (KV copied between them) and return
+    (the text streamed: the producer's first token, then the consumer's deltas; the
+    consumer's final text; its finish reason)."""
+    producer, consumer = LLM(str(path)).engine, LLM(str(path)).engine
+    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER)
+    first = None
+    while first is None:
+        first = next((o for o in producer.step().outputs if o.finished), None)
+    consumer.add_request("r", prompt, params, kv_role=KVRole.CONSUMER)
+    _, local_blocks, _ = consumer.step().awaiting_kv[0]
+    consumer.kv_cache.data[local_blocks] = producer.kv_cache.data[producer.held_block_ids("r")]
+    producer.release_held("r")
+    streamed, final = first.text, consumer.kv_received("r", first.token_ids[0])
+    while final is None or not final.finished:
+        if final is not None:
+            streamed += final.text_delta
+        final = next((o for o in consumer.step().outputs), None)
+    streamed += final.text_delta
+    return streamed, final.text, final.finish_reason
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8])
+def test_text_held_back_at_a_stop_string_prefix_crosses_the_hand_off_once(checkpoints, max_tokens):
+    """The first token's text may end in what could begin a stop string: the producer must
+    not flush it (the consumer decides), and the consumer must not send it twice."""
+    path, _ = checkpoints("llama")
+    offline = LLM(str(path))
+    prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
+    expected = offline.generate([prompt], params)[0]
+    assert expected.finish_reason == ("stop" if max_tokens > 1 else "length")
+    streamed, final_text, reason = _disaggregated_stream(path, prompt, params)
+    assert (streamed, final_text, reason) == (expected.text, expected.text, expected.finish_reason)
