@@ -3,10 +3,10 @@
 - **Decode attention** runs ``paged_decode.c``, which reads the cache in place; the
   reference copies every block a step reads before computing on it.
 - **Linear layers** run oneDNN's GEMM on weights repacked once at load time into its
-  blocked layout (``torch.ops.mkldnn``, the path torch's own compiler takes for CPU
-  inference). With the few rows of a decode step, and above all the LM head's 32 rows
-  against a vocabulary-wide weight, MKL's GEMM on the plain layout runs at a third of the
-  machine's speed; the repacked GEMM is 1.2–3× faster, the same float32 arithmetic.
+  blocked layout (torch's ``torch.ops.mkldnn`` ops). With the few rows of a decode step,
+  and above all the LM head's 32 rows against a vocabulary-wide weight, MKL's GEMM on the
+  plain layout runs at a third of the machine's speed; the repacked GEMM is 1.1–3× faster
+  (2048 rows to 32; bench/RESULTS.md), the same float32 arithmetic.
 
 Everything else is the reference. Tensors other than float32 take the reference path: the
 kernels are float32 only, which is what CPUs run fast.
