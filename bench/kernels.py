@@ -88,7 +88,7 @@ def measure_ceilings(device: str, smoke: bool) -> dict[str, float]:
 
 
 def _metadata(seq_lens: list[int], query_lens: list[int], block_size: int, device: str):
-    from pdserve.engine.backend import AttentionMetadata
+    from pdserve.kernels.backend import AttentionMetadata
 
     blocks = [-(-s // block_size) for s in seq_lens]
     # Shuffled blocks, as a long-running pool's are.
@@ -182,7 +182,7 @@ def small_op_cases(z: Sizes, device: str, backend) -> list[Case]:
 
 
 def moe_cases(z: Sizes, device: str, backend) -> list[Case]:
-    from pdserve.engine.backend import RouterConfig
+    from pdserve.kernels.backend import RouterConfig
 
     dt, e, t, num_experts, hidden, inter = torch.bfloat16, 2, z.moe_tokens, z.v3_experts, z.v3_hidden, z.v3_inter
     config = RouterConfig(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, group_score="top2_sum", scaling_factor=2.5)

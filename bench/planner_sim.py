@@ -2,10 +2,10 @@
 
 Each standard trace (``steady``, ``step``, ``burst``, ``length_shift``; Poisson arrivals,
 lognormal lengths, seeded) is replayed through the simulated cluster
-(``pdserve.control_plane.simulator``) whose prefill and decode times come from an engine
+(``sim.simulator``) whose prefill and decode times come from an engine
 profile measured on pdserve's own engine, three times:
 
-- planner: ``pdserve.control_plane.planner.Planner`` with its default config.
+- planner: ``pdserve.planner.planner.Planner`` with its default config.
 - baseline: the rule of NVIDIA Dynamo's SLA planner, which sizes pools from interval
   averages (``AveragesBaseline`` below, step for step).
 - static: the smallest fixed allocation that meets the SLO in at least ``--target`` of the
@@ -48,13 +48,14 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdserve.control_plane.latency_model import LatencyModel, LengthDistribution  # noqa: E402
-from pdserve.control_plane.observation import Knobs, Observation  # noqa: E402
-from pdserve.control_plane.planner import Decision, Planner, PlannerConfig  # noqa: E402
-from pdserve.control_plane.profile import EngineProfile  # noqa: E402
-from pdserve.control_plane.sim_traces import Trace, standard_traces  # noqa: E402
-from pdserve.control_plane.simulator import SimResult, simulate  # noqa: E402
-from pdserve.control_plane.slo import SLOTargets  # noqa: E402
+from pdserve.discovery.knobs import Knobs  # noqa: E402
+from pdserve.discovery.slo import SLOTargets  # noqa: E402
+from pdserve.planner.latency_model import LatencyModel, LengthDistribution  # noqa: E402
+from pdserve.planner.observation import Observation  # noqa: E402
+from pdserve.planner.planner import Decision, Planner, PlannerConfig  # noqa: E402
+from pdserve.planner.profile import EngineProfile  # noqa: E402
+from sim.simulator import SimResult, simulate  # noqa: E402
+from sim.traces import Trace, standard_traces  # noqa: E402
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "cpu-tiny-llama.json"
 PROMPT_MEDIAN, OUTPUT_MEDIAN = 256, 96  # tokens, of the base traffic
@@ -349,9 +350,9 @@ def measure_profile(out: Path) -> None:
     """Profile bench/offline.py's ``tiny`` Llama (random weights) on this machine."""
     from offline import SHAPES, write_checkpoint
 
-    from pdserve.control_plane.profiler import ProfilePlan, profile_engine
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.engine_config import EngineConfig
+    from pdserve.planner.profiler import ProfilePlan, profile_engine
 
     plan = ProfilePlan(
         prompt_lengths=(32, 128, 256, 512, 1024, 1536),

@@ -55,9 +55,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.cli.common import add_engine_args, engine_argv, seconds  # noqa: E402
 from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load  # noqa: E402
 from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
+
+from pdserve.cli.common import add_engine_args, engine_argv, seconds  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +247,7 @@ class Bench:
         }
 
     async def run_plan(self, plan: Plan, model_path: str, threads: int) -> dict[str, Any]:
-        from pdserve.control_plane.local_cluster import ChildFailed, ClusterSpec, LocalCluster
+        from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
         a = self.args
         name = f"bench-{plan.name}"

@@ -9,11 +9,11 @@ import aetcd
 import msgspec
 
 from pdserve.cli.operate import EXIT_STATUS, OperationFailed, add_etcd_arg, print_json, run_with_etcd, table
-from pdserve.control_plane.frontend_stats import list_frontend_stats
-from pdserve.control_plane.knobs_store import delete_knobs, deployed_knobs, get_knobs, list_knobs, put_knobs
-from pdserve.control_plane.observation import Knobs
-from pdserve.control_plane.registry import WorkerEntry, knobs_key, list_workers
-from pdserve.control_plane.slo_store import get_slo
+from pdserve.discovery.knobs import Knobs, delete_knobs, get_knobs, list_knobs, put_knobs
+from pdserve.discovery.registry import WorkerEntry, knobs_key, list_workers
+from pdserve.discovery.slo_store import get_slo
+from pdserve.observability.frontend_stats import list_frontend_stats
+from pdserve.planner.deployed_knobs import deployed_knobs
 
 DESCRIPTION = """A model's knobs: settings that trade TTFT against ITL without new hardware,
 applied live (within about a second, no restart) by its workers and every frontend:

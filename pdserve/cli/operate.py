@@ -22,9 +22,9 @@ import aetcd
 import grpc
 import msgspec
 
-from pdserve.control_plane.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
-from pdserve.control_plane.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, decode_entry, worker_key
-from pdserve.control_plane.slo import parse_duration
+from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
+from pdserve.discovery.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, decode_entry, worker_key
+from pdserve.discovery.slo import parse_duration
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Deadline of the connection probe and of each etcd call: with Python's start-up, an

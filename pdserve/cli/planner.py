@@ -14,9 +14,9 @@ import msgspec
 from pdserve.cli.operate import add_etcd_arg, duration
 
 if TYPE_CHECKING:
-    from pdserve.control_plane.planner import PlannerConfig
-    from pdserve.control_plane.profile import EngineProfile
-    from pdserve.control_plane.scaling import ScalingConnector
+    from pdserve.planner.planner import PlannerConfig
+    from pdserve.planner.profile import EngineProfile
+    from pdserve.planner.scaling import ScalingConnector
 
 DESCRIPTION = """Every interval, for each model with SLO targets in etcd (`pdserve slo set`):
 read the frontends' live stats and the workers' loads, forecast the load (bursts included),
@@ -64,8 +64,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
 
 def load_planner(args: argparse.Namespace) -> tuple[EngineProfile, PlannerConfig]:
     """The profile and the planner configuration the options name; ValueError naming the bad file or field."""
-    from pdserve.control_plane.planner import PlannerConfig
-    from pdserve.control_plane.profile import EngineProfile
+    from pdserve.planner.planner import PlannerConfig
+    from pdserve.planner.profile import EngineProfile
 
     if not args.profile:
         raise ValueError("--profile is required: measure one with `pdserve profile --model DIR --out FILE`")
@@ -94,8 +94,8 @@ def kubernetes_name(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.control_plane.planner_service import PlannerService
-    from pdserve.control_plane.scaling import AdviseOnly, KubernetesConnector
+    from pdserve.planner.scaling import AdviseOnly, KubernetesConnector
+    from pdserve.planner.service import PlannerService
 
     if not args.etcd:
         raise ValueError("--etcd is required (or set PDSERVE_ETCD)")

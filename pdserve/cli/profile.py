@@ -45,8 +45,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.control_plane.profiler import ProfilePlan, profile_engine
     from pdserve.engine.engine import LLMEngine
+    from pdserve.planner.profiler import ProfilePlan, profile_engine
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -17,9 +17,9 @@ from pdserve.cli.operate import (
     run_with_etcd,
     table,
 )
-from pdserve.control_plane.registry import slo_key
-from pdserve.control_plane.slo import SLOTargets
-from pdserve.control_plane.slo_store import delete_slo, get_slo, list_slos, put_slo
+from pdserve.discovery.registry import slo_key
+from pdserve.discovery.slo import SLOTargets
+from pdserve.discovery.slo_store import delete_slo, get_slo, list_slos, put_slo
 
 DESCRIPTION = """A model's SLO: the 90th-percentile time to first token (TTFT) and inter-token
 latency (ITL) the planner sizes the prefill and decode pools to hold, an optional end-to-end

@@ -27,12 +27,13 @@ from pdserve.cli.operate import (
     table,
     unreachable,
 )
-from pdserve.control_plane.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
-from pdserve.control_plane.frontend_stats import ModelStats, list_frontend_stats
-from pdserve.control_plane.knobs_store import deployed_knobs, list_knobs
-from pdserve.control_plane.registry import ROLES, ROOT, WorkerEntry
-from pdserve.control_plane.slo import SLOTargets
-from pdserve.control_plane.slo_store import list_slos
+from pdserve.discovery.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
+from pdserve.discovery.knobs import list_knobs
+from pdserve.discovery.registry import ROLES, ROOT, WorkerEntry
+from pdserve.discovery.slo import SLOTargets
+from pdserve.discovery.slo_store import list_slos
+from pdserve.observability.frontend_stats import ModelStats, list_frontend_stats
+from pdserve.planner.deployed_knobs import deployed_knobs
 
 PLANNER_PREFIX = f"{ROOT}/planner/"
 

@@ -18,10 +18,10 @@ from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args
 
 if TYPE_CHECKING:
-    from pdserve.control_plane.local_cluster import LocalCluster
-    from pdserve.control_plane.planner import PlannerConfig
-    from pdserve.control_plane.profile import EngineProfile
-    from pdserve.control_plane.slo import SLOTargets
+    from pdserve.discovery.slo import SLOTargets
+    from pdserve.launch.local_cluster import LocalCluster
+    from pdserve.planner.planner import PlannerConfig
+    from pdserve.planner.profile import EngineProfile
 
 DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as separate
 processes on this machine (each with its own engine and NIXL agent), print where the API
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--autoscale needs --ttft-p90 and --itl-p90")
         if args.prefill < 1:
             raise ValueError("--autoscale needs --prefill >= 1 (a pool never goes below one worker)")
-        from pdserve.control_plane.slo import SLOTargets
+        from pdserve.discovery.slo import SLOTargets
 
         slo = SLOTargets(model=Path(args.model).resolve().name, ttft_p90_s=args.ttft_p90, itl_p90_s=args.itl_p90,
                          max_prefill_replicas=max(args.max_prefill, args.prefill),
@@ -129,7 +129,7 @@ def _frontend_argv(args: argparse.Namespace) -> list[str]:
 
 
 async def _up(args: argparse.Namespace, planner: tuple[SLOTargets, EngineProfile, PlannerConfig] | None) -> int:
-    from pdserve.control_plane.local_cluster import ChildFailed, ClusterSpec, LocalCluster
+    from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // (args.prefill + args.decode))
     cluster = LocalCluster(
@@ -180,10 +180,10 @@ async def _start_autoscaler(
     cluster: LocalCluster, planner: tuple[SLOTargets, EngineProfile, PlannerConfig], stop: asyncio.Event
 ) -> Callable[[], Awaitable[None]]:
     """Write the SLO, start the planner over the cluster's workers; returns what stops it."""
-    from pdserve.control_plane.etcd import close_quietly, connect
-    from pdserve.control_plane.local_connector import LocalConnector
-    from pdserve.control_plane.planner_service import PlannerService
-    from pdserve.control_plane.slo_store import put_slo
+    from pdserve.discovery.etcd import close_quietly, connect
+    from pdserve.discovery.slo_store import put_slo
+    from pdserve.launch.local_connector import LocalConnector
+    from pdserve.planner.service import PlannerService
 
     slo, profile, config = planner
     assert cluster.etcd_url is not None

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pdserve.engine.backend import Backend
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_config import EngineConfig
@@ -30,6 +29,7 @@ from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_gene
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kernels.select import select_backend
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -61,31 +61,6 @@ class StepOutput:
     outputs: list[RequestOutput]
     awaiting_kv: list[tuple[str, list[int], int]]  # (request id, block ids, cached tokens)
     num_scheduled_tokens: int = 0  # 0: the step ran no model (nothing was runnable)
-
-
-def select_backend(kernels: str, device: torch.device) -> Backend:
-    """``auto``: Triton kernels on CUDA; on CPU the C kernels, or the torch reference when
-    they cannot be built here (no C compiler), with a warning saying so."""
-    if kernels == "triton" or (kernels == "auto" and device.type == "cuda"):
-        from pdserve.kernels.triton_backend import TritonBackend
-
-        return TritonBackend()
-    from pdserve.engine.torch_backend import TorchBackend
-
-    if kernels == "torch":
-        return TorchBackend()
-    if device.type != "cpu":
-        raise ValueError(f"kernels='cpu' runs on the CPU only, not on {device}")
-    from pdserve.kernels.cpu.build import CpuKernelsUnavailable
-    from pdserve.kernels.cpu.cpu_backend import CpuBackend
-
-    try:
-        return CpuBackend()
-    except CpuKernelsUnavailable as exc:
-        if kernels == "cpu":
-            raise
-        logger.warning("CPU kernels unavailable, running the slower torch reference: %s", exc)
-        return TorchBackend()
 
 
 class LLMEngine:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.backend import AttentionMetadata
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models import DecoderModel
 from pdserve.engine.request import Request
+from pdserve.kernels.backend import AttentionMetadata
 
 
 @dataclass

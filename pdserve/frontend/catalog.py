@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.control_plane.registry import WorkerEntry
+from pdserve.discovery.registry import WorkerEntry
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc.sampling import sampling_params

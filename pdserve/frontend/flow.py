@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.control_plane.registry import WorkerEntry
-from pdserve.control_plane.registry_view import RegistryView
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router

@@ -6,13 +6,13 @@ import asyncio
 import signal
 import socket
 
-from pdserve.control_plane.metrics import serve_metrics
-from pdserve.control_plane.registration import LeasedRecord
-from pdserve.control_plane.registry import frontend_key
-from pdserve.control_plane.registry_view import RegistryView
+from pdserve.discovery.registration import LeasedRecord
+from pdserve.discovery.registry import frontend_key
+from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
-from pdserve.rpc.server import RpcServer
 from pdserve.lifecycle import install_stack_dump
+from pdserve.observability.metrics import serve_metrics
+from pdserve.rpc.server import RpcServer
 from pdserve.v1 import inference_pb2_grpc
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.control_plane.observation import Knobs
-from pdserve.control_plane.registry import WorkerEntry
+from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.registry import WorkerEntry
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
 DISAGGREGATION_MODES = ("always", "conditional", "off")

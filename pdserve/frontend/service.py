@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 
-from pdserve.control_plane.frontend_stats import FrontendStats, RollingWindow
-from pdserve.control_plane.metrics import FrontendMetrics
-from pdserve.control_plane.registry import WorkerEntry
-from pdserve.control_plane.registry_view import RegistryView
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
 from pdserve.frontend.router import Router, RouterConfig
+from pdserve.observability.frontend_stats import FrontendStats, RollingWindow
+from pdserve.observability.metrics import FrontendMetrics
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger(__name__)

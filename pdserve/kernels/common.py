@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels import INTERPRETED
 
 

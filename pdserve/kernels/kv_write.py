@@ -8,12 +8,11 @@ no such convention; pdserve's scheduler never emits one today).
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast
 
 

@@ -13,12 +13,11 @@ costs a 512 and a 64 tile rather than a padded 1024 one. Splits are merged by
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast, dot, dot_block, ieee_dot
 from pdserve.kernels.paged_decode import LOG2E, merge_splits, split_plan
 

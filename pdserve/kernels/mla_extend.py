@@ -8,12 +8,11 @@ A program takes ``BLOCK_M`` queries of one sequence and one head.
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast, dot, dot_block, ieee_dot
 from pdserve.kernels.paged_decode import LOG2E
 

@@ -7,15 +7,13 @@ tile) sums its ``top_k`` rows in a fixed order: deterministic, and no atomics. F
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
+from pdserve.kernels.backend import DispatchedTokens
 from pdserve.kernels.common import cast
-
-from pdserve.engine.backend import DispatchedTokens
 from pdserve.kernels.moe_align import TritonDispatchedTokens
 
 

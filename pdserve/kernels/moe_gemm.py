@@ -14,13 +14,12 @@ matmul output), then ``silu(gate)``, then the product.
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.backend import DispatchedTokens
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
+from pdserve.kernels.backend import DispatchedTokens
 from pdserve.kernels.common import cast, dot, ieee_dot
 
 

@@ -9,13 +9,12 @@ argmax in descending order, as ``torch.topk``; ties go to the lower expert index
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
-from pdserve.engine.backend import RouterConfig
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
+from pdserve.kernels.backend import RouterConfig
 
 _SCORINGS = {"softmax": 0, "sigmoid": 1}
 _GROUP_SCORES = {"max": 0, "top2_sum": 1}

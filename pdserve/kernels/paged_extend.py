@@ -13,12 +13,11 @@ sync is needed; programs past the end of a shorter sequence return at once.
 
 from __future__ import annotations
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-
 import torch
 import triton
 import triton.language as tl
 
+import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast, dot, dot_block, ieee_dot
 
 LOG2E = 1.4426950408889634

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
 from pdserve.kernels import kv_write, moe_align, moe_combine, moe_gemm, moe_routing, rms_norm, rotary
+from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
 from pdserve.kernels.mla_decode import mla_decode_attention
 from pdserve.kernels.mla_extend import mla_extend_attention
 from pdserve.kernels.paged_decode import paged_decode_attention

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.decode.service import DecodeService
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.prefill.service import PrefillService
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.decode import DecodeService
+from pdserve.worker.prefill import PrefillService
 from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)

@@ -18,17 +18,17 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.control_plane.knobs_follower import KnobsFollower
-from pdserve.control_plane.metrics import Occupancy, WorkerMetrics, serve_metrics
-from pdserve.control_plane.observation import Knobs
-from pdserve.control_plane.registration import WorkerRegistration
-from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.knobs_follower import KnobsFollower
+from pdserve.discovery.registration import WorkerRegistration
+from pdserve.discovery.registry import WorkerEntry, WorkerLoad
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.lifecycle import install_stack_dump
+from pdserve.observability.metrics import Occupancy, WorkerMetrics, serve_metrics
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING
-from pdserve.lifecycle import install_stack_dump
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 

@@ -6,9 +6,9 @@ import json
 
 import msgspec
 
-from pdserve.control_plane.etcd import close_quietly, connect
-from pdserve.control_plane.knobs_store import delete_knobs
-from pdserve.control_plane.registry import WorkerLoad
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.knobs import delete_knobs
+from pdserve.discovery.registry import WorkerLoad
 from tests.cli.test_operate import make_entry, pdserve, pdserve_async, registered
 from tests.utils.aio import run_scenario
 

@@ -22,10 +22,10 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from pdserve.control_plane.etcd import close_quietly, connect
-from pdserve.control_plane.frontend_stats import RollingWindow
-from pdserve.control_plane.registration import WorkerRegistration
-from pdserve.control_plane.registry import WorkerEntry, WorkerLoad, frontend_key, list_workers, planner_key
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.registration import WorkerRegistration
+from pdserve.discovery.registry import WorkerEntry, WorkerLoad, frontend_key, list_workers, planner_key
+from pdserve.observability.frontend_stats import RollingWindow
 from tests.utils.aio import run_scenario
 
 

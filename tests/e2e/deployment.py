@@ -19,9 +19,9 @@ from typing import Any
 
 import grpc
 
-from pdserve.control_plane.local_cluster import Child, ClusterSpec, LocalCluster
-from pdserve.control_plane.registry import WorkerEntry
-from pdserve.control_plane.registry_view import RegistryView
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
+from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
 

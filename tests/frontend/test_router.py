@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.control_plane.observation import Knobs
-from pdserve.control_plane.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.registry import WorkerEntry, WorkerLoad
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.router import NoWorker, Router, RouterConfig
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
-from pdserve.engine.backend import AttentionMetadata  # noqa: E402 (after TRITON_INTERPRET is set)
+from pdserve.kernels.backend import AttentionMetadata  # noqa: E402 (after TRITON_INTERPRET is set)
 
 # Tolerances per dtype. Float32: the kernels and the reference differ only in summation
 # order. Bfloat16: both compute in float32 from the same bf16 inputs, but the kernels round

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from tests.kernels import helpers  # noqa: F401  (TRITON_INTERPRET before the kernels import)
-
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels.common import cast, dot_block
+from tests.kernels import helpers  # noqa: F401  (TRITON_INTERPRET before the kernels import)
 
 
 @triton.jit

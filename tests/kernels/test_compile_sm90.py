@@ -44,8 +44,17 @@ def _compile(kernel, constexprs: dict, dtype: str = "bf16") -> None:
 
 def compile_all() -> None:
     from pdserve.kernels import (
-        kv_write, mla_decode, mla_extend, moe_align, moe_combine, moe_gemm, moe_routing, paged_decode, paged_extend,
-        rms_norm, rotary,
+        kv_write,
+        mla_decode,
+        mla_extend,
+        moe_align,
+        moe_combine,
+        moe_gemm,
+        moe_routing,
+        paged_decode,
+        paged_extend,
+        rms_norm,
+        rotary,
     )
 
     for ieee, dtype in ((False, "bf16"), (True, "fp32")):

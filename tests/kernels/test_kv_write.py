@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, gqa_cache, make_metadata, mla_cache
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.kv_write import write_kv, write_latent
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, gqa_cache, make_metadata, mla_cache
 
 # Sequences ending exactly on and just past a 16-token block, a 1-token context, a decode.
 SEQ_LENS = [1, 16, 17, 40, 33]

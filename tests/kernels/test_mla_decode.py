@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, make_metadata, mla_cache, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.mla_decode import mla_decode_attention
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, make_metadata, mla_cache, poisoned
 
 SEQ_LENS = [1, 16, 17, 70]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, make_metadata, mla_cache, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.mla_extend import mla_extend_attention
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, make_metadata, mla_cache, poisoned
 
 CASES = [(16, 16), (17, 17), (40, 7), (50, 37), (33, 1), (9, 0), (1, 1)]
 

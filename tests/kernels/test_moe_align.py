@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.moe_align import dispatch, gather_rows
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, poisoned
 
 
 def random_choice(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, poisoned
-from tests.kernels.test_moe_align import random_choice
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.moe_align import dispatch
 from pdserve.kernels.moe_combine import combine
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, poisoned
+from tests.kernels.test_moe_align import random_choice
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

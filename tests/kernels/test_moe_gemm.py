@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.moe_gemm import expert_mlp
+from pdserve.kernels.torch_backend import TorchBackend
 from tests.kernels.helpers import DTYPES, assert_close, poisoned
 from tests.kernels.test_moe_align import random_choice
-
-from pdserve.engine.torch_backend import TorchBackend
-from pdserve.kernels.moe_gemm import expert_mlp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close
-
-from pdserve.engine.backend import RouterConfig
-from pdserve.engine.torch_backend import TorchBackend
+from pdserve.kernels.backend import RouterConfig
 from pdserve.kernels.moe_routing import route
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close
 
 CONFIGS = {
     "mixtral": (RouterConfig(top_k=2), 8, False),

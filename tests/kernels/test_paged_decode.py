@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.paged_decode import paged_decode_attention, split_plan
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, poisoned
 
 # Context 1, ending exactly on / just past a 16-token block, and longer ones for split-K.
 SEQ_LENS = [1, 16, 17, 70, 33]

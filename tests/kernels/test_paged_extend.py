@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.paged_extend import paged_extend_attention
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, poisoned
 
 # (context, new tokens): whole prompts ending on / just past a block, a prefix-cache hit, a
 # chunk longer than the kernel's query tile, a one-token extension after them, an empty query.

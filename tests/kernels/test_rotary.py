@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close, poisoned
-
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.rotary import rotary
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import DTYPES, assert_close, poisoned
 
 
 def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.kernels.backend import Backend, RouterConfig
+from pdserve.kernels.torch_backend import TorchBackend
+from pdserve.kernels.triton_backend import TritonBackend
 from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, mla_cache
 from tests.kernels.test_moe_routing import distinct_logits
-
-from pdserve.engine.backend import Backend, RouterConfig
-from pdserve.engine.torch_backend import TorchBackend
-from pdserve.kernels.triton_backend import TritonBackend
 
 # Decodes first (contexts 1, 16, 17), then a prompt, a prefix-cache hit and a chunk.
 SEQ_LENS = [1, 16, 17, 20, 40, 33]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backend import Backend
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.deepseek import DeepseekModel
 from pdserve.engine.models.llama import LlamaModel
 from pdserve.engine.weights import Checkpoint
+from pdserve.kernels.backend import Backend
 
 MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaModel,

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.backend import AttentionMetadata, Backend
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import RMSNorm
 from pdserve.engine.weights import Checkpoint
+from pdserve.kernels.backend import AttentionMetadata, Backend
 
 # (hidden [T, H], positions [T], layer cache, metadata) → [T, H]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backend import AttentionMetadata, Backend, RouterConfig
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
+from pdserve.kernels.backend import AttentionMetadata, Backend, RouterConfig
 
 
 class MLAttention:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.backend import Backend
 from pdserve.engine.weights import Checkpoint
+from pdserve.kernels.backend import Backend
 
 
 class Linear:

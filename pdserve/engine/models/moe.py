@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.backend import Backend, RouterConfig
 from pdserve.engine.models.layers import DenseMLP
 from pdserve.engine.weights import Checkpoint
+from pdserve.kernels.backend import Backend, RouterConfig
 
 
 class MoE:

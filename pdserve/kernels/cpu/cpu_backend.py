@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.backend import AttentionMetadata
-from pdserve.engine.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
+from pdserve.kernels.backend import AttentionMetadata
 from pdserve.kernels.cpu.paged_decode import load, paged_decode
+from pdserve.kernels.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
 
 
 class CpuBackend(TorchBackend):

@@ -9,13 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
-
-from pdserve.engine.engine import select_backend
-from pdserve.engine.torch_backend import TorchBackend
 from pdserve.kernels.cpu import paged_decode
 from pdserve.kernels.cpu.build import CpuKernelsUnavailable, load_library
 from pdserve.kernels.cpu.cpu_backend import CpuBackend
+from pdserve.kernels.select import select_backend
+from pdserve.kernels.torch_backend import TorchBackend
+from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
 
 # Decodes first (contexts 1, 16, 17, 50), then a prompt, a prefix-cache hit and a chunk.
 SEQ_LENS = [1, 16, 17, 50, 20, 40, 33]

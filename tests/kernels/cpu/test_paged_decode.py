@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
-
-from pdserve.engine.torch_backend import decode_attention, gather_gqa, mla_gather
 from pdserve.kernels.cpu.paged_decode import paged_decode
+from pdserve.kernels.torch_backend import decode_attention, gather_gqa, mla_gather
+from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
 
 
 def _gqa(meta, q, cache, scale):

@@ -1,0 +1,120 @@
+"""Models' live knobs in etcd: ``Knobs`` as JSON at ``registry.knobs_key(model)``.
+
+Written by the planner (each decision that retunes) and by operators (``pdserve knobs
+set``); followed by the model's workers (their scheduler's budgets) and by every frontend
+(the router's local-prefill threshold), which apply a change within about a second, without
+a restart. No key means every component runs with its start-up settings.
+
+A worker never goes above what it was started with: the engine reserved its memory for the
+start-up batch and token budget (``WorkerEntry.max_num_seqs`` / ``max_num_batched_tokens``),
+so the stored knobs are clamped to those. ``deployed_knobs`` gives what is in force when no
+knobs are stored, which is where the planner and ``knobs set`` start from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from urllib.parse import unquote
+
+import aetcd
+import msgspec
+
+from pdserve.discovery.registry import KNOBS_PREFIX, knobs_key
+
+logger = logging.getLogger(__name__)
+
+
+class Knobs(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings that trade TTFT against ITL without changing the number of GPUs.
+
+    - ``decode_max_num_seqs``: most requests a decode worker runs at once; fewer keep each
+      decode step short (ITL) while the rest wait for a slot.
+    - ``decode_max_num_batched_tokens``: a decode worker's token budget per step; it bounds
+      how much of a locally prefilled prompt rides along with the decodes in one step.
+    - ``prefill_chunk_size``: a prefill worker's token budget per step (its chunked-prefill
+      size); larger batches more prompts per step, amortising the step's fixed cost.
+    - ``local_prefill_threshold_tokens``: the router prefills prompts shorter than this on
+      the decode worker itself, skipping the prefill queue and the KV transfer; 0 sends
+      every prompt to the prefill pool.
+    """
+
+    decode_max_num_seqs: int = 64
+    decode_max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 2048
+    local_prefill_threshold_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_max_num_seqs < 1:
+            raise ValueError(f"decode_max_num_seqs must be >= 1, got {self.decode_max_num_seqs}")
+        if self.decode_max_num_batched_tokens < self.decode_max_num_seqs:
+            raise ValueError(
+                f"decode_max_num_batched_tokens ({self.decode_max_num_batched_tokens}) must be >= "
+                f"decode_max_num_seqs ({self.decode_max_num_seqs}) so every running decode fits a step"
+            )
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if self.local_prefill_threshold_tokens < 0:
+            raise ValueError(f"local_prefill_threshold_tokens must be >= 0, got {self.local_prefill_threshold_tokens}")
+
+
+def decode_knobs(data: bytes | str) -> Knobs:
+    """Parse a stored value; raises ValueError naming what is wrong."""
+    try:
+        return msgspec.json.decode(data, type=Knobs)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ValueError(f"knobs do not decode: {error}") from None
+
+
+async def get_knobs(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> Knobs | None:
+    """The model's stored knobs, or None when there are none.
+
+    Raises ValueError naming the key when the stored value does not decode.
+    """
+    key = knobs_key(model)
+    async with asyncio.timeout(timeout_s):
+        kv = await client.get(key.encode())
+    if kv is None:
+        return None
+    try:
+        return decode_knobs(kv.value)
+    except ValueError as error:
+        raise ValueError(f"the value at {key}: {error}") from None
+
+
+async def put_knobs(client: aetcd.Client, model: str, knobs: Knobs, timeout_s: float = 3.0) -> None:
+    """Store ``knobs`` for ``model``, replacing what was there (the last writer wins)."""
+    async with asyncio.timeout(timeout_s):
+        await client.put(knobs_key(model).encode(), msgspec.json.encode(knobs))
+
+
+async def delete_knobs(client: aetcd.Client, model: str, timeout_s: float = 3.0) -> bool:
+    """Remove the model's knobs (back to start-up settings); False when there were none."""
+    async with asyncio.timeout(timeout_s):
+        return bool(await client.delete(knobs_key(model).encode()))
+
+
+async def list_knobs(client: aetcd.Client, timeout_s: float = 3.0) -> dict[str, Knobs]:
+    """Every model's stored knobs; values that do not decode are skipped with a warning."""
+    async with asyncio.timeout(timeout_s):
+        response = await client.get_prefix(KNOBS_PREFIX.encode())
+    return parse_knobs(response)
+
+
+def parse_knobs(
+    kvs: Iterable[aetcd.rtypes.KeyValue], warned: set[tuple[bytes, int]] | None = None
+) -> dict[str, Knobs]:
+    """``{model: Knobs}`` from the key-values under ``KNOBS_PREFIX``; bad values are skipped
+    with a warning, once per value when a ``warned`` set is kept between calls."""
+    knobs = {}
+    for kv in kvs:
+        key = kv.key.decode(errors="replace")
+        try:
+            knobs[unquote(key.removeprefix(KNOBS_PREFIX))] = decode_knobs(kv.value)
+        except ValueError as error:
+            if warned is None or (kv.key, kv.mod_revision) not in warned:
+                logger.warning("skipping %s: %s", key, error)
+            if warned is not None:
+                warned.add((kv.key, kv.mod_revision))
+    return knobs

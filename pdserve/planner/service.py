@@ -1,0 +1,154 @@
+"""The planner as a service: every interval, read etcd, decide per model, act, publish.
+
+One ``step`` reads the SLO targets, the frontends' stats and the workers' entries in one
+pass, and for every model with an SLO (and a connector) it builds the interval's
+``Observation``, lets that model's ``Planner`` decide, applies the decision through the
+model's ``ScalingConnector`` and publishes it as JSON at ``registry.planner_key(model)``,
+where ``pdserve status`` shows it. New knobs are stored at ``registry.knobs_key(model)``
+(unless the connector only advises), where the model's workers and the frontends pick them
+up (``knobs_store``); a model's
+planner starts from the knobs stored there, or else from what the workers were started with.
+SLO changes are picked up at the next step, without a restart. An etcd outage skips steps
+(logged once); it never ends the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pdserve.discovery.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
+from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
+from pdserve.discovery.registry import list_workers, planner_key
+from pdserve.discovery.slo_store import list_slos
+from pdserve.observability.frontend_stats import list_frontend_stats
+from pdserve.planner.deployed_knobs import deployed_knobs
+from pdserve.planner.observer import observe
+from pdserve.planner.planner import Decision, Planner, PlannerConfig
+from pdserve.planner.profile import EngineProfile
+from pdserve.planner.scaling import ScalingConnector
+
+logger = logging.getLogger(__name__)
+
+
+class PlannerService:
+    """Plans every model that has SLO targets in etcd and a connector.
+
+    ``connector_for(model)`` gives the connector that resizes the model's pools, or None to
+    leave the model alone (another planner's, or one this deployment does not manage).
+    """
+
+    def __init__(
+        self,
+        etcd_url: str,
+        profile: EngineProfile,
+        connector_for: Callable[[str], ScalingConnector | None],
+        config: PlannerConfig = PlannerConfig(),
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self._connector_for = connector_for
+        self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S)
+        self._planners: dict[str, Planner] = {}
+        self._reachable = True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Step every ``interval_s`` until ``stop`` is set."""
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                await self.step()
+                remaining = self.config.interval_s - (time.monotonic() - started)
+                try:
+                    async with asyncio.timeout(max(remaining, 0.0)):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            await self._etcd.reset()
+
+    async def step(self) -> list[Decision]:
+        """One interval: the decisions made (and applied), or none if etcd could not be read."""
+        try:
+            client = await self._etcd.client()
+            slos, frontends, workers, stored_knobs = await asyncio.gather(
+                list_slos(client, MAX_CALL_TIMEOUT_S),
+                list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
+                list_workers(client, MAX_CALL_TIMEOUT_S),
+                list_knobs(client, MAX_CALL_TIMEOUT_S),
+            )
+        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            if self._reachable:
+                logger.warning("planner: etcd at %s unreachable, skipping intervals until it answers: %s",
+                               self._etcd.url, exc)  # fmt: skip
+            self._reachable = False
+            await self._etcd.reset()
+            return []
+        self._reachable = True
+        now = time.time()
+        decisions = []
+        planned = set()
+        for slo in slos:
+            connector = self._connector_for(slo.model)
+            if connector is None:
+                continue
+            planned.add(slo.model)
+            planner = self._planners.get(slo.model)
+            if planner is None:
+                sizes = await connector.current()
+                if sizes is None:  # unknown: what is registered now, within the bounds
+                    ready = [w for w in workers if w.model == slo.model and not w.load.draining]
+                    sizes = (
+                        min(max(sum(w.role == "prefill" for w in ready), slo.min_prefill_replicas),
+                            slo.max_prefill_replicas),
+                        min(max(sum(w.role == "decode" for w in ready), slo.min_decode_replicas),
+                            slo.max_decode_replicas),
+                    )  # fmt: skip
+                prefill, decode = sizes
+                deployed = deployed_knobs(slo.model, workers, frontends)
+                planner = Planner(slo, self.profile, self.config, prefill_replicas=prefill, decode_replicas=decode,
+                                  knobs=deployed, knobs_now=stored_knobs.get(slo.model), knob_limits=deployed)  # fmt: skip
+                self._planners[slo.model] = planner
+                logger.info("planning %s: %d prefill + %d decode replicas now; knobs %s", slo.model, prefill, decode,
+                            planner.knobs)  # fmt: skip
+            planner.set_slo(slo)
+            before = (planner.prefill_replicas, planner.decode_replicas, planner.knobs)
+            obs = observe(slo.model, frontends, workers, planner.knobs, now=now, interval_s=self.config.interval_s)
+            decision = planner.observe(obs)
+            if decision is None:
+                continue
+            if not await self._apply(connector, decision, before):
+                del self._planners[slo.model]  # it re-reads what is deployed at the next step
+            await self._publish(decision)
+            decisions.append(decision)
+        for model in set(self._planners) - planned:  # its SLO was removed: start afresh if it returns
+            del self._planners[model]
+        return decisions
+
+    async def _apply(
+        self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]
+    ) -> bool:
+        """Resize and retune where the decision differs from ``before``; False if that failed."""
+        prefill, decode, knobs = before
+        try:
+            if (decision.prefill_replicas, decision.decode_replicas) != (prefill, decode):
+                await connector.scale(decision.prefill_replicas, decision.decode_replicas)
+            if decision.knobs != knobs and connector.applies_knobs:
+                client = await self._etcd.client()
+                await put_knobs(client, decision.model, decision.knobs, MAX_CALL_TIMEOUT_S)
+                await connector.set_knobs(decision.knobs)
+        except Exception:  # the service outlives a connector (or etcd) failure
+            logger.exception("%s: could not apply %s", decision.model, decision)
+            return False
+        return True
+
+    async def _publish(self, decision: Decision) -> None:
+        try:
+            client = await self._etcd.client()
+            async with asyncio.timeout(MAX_CALL_TIMEOUT_S):
+                await client.put(planner_key(decision.model).encode(), decision.encode())
+        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            logger.warning("%s: decision not published: %s", decision.model, exc)
+            await self._etcd.reset()

@@ -1,0 +1,177 @@
+"""The decode role's Worker service: ``Decode``.
+
+With a ``kv_source`` the request runs on the engine as a CONSUMER: it gets blocks (its own
+prefix-cache hits first), the rest of the prompt's KV is pulled from the prefill worker, and
+decoding continues from the prefill worker's first token. Without one the prompt is computed
+here (conditional disaggregation, or a colocated deployment). Either way the stream ends with
+a ``DecodeFinal``; a cancelled call aborts the request and frees its blocks.
+
+Prefill workers that leave the registry are dropped as NIXL peers at once, which fails their
+in-flight pulls before the pulls' own deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.engine_loop import KVAwaited, RequestStream
+from pdserve.engine.request import KVRole
+from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats
+from pdserve.rpc.sampling import sampling_params
+from pdserve.v1 import worker_pb2
+from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeService(WorkerServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        super().__init__(runtime)
+        self.puller = KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s)
+        self.view = RegistryView(runtime.config.etcd)
+        self._removals: set[asyncio.Task[None]] = set()  # peer removals under way (owned here)
+
+    async def start(self) -> None:
+        await self.view.start()
+        self.view.add_listener(self._on_registry_change)
+
+    async def close(self) -> None:
+        await self.view.close()
+        await asyncio.gather(*self._removals, return_exceptions=True)
+
+    def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
+        agent = self.runtime.agent
+        for entry in removed:
+            if agent.has_peer(entry.worker_id):
+                task = asyncio.get_running_loop().create_task(agent.remove_peer(entry.worker_id, "left the registry"))
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        received_at = time.monotonic()
+        await self.refuse_if_draining(context)
+        source = request.kv_source if request.HasField("kv_source") else None
+        try:
+            params = sampling_params(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        peer = await self._peer(source, context) if source is not None else None
+        engine_loop = self.runtime.engine_loop
+        request_id = request.request_id
+        role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
+        try:
+            stream = await engine_loop.add(request_id, list(request.prompt_token_ids), params, role)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        done = False
+        stats: TransferStats | None = None
+        try:
+            if source is not None and peer is not None:
+                deadline = received_at + source.pull_within_s
+                stats, ended = await self._pull(request_id, source, peer, stream, deadline, context)
+                if ended is not None:  # the engine ended the request before it got blocks
+                    yield self._response(ended, source, stats)
+                    done = True
+                    return
+            async for output in stream.outputs():
+                yield self._response(output, source, stats)
+            done = True
+        finally:
+            if not done:
+                engine_loop.abort(request_id)
+
+    async def _peer(self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext) -> PeerInfo:
+        agent = self.runtime.agent
+        try:
+            info = PeerInfo.decode(source.peer_info)
+        except msgspec.DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_source.peer_info does not decode: {exc}")
+        if not agent.has_peer(info.agent_name):
+            try:
+                await agent.add_peer(info)
+            except LayoutMismatch as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
+        return info
+
+    async def _pull(
+        self,
+        request_id: str,
+        source: worker_pb2.KVSource,
+        peer: PeerInfo,
+        stream: RequestStream,
+        deadline: float,
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[TransferStats | None, RequestOutput | None]:
+        """Wait for blocks, pull the KV into them, resume decoding; or the engine's own end."""
+        item = await stream.next()
+        if isinstance(item, RequestOutput):
+            return None, item
+        assert isinstance(item, KVAwaited)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            self.runtime.engine_loop.abort(request_id)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{request_id} waited for KV blocks past its pin on {source.worker_id}"
+            )
+        block_size = self.runtime.engine.kv_cache_spec.block_size
+        try:
+            stats = await self.puller.pull(
+                request_id, peer.agent_name, list(source.block_ids), item.block_ids,
+                num_cached_blocks=item.num_cached_tokens // block_size,
+                deadline_s=min(remaining, self.puller.deadline_s),
+            )  # fmt: skip
+        except TransferFailed as exc:
+            self.runtime.engine_loop.abort(request_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull from {source.worker_id} failed: {exc.reason}")
+        await self.runtime.engine_loop.kv_received(request_id, source.first_token_id)
+        return stats, None
+
+    def _record(
+        self, output: RequestOutput, scheduled: float, local_prefill_ms: float, stats: TransferStats | None
+    ) -> None:
+        metrics = self.runtime.metrics
+        metrics.queue_seconds.observe(scheduled - output.arrival_time)
+        metrics.prompt_admitted(output.num_prompt_tokens, output.num_cached_tokens)
+        if stats is None:
+            metrics.prefill_seconds.observe(local_prefill_ms / 1e3)
+        else:
+            metrics.kv_transfer_seconds.observe(stats.seconds)
+            metrics.kv_transfer_bytes.inc(stats.num_bytes)
+        metrics.request_ended(output.finish_reason or "abort")
+
+    def _response(
+        self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
+    ) -> worker_pb2.DecodeResponse:
+        new_tokens, text = output.new_token_ids, output.text_delta
+        if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
+            # The first token came from the prefill worker; never send it twice. Its text is
+            # not in text_delta (LLMEngine.kv_received), bar what the prefill held back.
+            new_tokens = new_tokens[1:]
+        response = worker_pb2.DecodeResponse(token_ids=new_tokens, text=text)
+        if output.finished:
+            scheduled = output.first_scheduled_time or output.arrival_time
+            local_prefill_ms = ((output.first_token_time or scheduled) - scheduled) * 1e3 if source is None else 0.0
+            self._record(output, scheduled, local_prefill_ms, stats)
+            response.final.CopyFrom(
+                worker_pb2.DecodeFinal(
+                    finish_reason=output.finish_reason or "abort",
+                    text=output.text,
+                    num_cached_tokens=output.num_cached_tokens,
+                    queue_ms=(scheduled - output.arrival_time) * 1e3,
+                    prefill_ms=local_prefill_ms,
+                    kv_transfer_ms=stats.seconds * 1e3 if stats is not None else 0.0,
+                    kv_transfer_bytes=stats.num_bytes if stats is not None else 0,
+                )
+            )
+        return response

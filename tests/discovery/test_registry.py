@@ -1,0 +1,400 @@
+"""The worker registry against a real etcd (and, where it must behave the same, the embedded one).
+
+Workers really register under leases, really die by SIGKILL, and etcd really goes away and
+comes back, with its data or without.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+
+from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
+from pdserve.discovery.registration import WorkerRegistration
+from pdserve.discovery.registry import WorkerEntry, WorkerLoad, encode_entry, list_workers, worker_key
+from pdserve.discovery.registry_view import RegistryView
+from tests.utils.aio import run_scenario
+from tests.utils.etcd_server import EtcdServer
+
+
+@pytest.fixture(scope="module")
+def embedded_etcd_url() -> Iterator[str]:
+    """The embedded etcd as `pdserve up` could run it: its own process, its URL on stdout."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.discovery.embedded_etcd", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    url = process.stdout.readline().strip()
+    assert url.startswith("http://127.0.0.1:"), f"embedded etcd printed {url!r}"
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(params=["etcd", "embedded"])
+def registry_url(request: pytest.FixtureRequest) -> str:
+    """The same scenarios against a real etcd and the embedded stand-in."""
+    fixture = "etcd_url" if request.param == "etcd" else "embedded_etcd_url"
+    return request.getfixturevalue(fixture)
+
+
+@pytest.fixture
+def model() -> str:
+    """A model name of the test's own, so tests sharing one etcd never see each other's workers."""
+    return f"org/tiny-{uuid.uuid4().hex[:8]}"
+
+
+def make_entry(model: str, worker_id: str, role: str = "prefill", started_at: float = 1.0) -> WorkerEntry:
+    return WorkerEntry(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        model_path="/models/tiny",
+        endpoint="127.0.0.1:50051",
+        nixl=b"\x00agent-metadata\xff",
+        block_size=16,
+        num_kv_blocks=512,
+        max_model_len=2048,
+        vocab_size=32000,
+        max_num_seqs=64,
+        started_at=started_at,
+        metrics_port=9100,
+    )
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Wait until ``predicate()`` holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "port"),
+    [
+        ("http://127.0.0.1:2379", "127.0.0.1", 2379),
+        ("127.0.0.1:2379", "127.0.0.1", 2379),
+        ("localhost:2380", "localhost", 2380),
+        ("http://etcd.default.svc/", "etcd.default.svc", 2379),
+        ("http://[::1]:2379", "::1", 2379),
+    ],
+)
+def test_endpoint_parses_the_usual_forms(url: str, host: str, port: int) -> None:
+    endpoint = EtcdEndpoint.parse(url)
+    assert (endpoint.host, endpoint.port) == (host, port)
+    assert EtcdEndpoint.parse(endpoint.url) == endpoint
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://127.0.0.1:2379",
+        "127.0.0.1:port",
+        "http://:2379",
+        "a:1,b:2",
+        "http://h:2379/v3",
+        "h:99999",
+    ],
+)
+def test_endpoint_rejects_bad_urls_naming_them(url: str) -> None:
+    with pytest.raises(ValueError, match="bad etcd URL") as error:
+        EtcdEndpoint.parse(url)
+    assert repr(url) in str(error.value)
+
+
+def test_model_names_with_slashes_stay_one_key_segment() -> None:
+    assert worker_key("org/name", "decode", "w 1") == "/pdserve/v1/workers/org%2Fname/decode/w%201"
+
+
+def test_connect_to_a_dead_port_fails_fast_naming_the_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
+        run_scenario(connect(url, timeout_s=2.0))
+    assert time.monotonic() - start < 2.5
+
+
+def test_connect_to_a_server_that_never_answers_fails_at_the_deadline() -> None:
+    with socket.socket() as silent:  # accepts TCP connections, never speaks HTTP/2
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
+            run_scenario(connect(url, timeout_s=1.0))
+        assert time.monotonic() - start < 2.0
+
+
+def test_registration_and_view_give_up_at_their_start_timeout() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def body() -> None:
+        registration = WorkerRegistration(url, make_entry("m", "w"), WorkerLoad, start_timeout_s=1.0)
+        view = RegistryView(url, start_timeout_s=1.0)
+        for start in (registration.start, view.start):
+            began = time.monotonic()
+            with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
+                await start()
+            assert time.monotonic() - began < 2.5
+
+    run_scenario(body())
+
+
+def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: str, model: str) -> None:
+    loads = [WorkerLoad(running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512)]
+    entry = make_entry(model, "prefill-0")
+
+    async def body() -> None:
+        registration = WorkerRegistration(registry_url, entry, lambda: loads[-1], ttl_s=3, refresh_s=0.5)
+        view = RegistryView(registry_url, poll_s=0.1)
+        await registration.start()
+        await view.start()
+        try:
+            seen = view.get("prefill-0")
+            assert seen is not None
+            assert msgspec.structs.replace(seen, load=entry.load) == entry  # every field survives the trip
+            assert (seen.load.running, seen.load.waiting, seen.load.kv_usage) == (
+                3,
+                1,
+                0.25,
+            )
+            assert abs(seen.load.updated_at - time.time()) < 2
+            assert view.workers(role="prefill", model=model) == [seen]
+            assert view.workers(role="decode", model=model) == []
+            assert not view.is_stale
+
+            loads.append(WorkerLoad(running=7, draining=True))
+            took = await eventually(lambda: view.get("prefill-0").load.running == 7, 2.0, "fresh load seen")
+            assert view.get("prefill-0").load.draining
+            assert took < 2.0
+        finally:
+            await view.close()
+            await registration.close()
+
+    run_scenario(body())
+
+
+def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, model: str) -> None:
+    events: list[tuple[list[str], list[str]]] = []
+
+    def listener(added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
+        def mine(entries: list[WorkerEntry]) -> list[str]:
+            return sorted(f"{e.worker_id}@{e.started_at:g}" for e in entries if e.model == model)
+
+        if mine(added) or mine(removed):
+            events.append((mine(added), mine(removed)))
+
+    async def body() -> None:
+        view = RegistryView(registry_url, poll_s=0.1)
+        await view.start()
+        view.add_listener(listener)
+        first = WorkerRegistration(
+            registry_url,
+            make_entry(model, "d0", "decode"),
+            WorkerLoad,
+            ttl_s=3,
+            refresh_s=1,
+        )
+        second = WorkerRegistration(
+            registry_url,
+            make_entry(model, "d1", "decode"),
+            WorkerLoad,
+            ttl_s=3,
+            refresh_s=1,
+        )
+        await first.start()
+        await second.start()
+        await eventually(lambda: len(view.workers(model=model)) == 2, 2.0, "both workers seen")
+
+        await first.close()
+        client = await connect(registry_url)
+        try:  # revoked, not merely expiring: gone from etcd the moment close() returns
+            assert [e.worker_id for e in await list_workers(client) if e.model == model] == ["d1"]
+        finally:
+            await client.close()
+        await eventually(
+            lambda: [e.worker_id for e in view.workers(model=model)] == ["d1"],
+            2.0,
+            "d0 gone",
+        )
+
+        # The same worker id back after a restart: its old self removed, its new self added.
+        restarted = WorkerRegistration(registry_url, make_entry(model, "d1", "decode", started_at=2.0), WorkerLoad)
+        await restarted.start()
+        await eventually(lambda: view.get("d1").started_at == 2.0, 2.0, "restarted d1 seen")
+        await second.close()  # revokes the old lease; the restarted worker's key is its own now
+        await restarted.close()
+        await eventually(lambda: view.workers(model=model) == [], 2.0, "all gone")
+        await view.close()
+
+    run_scenario(body())
+    flat = [(tuple(a), tuple(r)) for a, r in events]
+    assert flat[0] in {(("d0@1", "d1@1"), ()), (("d0@1",), ())}
+    assert ((), ("d0@1",)) in flat
+    assert (("d1@2",), ("d1@1",)) in flat
+    assert flat[-1] == ((), ("d1@2",))
+
+
+@pytest.mark.slow
+def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) -> None:
+    entry = make_entry(model, "doomed")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CHILD_WORKER,
+            registry_url,
+            encode_entry(entry).decode(),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    async def body() -> float:
+        view = RegistryView(registry_url, poll_s=0.1)
+        await view.start()
+        try:
+            assert child.stdout.readline().strip() == "registered"
+            await eventually(lambda: view.get("doomed") is not None, 2.0, "child registered")
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(5)
+            killed_at = time.monotonic()
+            await eventually(lambda: view.get("doomed") is None, 5.0, "killed worker gone")
+            return time.monotonic() - killed_at
+        finally:
+            await view.close()
+
+    try:
+        gone_after = run_scenario(body())
+    finally:
+        child.kill()
+        child.wait()
+    # TTL 2 s, renewed every 0.5 s: the lease had between 1.5 and 2 s left at the kill.
+    assert gone_after < 2 + 0.5
+
+
+# A worker in its own process: registers, says so, and refreshes until killed.
+CHILD_WORKER = """
+import asyncio, sys
+from pdserve.discovery.registry import WorkerLoad, decode_entry
+from pdserve.discovery.registration import WorkerRegistration
+
+async def main():
+    registration = WorkerRegistration(sys.argv[1], decode_entry(sys.argv[2].encode()), WorkerLoad, ttl_s=2, refresh_s=0.5)
+    await registration.start()
+    print("registered", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_garbage_under_the_prefix_is_skipped_with_one_warning(
+    registry_url: str, model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    garbage_key = worker_key(model, "decode", "garbage").encode()
+
+    async def body() -> None:
+        client = await connect(registry_url)
+        registration = WorkerRegistration(registry_url, make_entry(model, "good"), WorkerLoad, ttl_s=3)
+        await registration.start()
+        await client.put(garbage_key, b"{not json")
+        await client.put(
+            worker_key(model, "decode", "bad-role").encode(),
+            b'{"worker_id": "x", "role": "chef"}',
+        )
+        view = RegistryView(registry_url, poll_s=0.05)
+        try:
+            await view.start()
+            await asyncio.sleep(0.3)  # several polls over the same bad values
+            assert [e.worker_id for e in view.workers(model=model)] == ["good"]
+            assert [e.worker_id for e in await list_workers(client) if e.model == model] == ["good"]
+        finally:
+            await view.close()
+            await registration.close()
+            await client.delete(garbage_key)
+            await client.delete(worker_key(model, "decode", "bad-role").encode())
+            await client.close()
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.discovery.registry"):
+        run_scenario(body())
+    warnings = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
+    # The view warns once per bad value however often it polls; list_workers once more each.
+    assert sum(garbage_key.decode() in w for w in warnings) == 2
+    assert len(warnings) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wipe", [False, True], ids=["same-data-dir", "wiped-data-dir"])
+def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wipe: bool) -> None:
+    async def body() -> None:
+        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), WorkerLoad, ttl_s=2, refresh_s=0.5)
+        view = RegistryView(etcd_server.url, poll_s=0.1, stale_after_s=1.0)
+        await registration.start()
+        await view.start()
+        first_lease = registration.lease_id
+        try:
+            await eventually(lambda: view.get("w0") is not None, 2.0, "registered")
+
+            etcd_server.stop()
+            await eventually(lambda: view.is_stale, 3.0, "view reports stale")
+            await eventually(
+                lambda: not registration.is_registered,
+                3.0,
+                "registration notices the outage",
+            )
+            await asyncio.sleep(2.5)  # longer than the TTL: the lease would be gone on a live etcd
+            assert [e.worker_id for e in view.workers(model=model)] == ["w0"]  # the last known view
+
+            await asyncio.to_thread(etcd_server.restart, wipe=wipe)
+            # Bounded by the backoff cap plus a poll; generous, for loaded CI machines.
+            await eventually(
+                lambda: registration.is_registered and not view.is_stale and view.get("w0") is not None,
+                8.0,
+                "re-registered and seen again",
+            )
+            if wipe:  # etcd came back empty: a new lease; with its data, etcd kept the old one
+                assert registration.lease_id != first_lease
+            client = await connect(etcd_server.url)
+            info = await client.get_lease_info(registration.lease_id)
+            await client.close()
+            assert info.TTL > 0 and worker_key(model, "prefill", "w0").encode() in info.keys
+        finally:
+            await view.close()
+            await registration.close()
+
+    run_scenario(body())
+
+
+def test_close_with_etcd_down_gives_up_quickly(etcd_server: EtcdServer, model: str) -> None:
+    async def body() -> None:
+        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), WorkerLoad, ttl_s=2, refresh_s=0.5)
+        await registration.start()
+        etcd_server.stop()
+        start = time.monotonic()
+        await registration.close()
+        assert time.monotonic() - start < 2.5
+        assert registration.lease_id is None
+
+    run_scenario(body())

@@ -1,0 +1,133 @@
+"""PlannerService against a real etcd: reads SLOs, frontend stats and workers; decides, applies, publishes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+import pytest
+
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.knobs import Knobs, delete_knobs, get_knobs, put_knobs
+from pdserve.discovery.registry import WorkerLoad, encode_entry, frontend_key, planner_key
+from pdserve.discovery.slo import SLOTargets
+from pdserve.discovery.slo_store import delete_slo, put_slo
+from pdserve.observability.frontend_stats import FrontendStats, ModelStats
+from pdserve.planner.planner import PlannerConfig
+from pdserve.planner.scaling import AdviseOnly
+from pdserve.planner.service import PlannerService
+from tests.discovery.test_registry import make_entry
+from tests.planner.profiles import synthetic_profile
+from tests.utils.aio import run_scenario
+
+
+def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(etcd_url: str) -> None:
+    model = f"org/plan-{uuid.uuid4().hex[:8]}"
+    connector = AdviseOnly()
+
+    async def scenario():
+        client = await connect(etcd_url)
+        # The session's etcd is shared: everything written here goes at the end (the lease takes
+        # the worker entries and frontend stats with it).
+        lease = await client.lease(60)
+        try:
+            await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
+            for worker_id, role in (("p", "prefill"), ("d", "decode")):
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=WorkerLoad())
+                await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
+            # Light traffic whose observed ITL p90 (200 ms) is far over the 50 ms target.
+            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
+                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=150, itl_p90_ms=200,
+                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
+                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
+            key = frontend_key(f"fe-{model}").encode()
+            service = PlannerService(etcd_url, synthetic_profile(), lambda m: connector if m == model else None,
+                                     PlannerConfig(interval_s=1, warmup_intervals=1))  # fmt: skip
+            decisions = []
+            for _ in range(4):
+                frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats})
+                await client.put(key, frontend.encode(), lease=lease.id)
+                decisions += [d for d in await service.step() if d.model == model]
+            published = await client.get(planner_key(model).encode())
+            return decisions, published
+        finally:
+            await client.revoke_lease(lease.id)
+            await delete_slo(client, model)
+            await client.delete(planner_key(model).encode())
+            await close_quietly(client)
+
+    decisions, published = run_scenario(scenario())
+    assert decisions and decisions[0].decode_replicas == 2 and decisions[0].prefill_replicas == 1
+    assert any("ITL p90" in reason for reason in decisions[0].reasons)
+    assert run_scenario(connector.current()) == (decisions[-1].prefill_replicas, decisions[-1].decode_replicas)
+    assert published is not None
+    last = msgspec.json.decode(published.value)
+    assert last["decode_replicas"] == decisions[-1].decode_replicas and abs(last["time"] - time.time()) < 60
+
+
+def test_an_unreachable_etcd_skips_the_interval_without_raising() -> None:
+    service = PlannerService("http://127.0.0.1:9", synthetic_profile(), lambda m: AdviseOnly())
+    assert run_scenario(service.step()) == []
+
+
+class Retuning(AdviseOnly):
+    """Resizes nothing but lets the planner store knobs, and records what it mirrors."""
+
+    applies_knobs = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mirrored: list[Knobs] = []
+
+    async def set_knobs(self, knobs: Knobs) -> None:
+        self.mirrored.append(knobs)
+
+
+@pytest.mark.parametrize("connector", [Retuning(), AdviseOnly()], ids=["retuning", "advise-only"])
+def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides(
+    etcd_url: str, connector: AdviseOnly
+) -> None:
+    model = f"org/knobs-{uuid.uuid4().hex[:8]}"
+    left = Knobs(decode_max_num_seqs=16, decode_max_num_batched_tokens=1024, local_prefill_threshold_tokens=256)
+
+    async def scenario():
+        client = await connect(etcd_url)
+        lease = await client.lease(60)
+        try:
+            await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
+            await put_knobs(client, model, left)  # left by an earlier planner
+            for worker_id, role in (("p", "prefill"), ("d", "decode")):
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=WorkerLoad(),
+                                                max_num_seqs=32, max_num_batched_tokens=1024)  # fmt: skip
+                await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
+            # Light traffic far inside both targets: the knobs go back to the workers' start-up settings.
+            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
+                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=5, itl_p90_ms=6,
+                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
+                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
+            service = PlannerService(etcd_url, synthetic_profile(), lambda m: connector if m == model else None,
+                                     PlannerConfig(interval_s=1, warmup_intervals=1, down_cooldown_intervals=1))  # fmt: skip
+            decisions = []
+            for _ in range(4):
+                frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats},
+                                         local_prefill_tokens=64)  # fmt: skip
+                await client.put(frontend_key(f"fe-{model}").encode(), frontend.encode(), lease=lease.id)
+                decisions += [d for d in await service.step() if d.model == model]
+            return decisions, await get_knobs(client, model)
+        finally:
+            await client.revoke_lease(lease.id)
+            await delete_slo(client, model)
+            await delete_knobs(client, model)
+            await client.delete(planner_key(model).encode())
+            await close_quietly(client)
+
+    decisions, stored = run_scenario(scenario())
+    deployed = Knobs(decode_max_num_seqs=32, decode_max_num_batched_tokens=1024, prefill_chunk_size=1024,
+                     local_prefill_threshold_tokens=64)
+    assert decisions and decisions[-1].knobs == deployed, decisions
+    assert any("local_prefill_threshold_tokens 256→64" in r for d in decisions for r in d.reasons)
+    if isinstance(connector, Retuning):
+        assert stored == deployed and connector.mirrored == [deployed]
+    else:  # advice changes nothing
+        assert stored == left
