@@ -94,13 +94,13 @@ class RequestFlow:
         except NoWorker as exc:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}") from None
         prefilled = await self._prefill(choice) if choice is not None else None
-        if prefilled is not None:
-            response = prefilled.response
-            self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-            self.num_tokens = 1
-            self._token_times.append((time.monotonic(), 1))
-            yield inference_pb2.GenerateResponse(token_ids=[response.first_token_id], text=response.text)
-        try:
+        try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
+            if prefilled is not None:
+                response = prefilled.response
+                self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
+                self.num_tokens = 1
+                self._token_times.append((time.monotonic(), 1))
+                yield inference_pb2.GenerateResponse(token_ids=[response.first_token_id], text=response.text)
             async for message in self._decode(decode, prefilled):
                 yield message
         finally:
