@@ -1,0 +1,136 @@
+"""A scripted ``pdserve.v1.Worker`` on a real grpc.aio server, registered in a real etcd.
+
+No model, no engine, no NIXL: each call is answered the way its ``Script`` says, and every
+call it receives is recorded, so a test can check what a worker was really sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.discovery.registration import WorkerRegistration
+from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.rpc.server import RpcServer
+from pdserve.rpc.status import DRAINING
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+FIRST_TOKEN_ID = 7  # what every fake prefill worker answers
+VOCAB_SIZE = 1000
+MAX_MODEL_LEN = 1024
+_STOP_GRACE_S = 1.0
+
+
+async def refuse_as_draining(context: grpc.aio.ServicerContext, worker_id: str) -> None:
+    """Refuse a call the way a draining worker does (``WorkerServicer.refuse_if_draining``).
+
+    The one place the fakes signal draining, so that a change of that signal is one edit here.
+    """
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {worker_id} takes no new requests")
+
+
+@dataclass(frozen=True)
+class Script:
+    """How a fake worker answers; the defaults answer every call at once.
+
+    Attributes:
+        prefill_error: fail every Prefill with this code.
+        draining: refuse every Prefill and Decode as a draining worker does.
+        tokens: Decode streams these, one a message, then its final message.
+        decode_error: Decode fails with this code after ``tokens`` instead of finishing.
+        stall: answer no Prefill, and send nothing after ``tokens`` in Decode, until the
+            caller cancels the call or its deadline passes.
+    """
+
+    prefill_error: grpc.StatusCode | None = None
+    draining: bool = False
+    tokens: tuple[int, ...] = (11, 12, 13)
+    decode_error: grpc.StatusCode | None = None
+    stall: bool = False
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """One worker of one role; ``start`` serves it and registers it, ``stop`` undoes both.
+
+    ``load`` is what its registry entry reports (the router prefers the less loaded).
+    """
+
+    def __init__(self, worker_id: str, role: str, script: Script = Script(), load: WorkerLoad = WorkerLoad()) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.script = script
+        self.load = load
+        self.prefills: list[worker_pb2.PrefillRequest] = []
+        self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.releases: list[str] = []  # request ids, in the order their Release calls came
+        self.num_in_flight = 0  # calls being handled now
+        self._server: RpcServer | None = None
+        self._registration: WorkerRegistration | None = None
+
+    async def start(self, etcd_url: str, model: str) -> None:
+        self._server = RpcServer()
+        self._server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(self, s), "pdserve.v1.Worker")
+        port = await self._server.start("127.0.0.1", 0)
+        entry = WorkerEntry(
+            worker_id=self.worker_id, role=self.role, model=model, model_path="/nonexistent/fake-model",
+            endpoint=f"127.0.0.1:{port}", nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
+            num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
+            started_at=time.time(),
+        )  # fmt: skip
+        self._registration = WorkerRegistration(etcd_url, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)
+        await self._registration.start()
+
+    async def stop(self) -> None:
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
+        if self._server is not None:
+            await self._server.stop(_STOP_GRACE_S)
+            self._server = None
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        self.prefills.append(request)
+        self.num_in_flight += 1
+        try:
+            if self.script.draining:
+                await refuse_as_draining(context, self.worker_id)
+            if self.script.prefill_error is not None:
+                await context.abort(self.script.prefill_error, f"scripted failure on {self.worker_id}")
+            if self.script.stall:
+                await asyncio.Event().wait()
+            return worker_pb2.PrefillResponse(
+                worker_id=self.worker_id, first_token_id=FIRST_TOKEN_ID, block_ids=[0, 1], hold_seconds=30.0
+            )
+        finally:
+            self.num_in_flight -= 1
+
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseResponse:
+        held = any(p.request_id == request.request_id for p in self.prefills)
+        self.releases.append(request.request_id)
+        return worker_pb2.ReleaseResponse(released=held)
+
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        self.decodes.append(request)
+        self.num_in_flight += 1
+        try:
+            if self.script.draining:
+                await refuse_as_draining(context, self.worker_id)
+            for token_id in self.script.tokens:
+                yield worker_pb2.DecodeResponse(token_ids=[token_id])
+            if self.script.decode_error is not None:
+                await context.abort(self.script.decode_error, f"scripted failure on {self.worker_id}")
+            if self.script.stall:
+                await asyncio.Event().wait()
+            yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length"))
+        finally:
+            self.num_in_flight -= 1

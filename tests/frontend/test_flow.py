@@ -1,0 +1,347 @@
+"""RequestFlow's seams: prefill retry and fallback, decode hand-over, Release, the deadline.
+
+Real parts but no model: scripted workers (``fake_worker.FakeWorker``) on real grpc.aio servers
+on 127.0.0.1, reached through the real ``WorkerChannels`` and chosen by the real ``Router``.
+
+The registry is real too: each fake worker registers its ``WorkerEntry`` with a real
+``WorkerRegistration`` in the session's etcd (``etcd_url`` in tests/conftest.py), and the flow
+reads a real ``RegistryView`` of it. That costs one etcd per session, which other tests start
+anyway, and about a second per test, and it routes exactly as the frontend does; a stand-in
+view would have been one more fake to keep in step with the real one for nothing. Each test
+has a model name of its own, so tests never see each other's workers.
+
+What the tests check is what the workers receive (which calls, which Release) and what the
+client sees (tokens, one final message, or a gRPC code), not the flow's internal flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from pdserve.discovery.registry import WorkerLoad
+from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.catalog import ModelCatalog
+from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.router import Router, RouterConfig
+from pdserve.lifecycle import cancel_and_wait
+from pdserve.v1 import inference_pb2
+from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script
+from tests.utils.aio import run_scenario
+
+PROMPT = list(range(1, 41))  # long enough that conditional disaggregation sends it to a prefill worker
+DEADLINE_S = 10.0  # each request's deadline unless a test sets a shorter one
+SCENARIO_TIMEOUT_S = 60.0
+# Reported load that makes the router try a worker after the idle ones.
+BUSY_PREFILL = WorkerLoad(queued_prefill_tokens=1000)
+BUSY_DECODE = WorkerLoad(running=4)
+
+
+@pytest.fixture
+def model() -> str:
+    return f"org/flow-{uuid.uuid4().hex[:8]}"
+
+
+@asynccontextmanager
+async def serving(
+    etcd_url: str, model: str, workers: Sequence[FakeWorker], disaggregation: str = "always"
+) -> AsyncIterator[Routing]:
+    """Start and register ``workers``; yield the frontend's routing over them.
+
+    On the way out the channels are closed first, which waits for the flow's background
+    Releases, so the workers' records are complete once the block is left.
+    """
+    view = RegistryView(etcd_url, poll_s=0.2)
+    config = RouterConfig(disaggregation=disaggregation, local_prefill_tokens=0)
+    routing = Routing(view, Router(config, seed=0), WorkerChannels())
+    try:
+        for worker in workers:
+            await worker.start(etcd_url, model)
+        await view.start()
+        assert sorted(w.worker_id for w in view.workers(model=model)) == sorted(w.worker_id for w in workers)
+        yield routing
+    finally:
+        await routing.channels.close_all()
+        await view.close()
+        for worker in workers:
+            await worker.stop()
+
+
+def new_flow(routing: Routing, model: str, deadline_s: float = DEADLINE_S) -> RequestFlow:
+    request = inference_pb2.GenerateRequest(
+        model=model,
+        token_ids=inference_pb2.TokenIds(ids=PROMPT),
+        sampling=inference_pb2.SamplingOptions(max_tokens=8),
+    )
+    valid = ModelCatalog().validate(request, routing.view.workers())
+    now = time.monotonic()
+    return RequestFlow(routing, valid, f"req-{uuid.uuid4().hex[:8]}", now, now + deadline_s)
+
+
+async def run_flow(flow: RequestFlow) -> list[inference_pb2.GenerateResponse]:
+    """Everything the client receives; a FlowError escapes as the client's status would."""
+    async with asyncio.timeout(DEADLINE_S + 5.0):
+        return [response async for response in flow.run()]
+
+
+async def flow_error(flow: RequestFlow) -> FlowError:
+    with pytest.raises(FlowError) as caught:
+        await run_flow(flow)
+    return caught.value
+
+
+def token_ids(responses: Sequence[inference_pb2.GenerateResponse]) -> list[int]:
+    return [t for response in responses for t in response.token_ids]
+
+
+def final_of(responses: Sequence[inference_pb2.GenerateResponse]) -> inference_pb2.Final:
+    assert [r.HasField("final") for r in responses] == [False] * (len(responses) - 1) + [True]
+    return responses[-1].final
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+# ---- prefill -------------------------------------------------------------------------------------
+
+
+def test_prefill_is_retried_once_on_another_worker_after_unavailable(
+    etcd_url: str, model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    failing = FakeWorker("p1", "prefill", Script(prefill_error=grpc.StatusCode.UNAVAILABLE))
+    healthy = FakeWorker("p2", "prefill", load=BUSY_PREFILL)
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> tuple[str, list[inference_pb2.GenerateResponse]]:
+        async with serving(etcd_url, model, [failing, healthy, decode]) as routing:
+            flow = new_flow(routing, model)
+            return flow.request_id, await run_flow(flow)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.frontend.flow"):
+        request_id, responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == [FIRST_TOKEN_ID, 11, 12, 13]
+    breakdown = final_of(responses).breakdown
+    assert (breakdown.prefill_attempts, breakdown.prefill_worker, breakdown.decode_worker) == (2, "p2", "d1")
+    assert [len(failing.prefills), len(healthy.prefills)] == [1, 1]
+    assert [d.kv_source.worker_id for d in decode.decodes] == ["p2"]
+    assert any(request_id in r.getMessage() and "p1" in r.getMessage() for r in caplog.records)
+    assert failing.releases == healthy.releases == []
+
+
+def test_a_non_retryable_prefill_error_is_final_and_keeps_its_code(etcd_url: str, model: str) -> None:
+    refusing = FakeWorker("p1", "prefill", Script(prefill_error=grpc.StatusCode.INVALID_ARGUMENT))
+    healthy = FakeWorker("p2", "prefill", load=BUSY_PREFILL)
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> FlowError:
+        async with serving(etcd_url, model, [refusing, healthy, decode]) as routing:
+            return await flow_error(new_flow(routing, model))
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "scripted failure on p1" in error.message
+    assert [len(refusing.prefills), len(healthy.prefills), len(decode.decodes)] == [1, 0, 0]
+
+
+def test_prefill_failing_on_every_worker_is_unavailable_naming_them(etcd_url: str, model: str) -> None:
+    prefills = [FakeWorker(f"p{i}", "prefill", Script(prefill_error=grpc.StatusCode.UNAVAILABLE)) for i in (1, 2)]
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> FlowError:
+        async with serving(etcd_url, model, [*prefills, decode]) as routing:
+            return await flow_error(new_flow(routing, model))
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "p1" in error.message and "p2" in error.message
+    assert [len(p.prefills) for p in prefills] == [1, 1]
+    assert decode.decodes == []
+
+
+def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_only_prefill_worker_fails(
+    etcd_url: str, model: str
+) -> None:
+    failing = FakeWorker("p1", "prefill", Script(prefill_error=grpc.StatusCode.UNAVAILABLE))
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [failing, decode], disaggregation="conditional") as routing:
+            return await run_flow(new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == [11, 12, 13]  # no first token from a prefill worker
+    breakdown = final_of(responses).breakdown
+    assert (breakdown.disaggregated, breakdown.prefill_worker, breakdown.decode_worker) == (False, "d1", "d1")
+    assert len(failing.prefills) == 1
+    assert [d.HasField("kv_source") for d in decode.decodes] == [False]  # the prompt is computed there
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+
+def test_a_draining_decode_worker_hands_the_request_to_another_in_one_stream(etcd_url: str, model: str) -> None:
+    prefill = FakeWorker("p1", "prefill")
+    # Its entry does not say draining yet (the registry lags): the router picks it, and it refuses.
+    draining = FakeWorker("d1", "decode", Script(draining=True))
+    taker = FakeWorker("d2", "decode", Script(tokens=(21, 22)), load=BUSY_DECODE)
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [prefill, draining, taker]) as routing:
+            return await run_flow(new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == [FIRST_TOKEN_ID, 21, 22]
+    assert final_of(responses).breakdown.decode_worker == "d2"
+    assert [len(draining.decodes), len(taker.decodes)] == [1, 1]
+    assert taker.decodes[0].kv_source.worker_id == "p1"
+    assert prefill.releases == []  # d2 pulled the blocks; its notice frees them
+
+
+@pytest.mark.parametrize("disaggregation", ["always", "off"], ids=["kv-from-prefill-worker", "prompt-on-decode-worker"])
+def test_a_decode_worker_failing_after_streaming_tokens_is_not_retried(
+    etcd_url: str, model: str, disaggregation: str
+) -> None:
+    prefill = FakeWorker("p1", "prefill")
+    failing = FakeWorker("d1", "decode", Script(tokens=(21, 22), decode_error=grpc.StatusCode.UNAVAILABLE))
+    other = FakeWorker("d2", "decode", load=BUSY_DECODE)
+    received: list[inference_pb2.GenerateResponse] = []
+
+    async def body() -> FlowError:
+        async with serving(etcd_url, model, [prefill, failing, other], disaggregation) as routing:
+            with pytest.raises(FlowError) as caught:
+                async with asyncio.timeout(DEADLINE_S + 5.0):
+                    async for response in new_flow(routing, model).run():
+                        received.append(response)
+            return caught.value
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "d1" in error.message
+    first = [FIRST_TOKEN_ID] if disaggregation == "always" else []
+    assert token_ids(received) == [*first, 21, 22]
+    assert not any(r.HasField("final") for r in received)
+    assert other.decodes == []
+
+
+# ---- release -------------------------------------------------------------------------------------
+
+
+async def refused_everywhere(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
+    """Every decode worker refuses as draining: the request fails before any pulled."""
+    flow = new_flow(routing, model)
+    assert (await flow_error(flow)).code == grpc.StatusCode.UNAVAILABLE
+    return flow
+
+
+async def stops_after_the_first_token(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
+    """The client takes the first token and reads no further (the stream is closed)."""
+    flow = new_flow(routing, model)
+    stream = flow.run()
+    first = await asyncio.wait_for(anext(stream), DEADLINE_S)
+    assert list(first.token_ids) == [FIRST_TOKEN_ID]
+    await stream.aclose()
+    return flow
+
+
+async def cancels_while_decoding(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
+    """The client's call is cancelled while the decode worker has sent nothing yet."""
+    flow = new_flow(routing, model)
+    first_token = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in flow.run():
+            first_token.set()
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(first_token.wait(), DEADLINE_S)
+        await eventually(lambda: decode.num_in_flight == 1, DEADLINE_S, "the Decode call reached d1")
+    finally:
+        await cancel_and_wait(task)
+    await eventually(lambda: decode.num_in_flight == 0, 5.0, "d1 saw its Decode call cancelled")
+    return flow
+
+
+@pytest.mark.parametrize(
+    ("ending", "decode_script"),
+    [
+        (refused_everywhere, Script(draining=True)),
+        (stops_after_the_first_token, Script(stall=True, tokens=())),
+        (cancels_while_decoding, Script(stall=True, tokens=())),
+    ],
+    ids=["decode-refused-everywhere", "client-stops-after-first-token", "client-cancels-while-decoding"],
+)
+def test_a_request_ending_before_decode_pulled_releases_the_prefill_worker_once(
+    etcd_url: str, model: str, ending: Callable, decode_script: Script
+) -> None:
+    prefill = FakeWorker("p1", "prefill")
+    decode = FakeWorker("d1", "decode", decode_script)
+
+    async def body() -> str:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            flow = await ending(routing, model, decode)
+            return flow.request_id
+
+    request_id = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert [p.request_id for p in prefill.prefills] == [request_id]
+    assert prefill.releases == [request_id]
+
+
+def test_a_completed_decode_sends_no_release(etcd_url: str, model: str) -> None:
+    prefill = FakeWorker("p1", "prefill")
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            return await run_flow(new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert final_of(responses).finish_reason == "length"
+    assert len(prefill.prefills) == 1
+    assert prefill.releases == []
+
+
+# ---- deadline ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefill_script", "decode_script"),
+    [(Script(stall=True), Script()), (Script(), Script(stall=True, tokens=(21,)))],
+    ids=["prefill-stalls", "decode-stalls-mid-stream"],
+)
+def test_a_request_past_its_deadline_is_deadline_exceeded_and_leaves_no_call_behind(
+    etcd_url: str, model: str, prefill_script: Script, decode_script: Script
+) -> None:
+    deadline_s = 1.0
+    prefill = FakeWorker("p1", "prefill", prefill_script)
+    decode = FakeWorker("d1", "decode", decode_script)
+
+    async def body() -> tuple[FlowError, float]:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            flow = new_flow(routing, model, deadline_s)
+            with pytest.raises(FlowError) as caught:
+                async with asyncio.timeout(deadline_s + 5.0):
+                    async for _ in flow.run():
+                        pass
+            late_s = time.monotonic() - flow.deadline
+            await eventually(
+                lambda: prefill.num_in_flight == decode.num_in_flight == 0, 5.0, "the workers' calls ended"
+            )
+            return caught.value, late_s
+
+    error, late_s = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert late_s < 2.0, f"the flow gave up {late_s:.2f} s after its deadline"
