@@ -2,8 +2,10 @@
 
 The engine knows nothing of worker roles. A request's ``KVRole`` is the only seam:
 a PRODUCER (prefill worker) finishes after its first token with reason ``"kv_transfer"``
-and its blocks held until ``release_held``; a CONSUMER (decode worker) is admitted with
-blocks for its prompt and waits, listed in ``StepOutput.awaiting_kv``, until
+and its blocks pinned for the peer: the engine owns the pin and its deadline, ``pin_s``
+after the finish, and frees the blocks once, at ``kv_sent`` (the peer is done with them),
+``release_pin``, ``abort`` or the deadline (``BlockPins``). A CONSUMER (decode worker) is
+admitted with blocks for its prompt and waits, listed in ``StepOutput.awaiting_kv``, until
 ``kv_received`` says the prompt's KV has been written into them.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -48,7 +51,7 @@ class RequestOutput:
     logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    # Producer role, on the finishing output: the prompt's blocks, held until ``release_held``.
+    # Producer role, on the finishing output: the prompt's blocks, pinned for the peer.
     held_block_ids: list[int] | None = None
     # time.monotonic() stamps: arrival, first scheduled (consumer: given blocks), first token.
     arrival_time: float = 0.0
@@ -64,7 +67,11 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: str, config: EngineConfig | None = None) -> None:
+    """``clock`` times the pins' deadlines (tests pass their own)."""
+
+    def __init__(
+        self, model: str, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config or EngineConfig()
         cfg = self.config
         self.device = torch.device(
@@ -85,13 +92,12 @@ class LLMEngine:
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, cfg.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv, clock=clock
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._held: dict[str, list[int]] = {}
         logger.info(
             "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",
             mc.architecture, self.device, self.backend.name, spec.values_per_token_per_layer, spec.bytes_per_token,
@@ -117,11 +123,22 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, kv_role: KVRole = KVRole.LOCAL
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_role: KVRole = KVRole.LOCAL,
+        *,
+        pin_s: float | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError for a prompt the engine cannot serve."""
-        if request_id in self._requests or request_id in self._held:
+        """Queue a request; raises ValueError for a prompt the engine cannot serve.
+
+        A PRODUCER gives ``pin_s``: its blocks stay pinned for the peer that long at most.
+        """
+        if request_id in self._requests or request_id in self.scheduler.pins:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if kv_role is KVRole.PRODUCER and not (pin_s is not None and pin_s > 0):
+            raise ValueError(f"a producer request needs pin_s > 0, got {pin_s!r}")
         token_ids = self._prompt_token_ids(prompt)
         request = Request(
             request_id=request_id,
@@ -130,6 +147,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=make_generator(params.seed, self.device),
             kv_role=kv_role,
+            pin_s=pin_s,
         )
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
@@ -165,9 +183,8 @@ class LLMEngine:
         return token_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request at any point and free everything it holds."""
-        if request_id in self._held:
-            self.release_held(request_id)
+        """End a request at any point and free everything it holds, its pin included."""
+        if self.scheduler.pins.release(request_id):
             return None
         request = self._requests.get(request_id)
         if request is None:
@@ -175,18 +192,31 @@ class LLMEngine:
         self.scheduler.finish(request, "abort")
         return self._finish_output(request, [], "")
 
-    def release_held(self, request_id: str) -> None:
-        """Prefill role: the peer has the KV (or gave up); free the held blocks."""
-        if self._held.pop(request_id, None) is not None:
-            self.kv.free(request_id)
+    def kv_sent(self, request_id: str) -> None:
+        """Prefill role: the peer is done with the request's pinned blocks (it has the KV, or
+        gave up): free them. A report that comes before the pin frees it as it is made."""
+        self.scheduler.pins.sent(request_id)
+
+    def release_pin(self, request_id: str) -> bool:
+        """Prefill role: nobody will pull; free the pin if it is still there (False: it was not)."""
+        return self.scheduler.pins.release(request_id)
+
+    def release_pins(self) -> None:
+        """Free every pin (the engine stops serving)."""
+        self.scheduler.pins.release_all()
 
     @property
     def num_held(self) -> int:
-        """Producer requests whose blocks are held for a peer."""
-        return len(self._held)
+        """Producer requests whose blocks are pinned for a peer."""
+        return len(self.scheduler.pins)
 
-    def held_block_ids(self, request_id: str) -> list[int]:
-        return self._held[request_id]
+    def seconds_to_next_deadline(self) -> float | None:
+        """How soon a step has a pin to free at its deadline (None: nothing is pinned).
+
+        The engine loop steps by then even when nothing runs.
+        """
+        deadline = self.scheduler.pins.next_deadline
+        return None if deadline is None else max(deadline - self.scheduler.pins.clock(), 0.0)
 
     def kv_received(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``.
@@ -264,12 +294,13 @@ class LLMEngine:
         if reason is None:
             return self._output(request, [token], delta)
         hold = request.kv_role is KVRole.PRODUCER
-        self.scheduler.finish(request, reason, hold_blocks=hold)
+        # Read before pinning: a "sent" that came early frees the blocks as they are pinned.
+        held_block_ids = list(self.kv.block_table(request.request_id)) if hold else None
+        self.scheduler.finish(request, reason, pin=hold)
         # A producer's text goes on on the consumer, which decides whether the text held back
         # at a possible stop string is one: flushing it here could stream what a stop cuts.
         output = self._finish_output(request, [token], delta, flush=not hold)
-        if hold:
-            self._held[request.request_id] = output.held_block_ids = list(self.kv.block_table(request.request_id))
+        output.held_block_ids = held_block_ids
         return output
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -312,9 +343,9 @@ class LLMEngine:
         return output
 
     def check_idle_integrity(self) -> None:
-        """Assert the pool is consistent and, with nothing running or held, wholly free."""
+        """Assert the pool is consistent and, with nothing running or pinned, wholly free."""
         self.block_pool.check_integrity()
-        if not self.has_unfinished() and not self._held:
+        if not self.has_unfinished() and not self.num_held:
             assert self.block_pool.all_free(), "blocks leaked: nothing runs but blocks are referenced"
 
 

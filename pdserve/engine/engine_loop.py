@@ -2,9 +2,10 @@
 
 Servers run on an asyncio event loop; the engine's step blocks for as long as the model runs.
 ``EngineLoop`` owns one thread that alone touches the engine: the event loop sends it commands
-(add, abort, KV received, release) through a queue, and the thread steps the engine whenever
-something is runnable and hands each request's outputs back to the event loop, where
-``RequestStream`` delivers them to whoever awaits that request.
+(add, abort, KV received, KV sent, release) through a queue, and the thread steps the engine
+whenever something is runnable — and, with nothing runnable, by the earliest pin's deadline,
+so that pins are freed on time on an idle engine — and hands each request's outputs back to
+the event loop, where ``RequestStream`` delivers them to whoever awaits that request.
 """
 
 from __future__ import annotations
@@ -99,11 +100,12 @@ class EngineLoop:
         self._thread.start()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort what is left, end the thread (bounded by ``timeout_s``)."""
+        """Abort what is left, free every pin, end the thread (bounded by ``timeout_s``)."""
         if self._thread is None:
             return
         for request_id in list(self._streams):
             self.abort(request_id)
+        self._commands.put(self.engine.release_pins)
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
         self._thread = None
@@ -124,15 +126,24 @@ class EngineLoop:
 
     # ---- commands ----------------------------------------------------------------------------
     async def add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, kv_role: KVRole = KVRole.LOCAL
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        kv_role: KVRole = KVRole.LOCAL,
+        *,
+        pin_s: float | None = None,
     ) -> RequestStream:
-        """Queue a request; raises ValueError (from the engine) for one it cannot serve."""
+        """Queue a request; raises ValueError (from the engine) for one it cannot serve.
+
+        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes (``LLMEngine.add_request``).
+        """
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error!r}")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role))
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role, pin_s=pin_s))
         except BaseException:
             # Cancelled while queued, the add still runs on the engine thread: the abort queued
             # behind it ends the request there (a no-op if the add failed).
@@ -141,7 +152,7 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """End the request wherever it is and free its blocks (held ones included)."""
+        """End the request wherever it is and free its blocks (pinned ones included)."""
         self._streams.pop(request_id, None)
         self._commands.put(lambda: self.engine.abort(request_id))
 
@@ -155,9 +166,13 @@ class EngineLoop:
 
         await self._call(received)
 
-    def release_held(self, request_id: str) -> None:
-        """Prefill role: the decode side is done with the request's blocks."""
-        self._commands.put(lambda: self.engine.release_held(request_id))
+    def kv_sent(self, request_id: str) -> None:
+        """Prefill role: the decode side is done with the request's pinned blocks (``LLMEngine.kv_sent``)."""
+        self._commands.put(lambda: self.engine.kv_sent(request_id))
+
+    async def release_pin(self, request_id: str) -> bool:
+        """Prefill role: free the request's pin if it is still there; False when it was not."""
+        return await self._call(lambda: self.engine.release_pin(request_id))
 
     async def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Change the scheduler's limits (``LLMEngine.retune``); raises its ValueError."""
@@ -213,11 +228,15 @@ class EngineLoop:
             self._fail_all(exc)
 
     def _wait_for_command(self) -> Callable[[], None] | None:
-        """Nothing is runnable (requests wait for KV): sleep until the next command."""
+        """Nothing is runnable (requests wait for KV, or none): sleep until the next command,
+        or until the earliest pin's deadline, when stepping again frees it."""
         while True:
+            timeout = self.engine.seconds_to_next_deadline()
             try:
-                return self._commands.get(timeout=1.0)
+                return self._commands.get(timeout=1.0 if timeout is None else timeout)
             except queue.Empty:
+                if timeout is not None:
+                    return _step_again
                 continue
 
     def _deliver(self, outputs: list[RequestOutput], awaiting: list[tuple[str, list[int], int]]) -> None:
@@ -262,6 +281,10 @@ class EngineLoop:
             max_num_seqs=scheduler.config.max_num_seqs,
             max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         )
+
+
+def _step_again() -> None:
+    """The command that only wakes the engine thread: a pin's deadline has passed."""
 
 
 def _settle(setter: Callable[[Any], None], value: Any) -> bool:

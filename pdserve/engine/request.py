@@ -35,6 +35,7 @@ class Request:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
     kv_role: KVRole = KVRole.LOCAL
+    pin_s: float | None = None  # PRODUCER: how long its blocks stay pinned for the peer, at most
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

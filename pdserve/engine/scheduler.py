@@ -6,16 +6,21 @@ cap on running requests. Decodes are scheduled first so a long prompt never star
 prompts are chunked to what is left of the budget. When blocks run out, the most recently
 arrived running request is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept). Waiting requests are admitted first-come first-served.
+A finished PRODUCER request's blocks stay pinned for a peer (``pins``); each step first
+frees the pins whose deadline passed.
 
 Pure bookkeeping over ``KVCacheManager``: no tensors, no model.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.pins import BlockPins
 from pdserve.engine.request import KVRole, Request, RequestStatus
 
 
@@ -55,9 +60,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.pins = BlockPins(kv.free, clock=clock)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.awaiting_kv: dict[str, Request] = {}
@@ -74,6 +82,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.awaiting_kv)
 
     def schedule(self) -> SchedulerOutput:
+        self.pins.expire()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -159,20 +168,23 @@ class Scheduler:
         self.running.append(request)
         return request
 
-    def finish(self, request: Request, reason: str, *, hold_blocks: bool = False) -> None:
-        """End a request wherever it is; its blocks are freed unless held for a peer."""
+    def finish(self, request: Request, reason: str, *, pin: bool = False) -> None:
+        """End a request wherever it is; its blocks are freed, or pinned for a peer for ``request.pin_s``."""
         if request in self.running:
             self.running.remove(request)
         elif request.request_id in self.awaiting_kv:
             del self.awaiting_kv[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._finish(request, reason, hold_blocks=hold_blocks)
+        self._finish(request, reason, pin=pin)
 
-    def _finish(self, request: Request, reason: str, *, hold_blocks: bool = False) -> None:
+    def _finish(self, request: Request, reason: str, *, pin: bool = False) -> None:
         if request in self.running:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if not hold_blocks:
+        if pin:
+            assert request.pin_s is not None, "a pinned request says for how long"
+            self.pins.pin(request.request_id, request.pin_s)
+        else:
             self.kv.free(request.request_id)

@@ -5,9 +5,16 @@
           ─▶ Decode on the decode worker, told where the KV is ──tokens──▶ client
 
 Without a prefill worker (conditional disaggregation said so, or ``off``) the decode worker
-computes the prompt itself. Every call carries what is left of the request's deadline. If the
-request ends for any reason before a decode worker has pulled the KV, the prefill worker is
-told to release it, so no block stays pinned longer than needed.
+computes the prompt itself. Every call carries what is left of the request's deadline.
+
+The prefill worker's engine owns the pinned blocks: the decode worker's completion notices
+free them, or their deadline. The frontend keeps no state about them, and has one rule: when
+a flow that prefilled ends and the decode worker's final message reported no KV pull
+(``kv_transfer_ms`` is > 0 once a pull ran, its notices included), the frontend sends
+``Release`` to the prefill worker in the background (best effort, bounded). That covers a
+flow that failed or was cancelled, and a decode worker that ended the request before it
+pulled. ``Release`` is an idempotent hint: sent after the notices freed the blocks, it does
+no harm.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -62,7 +69,6 @@ class _Prefilled:
     response: worker_pb2.PrefillResponse
     sent_at: float
     attempts: int
-    released: bool = field(default=False)
 
 
 class RequestFlow:
@@ -104,8 +110,8 @@ class RequestFlow:
             async for message in self._decode(decode, prefilled):
                 yield message
         finally:
-            if prefilled is not None and not prefilled.released:
-                self._release(prefilled)
+            if prefilled is not None and not self.breakdown.kv_transfer_ms:
+                self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
     # ---- prefill -----------------------------------------------------------------------------------
     async def _prefill(self, choice: PrefillChoice) -> _Prefilled | None:
@@ -157,7 +163,6 @@ class RequestFlow:
 
     def _release(self, prefilled: _Prefilled) -> None:
         """Unpin the prompt's blocks on the prefill worker, in the background, best effort."""
-        prefilled.released = True
         stub = self.routing.channels.stub(prefilled.worker.endpoint)
 
         async def release() -> None:
@@ -226,8 +231,6 @@ class RequestFlow:
                 if response.token_ids:
                     self._token_times.append((time.monotonic(), len(response.token_ids)))
                 if response.HasField("final"):
-                    if prefilled is not None:
-                        prefilled.released = True  # the decode worker's notice released it
                     yield self._final(decode, response, sent_at, prefilled)
                     return
                 if prefilled is None and not self.breakdown.ttft_ms and response.token_ids:

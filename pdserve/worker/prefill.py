@@ -1,8 +1,9 @@
 """The prefill role's Worker service: ``Prefill`` and ``Release``.
 
-A request runs on the engine as a PRODUCER: it stops after its first token and its blocks stay
-pinned in a ``BlockHolder`` until the decode worker's completion notice, a ``Release``, or
-``hold_s`` — whichever comes first — and then go back to the pool (their prefix stays cached).
+A request runs on the engine as a PRODUCER: it stops after its first token and the engine keeps
+its blocks pinned until the decode worker is done with them (its completion notices, which a
+``SentReporter`` turns into the engine's "sent"), a ``Release``, or ``hold_s`` — whichever comes
+first — and then gives them back to the pool (their prefix stays cached).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import grpc
 
 from pdserve.engine.request import KVRole
-from pdserve.kvtransfer import BlockHolder
+from pdserve.kvtransfer import SentReporter
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
@@ -22,13 +23,16 @@ from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 class PrefillService(WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         super().__init__(runtime)
-        self.holder = BlockHolder(runtime.agent, runtime.engine_loop.release_held, deadline_s=runtime.config.hold_s)
+        engine_loop = runtime.engine_loop
+        self.sent = SentReporter(
+            runtime.agent, engine_loop.kv_sent, is_wanted=lambda: engine_loop.load.held_requests > 0
+        )
 
     async def start(self) -> None:
-        await self.holder.start()
+        self.sent.start()
 
     async def close(self) -> None:
-        await self.holder.close()
+        self.sent.close()
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -38,7 +42,9 @@ class PrefillService(WorkerServicer):
         request_id = request.request_id
         try:
             params = sampling_params(request.sampling)
-            stream = await engine_loop.add(request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER)
+            stream = await engine_loop.add(
+                request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER, pin_s=self.runtime.config.hold_s
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -46,7 +52,7 @@ class PrefillService(WorkerServicer):
             async for output in stream.outputs():
                 final = output
         except asyncio.CancelledError:
-            engine_loop.abort(request_id)  # frees the blocks, held or not
+            engine_loop.abort(request_id)  # frees the blocks, pinned or not
             raise
         assert final is not None
         if final.finish_reason != "kv_transfer" or final.held_block_ids is None:
@@ -56,7 +62,7 @@ class PrefillService(WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED if final.finish_reason == "length" else grpc.StatusCode.UNAVAILABLE,
                 f"prefill of {request_id} on {self.runtime.worker_id} ended with {final.finish_reason!r}",
             )
-        self.holder.hold(request_id, final.held_block_ids)
+        self.sent.wake()  # a pin waits for notices now (the load read by is_wanted counts it)
         scheduled = final.first_scheduled_time or final.arrival_time
         first_token = final.first_token_time or time.monotonic()
         metrics = self.runtime.metrics
@@ -78,4 +84,5 @@ class PrefillService(WorkerServicer):
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        return worker_pb2.ReleaseResponse(released=self.holder.release(request.request_id))
+        """A hint, idempotent: free the request's pin if the engine still holds it."""
+        return worker_pb2.ReleaseResponse(released=await self.runtime.engine_loop.release_pin(request.request_id))

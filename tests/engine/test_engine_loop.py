@@ -73,7 +73,7 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
     async def main():
         loop = EngineLoop(engine)
         loop.start()
-        produced = await _collect(await loop.add("p", prompt, GREEDY, KVRole.PRODUCER))
+        produced = await _collect(await loop.add("p", prompt, GREEDY, KVRole.PRODUCER, pin_s=30.0))
         held = loop.load.held_requests
         consumer = await loop.add("c", prompt, GREEDY, KVRole.CONSUMER)
         awaited = await asyncio.wait_for(consumer.next(), 10)
@@ -81,7 +81,7 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
         kv = engine.kv_cache.data
         for src, dst in zip(produced[-1].held_block_ids, awaited.block_ids):
             kv[dst] = kv[src]
-        loop.release_held("p")
+        loop.kv_sent("p")
         await loop.kv_received("c", produced[-1].token_ids[0])
         rest = await asyncio.wait_for(_collect(consumer), 30)
         await loop.stop()
@@ -153,3 +153,29 @@ def test_retune_changes_the_scheduler_limits_live_within_the_start_up_ones(check
     assert all(out[-1].finished for out in results)
     assert (engine.scheduler.config.max_num_seqs, engine.scheduler.config.max_num_batched_tokens) == (1, 32)
     engine.check_idle_integrity()
+
+
+def test_an_idle_loop_frees_a_pin_at_its_deadline_and_stop_frees_the_rest(engine):
+    """Nothing runs and no command comes, yet the pin's deadline wakes the engine thread."""
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            await _collect(await loop.add("short", [5, 6, 7], GREEDY, KVRole.PRODUCER, pin_s=0.5))
+            await _collect(await loop.add("released", [5, 6, 8], GREEDY, KVRole.PRODUCER, pin_s=60.0))
+            await _collect(await loop.add("kept", [5, 6, 9], GREEDY, KVRole.PRODUCER, pin_s=60.0))
+            held = loop.load.held_requests
+            released = [await loop.release_pin("released"), await loop.release_pin("released")]
+            await asyncio.sleep(1.5)  # no command meanwhile: only the deadline can wake the thread
+            after_deadline = loop.load.held_requests
+        finally:
+            await loop.stop()
+        return held, released, after_deadline
+
+    held, released, after_deadline = run_scenario(main())
+    assert held == 3 and released == [True, False] and after_deadline == 1
+    assert engine.scheduler.pins.num_freed_by_deadline >= 1
+    assert engine.num_held == 0  # stop freed "kept"
+    engine.check_idle_integrity()
+    assert engine.block_pool.all_free()

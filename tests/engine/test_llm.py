@@ -118,12 +118,12 @@ def test_producer_blocks_continue_on_a_consumer_exactly(checkpoints):
     expected = LLM(str(path)).generate([prompt], params)[0].token_ids
 
     producer, consumer = LLM(str(path)).engine, LLM(str(path)).engine
-    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER)
+    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER, pin_s=30.0)
     first = None
     while first is None:
         first = next((o for o in producer.step().outputs if o.finished), None)
     assert first.finish_reason == "kv_transfer" and first.token_ids == expected[:1]
-    held = producer.held_block_ids("r")
+    held = first.held_block_ids
 
     consumer.add_request("r", prompt, params, kv_role=KVRole.CONSUMER)
     step = consumer.step()
@@ -131,7 +131,7 @@ def test_producer_blocks_continue_on_a_consumer_exactly(checkpoints):
     _, local_blocks, num_cached = step.awaiting_kv[0]
     assert num_cached == 0 and len(local_blocks) == len(held)
     consumer.kv_cache.data[local_blocks] = producer.kv_cache.data[held]
-    producer.release_held("r")
+    producer.kv_sent("r")
     producer.check_idle_integrity()
     assert producer.block_pool.all_free()
 
@@ -196,14 +196,14 @@ def _disaggregated_stream(path, prompt: list[int], params: SamplingParams) -> tu
     (the text streamed: the producer's first token, then the consumer's deltas; the
     consumer's final text; its finish reason)."""
     producer, consumer = LLM(str(path)).engine, LLM(str(path)).engine
-    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER)
+    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER, pin_s=30.0)
     first = None
     while first is None:
         first = next((o for o in producer.step().outputs if o.finished), None)
     consumer.add_request("r", prompt, params, kv_role=KVRole.CONSUMER)
     _, local_blocks, _ = consumer.step().awaiting_kv[0]
-    consumer.kv_cache.data[local_blocks] = producer.kv_cache.data[producer.held_block_ids("r")]
-    producer.release_held("r")
+    consumer.kv_cache.data[local_blocks] = producer.kv_cache.data[first.held_block_ids]
+    producer.kv_sent("r")
     streamed, final = first.text, consumer.kv_received("r", first.token_ids[0])
     while final is None or not final.finished:
         if final is not None:

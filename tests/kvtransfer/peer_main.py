@@ -2,7 +2,9 @@
 
 ``python -m tests.kvtransfer.peer_main '<PeerConfig JSON>'``. It owns a real KV pool, a real
 block pool and KV cache manager, and a real NIXL agent; replies go to the original stdout,
-while anything native code prints goes to stderr.
+while anything native code prints goes to stderr. A prefill peer stands in for its engine:
+the engine's ``BlockPins`` pin the blocks, a ``SentReporter`` reports them sent, and a sweep
+expires the pins at their deadlines as the engine's step does.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import torch
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.kvtransfer import BlockHolder, KVAgent, KVLayout, KVPuller, LayoutMismatch, TransferFailed
+from pdserve.engine.pins import BlockPins
+from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, LayoutMismatch, SentReporter, TransferFailed
+from pdserve.lifecycle import cancel_and_wait
 from tests.kvtransfer import protocol as p
 
 SENTINEL = 0x5A  # bytes of a decode block "already cached": a pull must not overwrite them
+SWEEP_INTERVAL_S = 0.05
 
 
 class Peer:
@@ -41,7 +46,8 @@ class Peer:
         self.manager = KVCacheManager(self.pool, cfg.block_size)
         layout = KVLayout.from_spec(spec, cfg.model, cfg.tp_size, cfg.tp_rank)
         self.agent = KVAgent(cfg.name, self.kv, layout)
-        self.holder = BlockHolder(self.agent, self.manager.free, deadline_s=cfg.hold_deadline_s)
+        self.pins = BlockPins(self.manager.free)
+        self.reporter = SentReporter(self.agent, self.pins.sent, is_wanted=lambda: len(self.pins) > 0)
         self.puller = KVPuller(self.agent, free_on_failure=self.manager.free)
 
     def send(self, reply: p.Reply) -> None:
@@ -101,7 +107,8 @@ class Peer:
             if not self.manager.allocate(cmd.request_id, cmd.num_tokens):
                 return p.Done(False, "prefill pool full")
             blocks = list(self.manager.block_table(cmd.request_id))
-            self.holder.hold(cmd.request_id, blocks, cmd.deadline_s)
+            self.pins.pin(cmd.request_id, self.cfg.hold_deadline_s if cmd.deadline_s is None else cmd.deadline_s)
+            self.reporter.wake()
             return p.Held(blocks)
         if isinstance(cmd, p.Pull):
             return await self.pull(cmd)
@@ -122,8 +129,8 @@ class Peer:
             except AssertionError as exc:
                 error = str(exc) or "integrity check failed"
             return p.PoolStatus(
-                self.pool.num_blocks, self.pool.num_free_blocks, error, self.holder.num_held,
-                self.holder.num_freed_by_notice, self.holder.num_freed_by_deadline,
+                self.pool.num_blocks, self.pool.num_free_blocks, error, len(self.pins),
+                self.pins.num_freed_by_sent, self.pins.num_freed_by_deadline, self.reporter.num_reported,
             )  # fmt: skip
         raise ValueError(f"unknown command {cmd!r}")
 
@@ -133,9 +140,15 @@ class Peer:
         except Exception as exc:  # reported to the test, which fails on it
             return p.Done(False, f"{type(exc).__name__}: {exc}")
 
+    async def sweep(self) -> None:
+        while True:
+            self.pins.expire()
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
     async def run(self) -> None:
         await self.agent.start()
-        await self.holder.start()
+        self.reporter.start()
+        sweeper = asyncio.ensure_future(self.sweep())
         self.send(p.Ready(self.agent.info.encode()))
         loop = asyncio.get_running_loop()
         # Commands arrive on stdin, read by the event loop itself (no thread left blocked in
@@ -156,7 +169,9 @@ class Peer:
             task = asyncio.ensure_future(self.safe_handle(cmd))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), self.send(t.result())))
-        await self.holder.close()
+        await cancel_and_wait(sweeper)
+        self.reporter.close()
+        self.pins.release_all()
         await self.agent.close()
         self.send(p.Done())
 

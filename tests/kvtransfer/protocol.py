@@ -151,8 +151,9 @@ class PoolStatus(msgspec.Struct, tag=True):
     num_free: int
     integrity_error: str | None
     num_held: int
-    freed_by_notice: int
+    freed_by_notice: int  # pins freed by the reporter's "sent"
     freed_by_deadline: int
+    num_reported: int  # requests the reporter reported sent (pinned or not yet)
 
 
 Reply = Ready | Done | Held | PullResult | PullResults | LoopResult | PoolStatus
