@@ -131,6 +131,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(self.script.decode_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
-            yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length"))
+            # A real decode worker reports the pull it made from a kv_source in its final message.
+            pulled_ms = 1.0 if request.HasField("kv_source") else 0.0
+            yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length", kv_transfer_ms=pulled_ms))
         finally:
             self.num_in_flight -= 1
