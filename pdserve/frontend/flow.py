@@ -24,7 +24,7 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
-from pdserve.rpc.status import DRAINING
+from pdserve.rpc.status import DRAINING, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class RequestFlow:
                 return
             except grpc.aio.AioRpcError as exc:
                 # Another worker may take it only if this one never started it.
-                refused = exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(DRAINING)
+                refused = refusal_reason(exc) == DRAINING
                 local_and_unstarted = prefilled is None and exc.code() == grpc.StatusCode.UNAVAILABLE
                 if received or len(tried) > 1 or not (refused or local_and_unstarted):
                     raise FlowError(

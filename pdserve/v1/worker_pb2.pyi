@@ -1,5 +1,6 @@
 from pdserve.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -102,6 +103,18 @@ class DecodeFinal(_message.Message):
     kv_transfer_ms: float
     kv_transfer_bytes: int
     def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("reason",)
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Refusal.Reason]
+        REASON_DRAINING: _ClassVar[Refusal.Reason]
+    REASON_UNSPECIFIED: Refusal.Reason
+    REASON_DRAINING: Refusal.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: Refusal.Reason
+    def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
