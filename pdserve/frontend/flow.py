@@ -8,6 +8,10 @@ Without a prefill worker (conditional disaggregation said so, or ``off``) the de
 computes the prompt itself. Every call carries what is left of the request's deadline. If the
 request ends for any reason before a decode worker has pulled the KV, the prefill worker is
 told to release it, so no block stays pinned longer than needed.
+
+Workers send token ids; the request's ``TextStream`` makes the text and applies the stop
+strings. When a stop string ends the request, the flow ends the decode call (cancelling it
+aborts the request on the worker and frees its blocks) and sends the final message itself.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
+from pdserve.frontend.text_stream import TextStream
 from pdserve.rpc.status import DRAINING, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
@@ -75,8 +80,13 @@ class RequestFlow:
         self.arrival = arrival
         self.deadline = deadline
         self.breakdown = inference_pb2.LatencyBreakdown()
-        self.num_tokens = 0  # streamed to the client so far
+        self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
         self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens streamed to the client so far."""
+        return self.output.num_tokens
 
     def _timeout(self) -> float:
         remaining = self.deadline - time.monotonic()
@@ -94,13 +104,15 @@ class RequestFlow:
         except NoWorker as exc:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}") from None
         prefilled = await self._prefill(choice) if choice is not None else None
-        if prefilled is not None:
-            response = prefilled.response
-            self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-            self.num_tokens = 1
-            self._token_times.append((time.monotonic(), 1))
-            yield inference_pb2.GenerateResponse(token_ids=[response.first_token_id], text=response.text)
         try:
+            if prefilled is not None:
+                self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
+                self._token_times.append((time.monotonic(), 1))
+                first = self.output.add([prefilled.response.first_token_id])
+                if self.output.stopped:  # the first token's text holds a stop string: no decode
+                    yield self._final(first, "stop", decode=None, final=None, sent_at=0.0, prefilled=prefilled)
+                    return
+                yield first
             async for message in self._decode(decode, prefilled):
                 yield message
         finally:
@@ -223,55 +235,58 @@ class RequestFlow:
         router.decode_started(decode)
         try:
             async for response in call:
-                if response.token_ids:
-                    self._token_times.append((time.monotonic(), len(response.token_ids)))
-                if response.HasField("final"):
+                out = self.output.add(response.token_ids)
+                if out.token_ids:
+                    self._token_times.append((time.monotonic(), len(out.token_ids)))
+                if response.HasField("final") or self.output.stopped:
                     if prefilled is not None:
                         prefilled.released = True  # the decode worker's notice released it
-                    yield self._final(decode, response, sent_at, prefilled)
-                    return
-                if prefilled is None and not self.breakdown.ttft_ms and response.token_ids:
+                    final = response.final if response.HasField("final") else None
+                    reason = final.finish_reason if final is not None else "stop"
+                    yield self._final(out, reason, decode, final, sent_at, prefilled)
+                    return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
+                if prefilled is None and not self.breakdown.ttft_ms and out.token_ids:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-                self.num_tokens += len(response.token_ids)
-                yield inference_pb2.GenerateResponse(token_ids=response.token_ids, text=response.text)
+                yield out
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} ended without a final message")
         finally:
             call.cancel()
             router.decode_done(decode)
 
     def _final(
-        self, decode: WorkerEntry, response: worker_pb2.DecodeResponse, sent_at: float, prefilled: _Prefilled | None
+        self,
+        message: inference_pb2.GenerateResponse,
+        finish_reason: str,
+        decode: WorkerEntry | None,
+        final: worker_pb2.DecodeFinal | None,
+        sent_at: float,
+        prefilled: _Prefilled | None,
     ) -> inference_pb2.GenerateResponse:
-        final = response.final
+        """``message`` made the last one. ``final`` is None when the frontend ended the request at
+        a stop string: the decode worker's own measurements (``DecodeFinal``) never came then."""
         b = self.breakdown
-        b.decode_worker = decode.worker_id
-        b.kv_transfer_ms = final.kv_transfer_ms
-        b.kv_transfer_bytes = final.kv_transfer_bytes
-        if not b.disaggregated:
+        cached = 0
+        if decode is not None:
+            b.decode_worker = decode.worker_id
+        if final is not None:
+            b.kv_transfer_ms = final.kv_transfer_ms
+            b.kv_transfer_bytes = final.kv_transfer_bytes
+            cached = final.num_cached_tokens
+        if not b.disaggregated and decode is not None:
             b.prefill_worker = decode.worker_id
-            b.queue_ms = (sent_at - self.arrival) * 1e3 + final.queue_ms
-            b.prefill_ms = final.prefill_ms
+            b.queue_ms = (sent_at - self.arrival) * 1e3 + (final.queue_ms if final is not None else 0.0)
+            b.prefill_ms = final.prefill_ms if final is not None else 0.0
         now = time.monotonic()
         b.e2e_ms = (now - self.arrival) * 1e3
         if not b.ttft_ms:
             b.ttft_ms = b.e2e_ms
-        cached = final.num_cached_tokens
         if b.disaggregated and prefilled is not None:
             cached = prefilled.response.num_cached_tokens
-        return inference_pb2.GenerateResponse(
-            token_ids=response.token_ids,
-            text=response.text,
-            final=inference_pb2.Final(
-                finish_reason=final.finish_reason,
-                text=final.text,
-                usage=inference_pb2.Usage(
-                    prompt_tokens=len(self.request.token_ids),
-                    completion_tokens=self.num_tokens + len(response.token_ids),
-                    cached_prompt_tokens=cached,
-                ),
-                breakdown=b,
-            ),
-        )
+        self.output.finish(message, finish_reason)
+        message.final.usage.prompt_tokens = len(self.request.token_ids)
+        message.final.usage.cached_prompt_tokens = cached
+        message.final.breakdown.CopyFrom(b)
+        return message
 
     def token_gaps(self) -> list[float]:
         """Inter-token latencies in seconds: a message of n tokens after a gap counts n gaps of gap/n."""
