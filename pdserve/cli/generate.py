@@ -65,30 +65,30 @@ def _print_json(
 
 
 def _local(args: argparse.Namespace) -> int:
-    from pdserve.engine.engine import LLMEngine
+    import msgspec
+
+    from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    engine = LLMEngine(args.model, engine_config(args))
+    llm = LLM(args.model, **msgspec.structs.asdict(engine_config(args)))
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
-    request = engine.add_request("cli", prompt, params)
     times: list[float] = []
     final = None
-    while final is None:
-        for output in engine.step().outputs:
-            times += [time.perf_counter()] * len(output.new_token_ids)
-            if not args.json and output.text_delta:
-                sys.stdout.write(output.text_delta)
-                sys.stdout.flush()
-            if output.finished:
-                final = output
+    for chunk in llm.stream(prompt, params):
+        times += [time.perf_counter()] * len(chunk.token_ids)
+        if not args.json and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        final = chunk.output
+    assert final is not None
     if args.json:
         _print_json(final.token_ids, final.text, final.finish_reason, times, start,
-                    prompt_tokens=len(request.prompt_token_ids),
+                    prompt_tokens=final.num_prompt_tokens,
                     total_ms=round((time.perf_counter() - start) * 1e3, 3))  # fmt: skip
     else:
         print()

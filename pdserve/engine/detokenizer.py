@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pdserve.engine.tokenizer import Tokenizer
 
 # What a byte-level decoder yields for an incomplete UTF-8 sequence.
@@ -76,6 +78,21 @@ class IncrementalDetokenizer:
         delta = window_text[len(self._prefix_text) :]
         self._prefix_text = self._decode(self._window)
         return self._append(delta, is_final=False)
+
+    def add_until_stop(self, token_ids: Iterable[int]) -> tuple[int, str]:
+        """Take ``token_ids`` in order up to the one that completes a stop string, if one does.
+
+        Returns how many tokens were taken (the stopping one included; none once stopped) and
+        the text that is now safe to emit. Callers cut their token ids to the count, so that a
+        client never gets tokens past the stop.
+        """
+        num_taken, text = 0, ""
+        for token_id in token_ids:
+            if self._stopped:
+                break
+            text += self.add(token_id)
+            num_taken += 1
+        return num_taken, text
 
     def flush(self) -> str:
         """At the end of the request, return all text still held back; call it once, last.

@@ -7,6 +7,11 @@ after the finish, and frees the blocks once, at ``kv_sent`` (the peer is done wi
 ``release_pin``, ``abort`` or the deadline (``BlockPins``). A CONSUMER (decode worker) is
 admitted with blocks for its prompt and waits, listed in ``StepOutput.awaiting_kv``, until
 ``kv_received`` says the prompt's KV has been written into them.
+
+The engine speaks token ids only. Text (detokenization and stop strings) belongs to whoever
+turns its outputs into a completion: ``LLM`` offline, the frontend when serving; they end a
+request at a stop string with ``abort``, and ``SamplingParams.stop`` is never read here. Stop
+token ids and EOS are token-level, and the engine's.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -43,9 +47,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text_delta: str
     token_ids: list[int]  # all generated tokens so far
-    text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "kv_transfer"
     logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
@@ -97,7 +99,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         logger.info(
             "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",
             mc.architecture, self.device, self.backend.name, spec.values_per_token_per_layer, spec.bytes_per_token,
@@ -149,8 +150,6 @@ class LLMEngine:
             kv_role=kv_role,
             pin_s=pin_s,
         )
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -190,7 +189,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.finish(request, "abort")
-        return self._finish_output(request, [], "")
+        return self._finish_output(request, [])
 
     def kv_sent(self, request_id: str) -> None:
         """Prefill role: the peer is done with the request's pinned blocks (it has the KV, or
@@ -222,21 +221,18 @@ class LLMEngine:
         """Decode role: the prompt's KV is in the request's blocks; decode on from ``first_token_id``.
 
         Returns the request's final output when that first token already ends it (a stop
-        token, or ``max_tokens`` of 1), else None. The producer streamed the first token's
-        text, so no output here repeats it: a final output's ``text_delta`` holds only the
-        text the producer held back at a possible stop string.
+        token, or ``max_tokens`` of 1), else None. ``first_token_id`` becomes the request's first
+        output token: in ``token_ids`` from now on, and in the ``new_token_ids`` of a final
+        output returned here (a caller that already has it skips it).
         """
         request = self.scheduler.kv_received(request_id, first_token_id)
         if request.generator is not None and not request.params.is_greedy:
             skip_draw(request.generator, self.model_config.vocab_size)
-        detok = self._detokenizers.get(request_id)
-        if detok is not None:
-            detok.add(first_token_id)  # the same delta the producer's detokenizer streamed
         reason = self._stop_reason(request, first_token_id)
         if reason is None:
             return None
         self.scheduler.finish(request, reason)
-        return self._finish_output(request, [first_token_id], "")
+        return self._finish_output(request, [first_token_id])
 
     def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Change the scheduler's limits from the next step on (live knobs).
@@ -266,7 +262,7 @@ class LLMEngine:
 
     def step(self) -> StepOutput:
         sched = self.scheduler.schedule()
-        outputs = [self._finish_output(r, [], "") for r in sched.finished]
+        outputs = [self._finish_output(r, []) for r in sched.finished]
         now = time.monotonic()
         for request in [*sched.awaiting_kv, *(r for r, _ in sched.scheduled)]:
             if request.first_scheduled_time is None:
@@ -288,41 +284,31 @@ class LLMEngine:
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)
-        detok = self._detokenizers.get(request.request_id)
-        delta = detok.add(token) if detok is not None else ""
         reason = "kv_transfer" if request.kv_role is KVRole.PRODUCER else self._stop_reason(request, token)
         if reason is None:
-            return self._output(request, [token], delta)
+            return self._output(request, [token])
         hold = request.kv_role is KVRole.PRODUCER
         # Read before pinning: a "sent" that came early frees the blocks as they are pinned.
         held_block_ids = list(self.kv.block_table(request.request_id)) if hold else None
         self.scheduler.finish(request, reason, pin=hold)
-        # A producer's text goes on on the consumer, which decides whether the text held back
-        # at a possible stop string is one: flushing it here could stream what a stop cuts.
-        output = self._finish_output(request, [token], delta, flush=not hold)
+        output = self._finish_output(request, [token])
         output.held_block_ids = held_block_ids
         return output
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Why ``token`` (just appended and detokenized) ends the request, if it does."""
+        """Why ``token`` (just appended) ends the request, if it does."""
         params = request.params
         if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
-            return "stop"
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None and detok.stopped:
             return "stop"
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _output(self, request: Request, new: list[int], delta: str) -> RequestOutput:
-        detok = self._detokenizers.get(request.request_id)
+    def _output(self, request: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new,
-            text_delta=delta,
             token_ids=request.output_token_ids,
-            text=detok.text if detok is not None else "",
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             logprobs=request.output_logprobs,
@@ -333,13 +319,9 @@ class LLMEngine:
             first_token_time=request.first_token_time,
         )
 
-    def _finish_output(self, request: Request, new: list[int], delta: str, flush: bool = True) -> RequestOutput:
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None and flush:
-            delta += detok.flush()
-        output = self._output(request, new, delta)
+    def _finish_output(self, request: Request, new: list[int]) -> RequestOutput:
+        output = self._output(request, new)
         self._requests.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
         return output
 
     def check_idle_integrity(self) -> None:

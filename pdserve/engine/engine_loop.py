@@ -259,7 +259,7 @@ class EngineLoop:
         if self._loop is None:
             return
         finals = [
-            RequestOutput(rid, [], "", [], "", finished=True, finish_reason="abort") for rid in list(self._streams)
+            RequestOutput(rid, [], [], finished=True, finish_reason="abort") for rid in list(self._streams)
         ]
         self._loop.call_soon_threadsafe(self._dispatch, [(o.request_id, o) for o in finals])
 

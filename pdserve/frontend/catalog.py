@@ -4,7 +4,8 @@ A request is validated once, here, so that a bad one never reaches a worker: the
 served, the prompt non-empty, inside the vocabulary and the context window, ``max_tokens``
 within what the window leaves, and the sampling values valid (``SamplingParams`` names the
 field). Text prompts are tokenized here with the model's ``tokenizer.json``, read from the
-``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens.
+``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens; the
+same tokenizer turns the workers' token ids into the client's text (``TextStream``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class ModelInfo:
 class ValidRequest:
     model: ModelInfo
     token_ids: list[int]
-    params: SamplingParams
-    options: inference_pb2.SamplingOptions  # forwarded to the workers as sent
+    params: SamplingParams  # stop strings included: the frontend applies them
+    options: inference_pb2.SamplingOptions  # forwarded to the workers: as sent, less the stop strings
+    tokenizer: Tokenizer | None  # None: the completion has no text, and stop strings cannot match
 
 
 class ModelCatalog:
@@ -95,7 +97,10 @@ class ModelCatalog:
                 f"sampling.max_tokens = {params.max_tokens} exceeds the room the context window leaves: "
                 f"max_model_len {model.max_model_len} - {len(token_ids)} prompt tokens = {room}"
             )
-        return ValidRequest(model, token_ids, params, request.sampling)
+        options = inference_pb2.SamplingOptions()
+        options.CopyFrom(request.sampling)
+        options.ClearField("stop")
+        return ValidRequest(model, token_ids, params, options, self.tokenizer(model))
 
     def _prompt(self, request: inference_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -130,5 +135,8 @@ class ModelCatalog:
         if key not in self._tokenizers:
             self._tokenizers[key] = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
             if self._tokenizers[key] is None:
-                logger.warning("no tokenizer.json at %s: text prompts for %s are refused", path, model.name)
+                logger.warning(
+                    "no tokenizer.json at %s: text prompts for %s are refused, completions have no text",
+                    path, model.name,
+                )
         return self._tokenizers[key]

@@ -15,6 +15,10 @@ a flow that prefilled ends and the decode worker's final message reported no KV 
 flow that failed or was cancelled, and a decode worker that ended the request before it
 pulled. ``Release`` is an idempotent hint: sent after the notices freed the blocks, it does
 no harm.
+
+Workers send token ids; the request's ``TextStream`` makes the text and applies the stop
+strings. When a stop string ends the request, the flow ends the decode call (cancelling it
+aborts the request on the worker and frees its blocks) and sends the final message itself.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
-from pdserve.rpc.status import DRAINING
+from pdserve.frontend.text_stream import TextStream
+from pdserve.rpc.status import DRAINING, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -81,8 +86,13 @@ class RequestFlow:
         self.arrival = arrival
         self.deadline = deadline
         self.breakdown = inference_pb2.LatencyBreakdown()
-        self.num_tokens = 0  # streamed to the client so far
+        self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
         self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens streamed to the client so far."""
+        return self.output.num_tokens
 
     def _timeout(self) -> float:
         remaining = self.deadline - time.monotonic()
@@ -102,11 +112,13 @@ class RequestFlow:
         prefilled = await self._prefill(choice) if choice is not None else None
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
             if prefilled is not None:
-                response = prefilled.response
                 self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-                self.num_tokens = 1
                 self._token_times.append((time.monotonic(), 1))
-                yield inference_pb2.GenerateResponse(token_ids=[response.first_token_id], text=response.text)
+                first = self.output.add([prefilled.response.first_token_id])
+                if self.output.stopped:  # the first token's text holds a stop string: no decode
+                    yield self._final(first, "stop", decode=None, final=None, sent_at=0.0, prefilled=prefilled)
+                    return
+                yield first
             async for message in self._decode(decode, prefilled):
                 yield message
         finally:
@@ -203,7 +215,7 @@ class RequestFlow:
                 return
             except grpc.aio.AioRpcError as exc:
                 # Another worker may take it only if this one never started it.
-                refused = exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(DRAINING)
+                refused = refusal_reason(exc) == DRAINING
                 local_and_unstarted = prefilled is None and exc.code() == grpc.StatusCode.UNAVAILABLE
                 if received or len(tried) > 1 or not (refused or local_and_unstarted):
                     raise FlowError(
@@ -228,53 +240,56 @@ class RequestFlow:
         router.decode_started(decode)
         try:
             async for response in call:
-                if response.token_ids:
-                    self._token_times.append((time.monotonic(), len(response.token_ids)))
-                if response.HasField("final"):
-                    yield self._final(decode, response, sent_at, prefilled)
-                    return
-                if prefilled is None and not self.breakdown.ttft_ms and response.token_ids:
+                out = self.output.add(response.token_ids)
+                if out.token_ids:
+                    self._token_times.append((time.monotonic(), len(out.token_ids)))
+                if response.HasField("final") or self.output.stopped:
+                    final = response.final if response.HasField("final") else None
+                    reason = final.finish_reason if final is not None else "stop"
+                    yield self._final(out, reason, decode, final, sent_at, prefilled)
+                    return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
+                if prefilled is None and not self.breakdown.ttft_ms and out.token_ids:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-                self.num_tokens += len(response.token_ids)
-                yield inference_pb2.GenerateResponse(token_ids=response.token_ids, text=response.text)
+                yield out
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} ended without a final message")
         finally:
             call.cancel()
             router.decode_done(decode)
 
     def _final(
-        self, decode: WorkerEntry, response: worker_pb2.DecodeResponse, sent_at: float, prefilled: _Prefilled | None
+        self,
+        message: inference_pb2.GenerateResponse,
+        finish_reason: str,
+        decode: WorkerEntry | None,
+        final: worker_pb2.DecodeFinal | None,
+        sent_at: float,
+        prefilled: _Prefilled | None,
     ) -> inference_pb2.GenerateResponse:
-        final = response.final
+        """``message`` made the last one. ``final`` is None when the frontend ended the request at
+        a stop string: the decode worker's own measurements (``DecodeFinal``) never came then."""
         b = self.breakdown
-        b.decode_worker = decode.worker_id
-        b.kv_transfer_ms = final.kv_transfer_ms
-        b.kv_transfer_bytes = final.kv_transfer_bytes
-        if not b.disaggregated:
+        cached = 0
+        if decode is not None:
+            b.decode_worker = decode.worker_id
+        if final is not None:
+            b.kv_transfer_ms = final.kv_transfer_ms
+            b.kv_transfer_bytes = final.kv_transfer_bytes
+            cached = final.num_cached_tokens
+        if not b.disaggregated and decode is not None:
             b.prefill_worker = decode.worker_id
-            b.queue_ms = (sent_at - self.arrival) * 1e3 + final.queue_ms
-            b.prefill_ms = final.prefill_ms
+            b.queue_ms = (sent_at - self.arrival) * 1e3 + (final.queue_ms if final is not None else 0.0)
+            b.prefill_ms = final.prefill_ms if final is not None else 0.0
         now = time.monotonic()
         b.e2e_ms = (now - self.arrival) * 1e3
         if not b.ttft_ms:
             b.ttft_ms = b.e2e_ms
-        cached = final.num_cached_tokens
         if b.disaggregated and prefilled is not None:
             cached = prefilled.response.num_cached_tokens
-        return inference_pb2.GenerateResponse(
-            token_ids=response.token_ids,
-            text=response.text,
-            final=inference_pb2.Final(
-                finish_reason=final.finish_reason,
-                text=final.text,
-                usage=inference_pb2.Usage(
-                    prompt_tokens=len(self.request.token_ids),
-                    completion_tokens=self.num_tokens + len(response.token_ids),
-                    cached_prompt_tokens=cached,
-                ),
-                breakdown=b,
-            ),
-        )
+        self.output.finish(message, finish_reason)
+        message.final.usage.prompt_tokens = len(self.request.token_ids)
+        message.final.usage.cached_prompt_tokens = cached
+        message.final.breakdown.CopyFrom(b)
+        return message
 
     def token_gaps(self) -> list[float]:
         """Inter-token latencies in seconds: a message of n tokens after a gap counts n gaps of gap/n."""

@@ -1,5 +1,6 @@
 from pdserve.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -18,10 +19,9 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("worker_id", "first_token_id", "text", "block_ids", "num_cached_tokens", "queue_ms", "prefill_ms", "hold_seconds")
+    __slots__ = ("worker_id", "first_token_id", "block_ids", "num_cached_tokens", "queue_ms", "prefill_ms", "hold_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -29,13 +29,12 @@ class PrefillResponse(_message.Message):
     HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     first_token_id: int
-    text: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     queue_ms: float
     prefill_ms: float
     hold_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -76,32 +75,40 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "final")
+    __slots__ = ("token_ids", "final")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    text: str
     final: DecodeFinal
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ...) -> None: ...
 
 class DecodeFinal(_message.Message):
-    __slots__ = ("finish_reason", "text", "num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")
+    __slots__ = ("finish_reason", "num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
-    text: str
     num_cached_tokens: int
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
     kv_transfer_bytes: int
-    def __init__(self, finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("reason",)
+    class Reason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REASON_UNSPECIFIED: _ClassVar[Refusal.Reason]
+        REASON_DRAINING: _ClassVar[Refusal.Reason]
+    REASON_UNSPECIFIED: Refusal.Reason
+    REASON_DRAINING: Refusal.Reason
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: Refusal.Reason
+    def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

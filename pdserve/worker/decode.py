@@ -153,12 +153,10 @@ class DecodeService(WorkerServicer):
     def _response(
         self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
     ) -> worker_pb2.DecodeResponse:
-        new_tokens, text = output.new_token_ids, output.text_delta
+        new_tokens = output.new_token_ids
         if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
-            # The first token came from the prefill worker; never send it twice. Its text is
-            # not in text_delta (LLMEngine.kv_received), bar what the prefill held back.
-            new_tokens = new_tokens[1:]
-        response = worker_pb2.DecodeResponse(token_ids=new_tokens, text=text)
+            new_tokens = new_tokens[1:]  # the first token came from the prefill worker; never send it twice
+        response = worker_pb2.DecodeResponse(token_ids=new_tokens)
         if output.finished:
             scheduled = output.first_scheduled_time or output.arrival_time
             local_prefill_ms = ((output.first_token_time or scheduled) - scheduled) * 1e3 if source is None else 0.0
@@ -166,7 +164,6 @@ class DecodeService(WorkerServicer):
             response.final.CopyFrom(
                 worker_pb2.DecodeFinal(
                     finish_reason=output.finish_reason or "abort",
-                    text=output.text,
                     num_cached_tokens=output.num_cached_tokens,
                     queue_ms=(scheduled - output.arrival_time) * 1e3,
                     prefill_ms=local_prefill_ms,

@@ -73,7 +73,6 @@ class PrefillService(WorkerServicer):
         return worker_pb2.PrefillResponse(
             worker_id=self.runtime.worker_id,
             first_token_id=final.token_ids[0],
-            text=final.text,
             block_ids=final.held_block_ids,
             num_cached_tokens=final.num_cached_tokens,
             queue_ms=(scheduled - final.arrival_time) * 1e3,

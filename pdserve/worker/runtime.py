@@ -28,7 +28,7 @@ from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import Occupancy, WorkerMetrics, serve_metrics
 from pdserve.rpc.server import RpcServer
-from pdserve.rpc.status import DRAINING
+from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 
@@ -59,10 +59,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.DrainResponse(in_flight=self.runtime.engine_loop.num_in_flight)
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse the call, typed as DRAINING (``pdserve.rpc.status``), while the worker drains."""
         if self.runtime.draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {self.runtime.worker_id} takes no new requests"
-            )
+            await refuse(context, DRAINING, f"draining: worker {self.runtime.worker_id} takes no new requests")
 
 
 class WorkerRuntime:

@@ -106,8 +106,10 @@ def test_text_prompts_stream_text(llama):
 
 @pytest.mark.parametrize("max_tokens", [1, 8])
 def test_a_stop_string_straddling_the_first_token_streams_each_character_once(llama, max_tokens):
-    # The prefill worker holds back the first token's last character (it may begin the stop
-    # string); the decode worker streams it, or cuts it with the stop, exactly once.
+    # The first token (the prefill worker's) ends in what may begin the stop string: the
+    # frontend holds that character back, then sends it at the end (max_tokens=1) or cuts it
+    # when a decode worker's token completes the stop (max_tokens=8). It then ends the decode
+    # call, which aborts the request on the decode worker and frees its blocks.
     deployment, path, _ = llama
     offline = LLM(str(path))
     prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
@@ -115,6 +117,8 @@ def test_a_stop_string_straddling_the_first_token_streams_each_character_once(ll
     result = deployment.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
     assert result["final"].breakdown.disaggregated
     assert (result["text"], result["final"].text, result["final"].finish_reason) == (want.text, want.text, want.finish_reason)
+    assert result["token_ids"] == want.token_ids and result["final"].usage.completion_tokens == len(want.token_ids)
+    deployment.wait_registered(_idle, 10, "every block free after the stop")
 
 
 def test_cancelling_a_stream_frees_its_blocks_on_both_workers(llama):

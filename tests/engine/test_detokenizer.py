@@ -202,3 +202,13 @@ def test_empty_stop_string_is_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, [], stop=["ok", ""])
 
+
+
+def test_add_until_stop_takes_tokens_up_to_the_one_that_completes_the_stop(tokenizer: Tokenizer) -> None:
+    tokens = tokenizer.encode("Hello world, and more", add_special_tokens=False)  # "Hello" | " world" | ...
+    detokenizer = IncrementalDetokenizer(tokenizer, [0], stop=["lo wor"])
+    assert detokenizer.add_until_stop(tokens[:1]) == (1, "Hel")
+    assert detokenizer.add_until_stop(tokens[1:]) == (1, "")  # " world" completes it; the rest is not taken
+    assert detokenizer.stopped and detokenizer.add_until_stop(tokens) == (0, "")
+    plain = IncrementalDetokenizer(tokenizer, [0])
+    assert plain.add_until_stop(tokens) == (len(tokens), "Hello world, and more")

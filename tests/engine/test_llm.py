@@ -191,37 +191,47 @@ def test_consumer_ends_at_once_when_the_first_token_already_finishes_it(checkpoi
     assert consumer.block_pool.all_free()
 
 
-def _disaggregated_stream(path, prompt: list[int], params: SamplingParams) -> tuple[str, str, str]:
-    """Prefill on a producer, decode on a consumer (KV copied between them) and return
-    (the text streamed: the producer's first token, then the consumer's deltas; the
-    consumer's final text; its finish reason)."""
-    producer, consumer = LLM(str(path)).engine, LLM(str(path)).engine
-    producer.add_request("r", prompt, params, kv_role=KVRole.PRODUCER, pin_s=30.0)
-    first = None
-    while first is None:
-        first = next((o for o in producer.step().outputs if o.finished), None)
-    consumer.add_request("r", prompt, params, kv_role=KVRole.CONSUMER)
-    _, local_blocks, _ = consumer.step().awaiting_kv[0]
-    consumer.kv_cache.data[local_blocks] = producer.kv_cache.data[first.held_block_ids]
-    producer.kv_sent("r")
-    streamed, final = first.text, consumer.kv_received("r", first.token_ids[0])
-    while final is None or not final.finished:
-        if final is not None:
-            streamed += final.text_delta
-        final = next((o for o in consumer.step().outputs), None)
-    streamed += final.text_delta
-    return streamed, final.text, final.finish_reason
+def test_the_engine_leaves_stop_strings_to_its_caller(llm):
+    """LLMEngine speaks token ids: a stop string does not end its request; LLM ends it at the
+    token that completed the stop string, aborts it in the engine, and cuts the text."""
+    prompt, stop = stop_after_the_first_token(llm, completes=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop])
+    engine = llm.engine
+    engine.add_request("ids", prompt, params)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step().outputs if o.finished), None)
+    assert final.finish_reason == "length" and len(final.token_ids) == 8
+    assert not hasattr(final, "text")
+
+    out = llm.generate([prompt], params)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(stop)]
+    assert 2 <= len(out.token_ids) < 8 and out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert stop not in llm.tokenizer.decode(out.token_ids[:-1])  # the stop was completed by the last token
+    assert len(out.logprobs) == len(out.token_ids)
+    assert not engine.has_unfinished()
+    engine.check_idle_integrity()
+    assert engine.block_pool.all_free()
 
 
-@pytest.mark.parametrize("max_tokens", [1, 8])
-def test_text_held_back_at_a_stop_string_prefix_crosses_the_hand_off_once(checkpoints, max_tokens):
-    """The first token's text may end in what could begin a stop string: the producer must
-    not flush it (the consumer decides), and the consumer must not send it twice."""
-    path, _ = checkpoints("llama")
-    offline = LLM(str(path))
-    prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
-    expected = offline.generate([prompt], params)[0]
-    assert expected.finish_reason == ("stop" if max_tokens > 1 else "length")
-    streamed, final_text, reason = _disaggregated_stream(path, prompt, params)
-    assert (streamed, final_text, reason) == (expected.text, expected.text, expected.finish_reason)
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_stream_yields_what_generate_returns(llm, with_stop):
+    prompt, stop = stop_after_the_first_token(llm, completes=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop] if with_stop else None)
+    chunks = list(llm.stream(prompt, params))
+    want = llm.generate([prompt], params)[0]
+    assert [c.output is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].output == want
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert "".join(c.text for c in chunks) == want.text
+    assert want.finish_reason == ("stop" if with_stop else "length")
+
+
+def test_closing_a_stream_early_aborts_its_request(llm):
+    stream = llm.stream(_prompt(13, 20), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    next(stream)
+    assert llm.engine.has_unfinished()
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    llm.engine.check_idle_integrity()

@@ -16,7 +16,7 @@ import grpc
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry, WorkerLoad
 from pdserve.rpc.server import RpcServer
-from pdserve.rpc.status import DRAINING
+from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 FIRST_TOKEN_ID = 7  # what every fake prefill worker answers
@@ -30,7 +30,7 @@ async def refuse_as_draining(context: grpc.aio.ServicerContext, worker_id: str) 
 
     The one place the fakes signal draining, so that a change of that signal is one edit here.
     """
-    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{DRAINING}worker {worker_id} takes no new requests")
+    await refuse(context, DRAINING, f"worker {worker_id} takes no new requests")
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,13 @@ def test_no_workers_is_unavailable_and_several_models_need_a_name():
         ModelCatalog().validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [entry("d1", "decode"), other])
 
 
-def test_a_valid_request_keeps_its_options_for_the_workers():
-    options = inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3)
+def test_a_valid_request_keeps_its_options_for_the_workers_less_the_stop_strings():
+    options = inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3, stop=["\n\n"], stop_token_ids=[7])
     valid = ModelCatalog().validate(
         request(token_ids=inference_pb2.TokenIds(ids=[4, 5]), sampling=options), [entry("d1", "decode")]
     )
     assert valid.token_ids == [4, 5] and valid.params.max_tokens == 5 and valid.params.seed == 3
-    assert valid.options == options
+    assert valid.params.stop == ["\n\n"]  # the frontend applies them to the text
+    assert valid.options == inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3, stop_token_ids=[7])
+    assert list(options.stop) == ["\n\n"]  # the caller's message is left as sent
+    assert valid.tokenizer is None  # "/m" has no tokenizer.json
