@@ -9,12 +9,11 @@ computes the prompt itself. Every call carries what is left of the request's dea
 
 The prefill worker's engine owns the pinned blocks: the decode worker's completion notices
 free them, or their deadline. The frontend keeps no state about them, and has one rule: when
-a flow that prefilled ends and the decode worker's final message reported no KV pull
-(``kv_transfer_ms`` is > 0 once a pull ran, its notices included), the frontend sends
-``Release`` to the prefill worker in the background (best effort, bounded). That covers a
-flow that failed or was cancelled, and a decode worker that ended the request before it
-pulled. ``Release`` is an idempotent hint: sent after the notices freed the blocks, it does
-no harm.
+a flow that prefilled ends before the decode worker reported the pull done (its
+``DecodeStarted``, sent right after the pull), the frontend sends ``Release`` to the prefill
+worker in the background (best effort, bounded). That covers a flow that failed or was
+cancelled, and a decode worker that ended the request before it pulled. ``Release`` is an
+idempotent hint: sent after the notices freed the blocks, it does no harm.
 
 Workers send token ids; the request's ``TextStream`` makes the text and applies the stop
 strings. When a stop string ends the request, the flow ends the decode call (cancelling it
@@ -88,6 +87,8 @@ class RequestFlow:
         self.breakdown = inference_pb2.LatencyBreakdown()
         self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
         self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
+        self._cached_tokens = 0  # prompt tokens the prompt's worker found in its prefix cache
+        self._decode_started = False  # the decode worker reported the start (after the pull, if any)
 
     @property
     def num_tokens(self) -> int:
@@ -116,13 +117,13 @@ class RequestFlow:
                 self._token_times.append((time.monotonic(), 1))
                 first = self.output.add([prefilled.response.first_token_id])
                 if self.output.stopped:  # the first token's text holds a stop string: no decode
-                    yield self._final(first, "stop", decode=None, final=None, sent_at=0.0, prefilled=prefilled)
+                    yield self._final(first, "stop")
                     return
                 yield first
             async for message in self._decode(decode, prefilled):
                 yield message
         finally:
-            if prefilled is not None and not self.breakdown.kv_transfer_ms:
+            if prefilled is not None and not self._decode_started:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
     # ---- prefill -----------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class RequestFlow:
         b.prefill_attempts = attempt
         b.queue_ms = (sent_at - self.arrival) * 1e3 + response.queue_ms
         b.prefill_ms = response.prefill_ms
+        self._cached_tokens = response.num_cached_tokens
         return _Prefilled(choice.worker, response, time.monotonic(), attempt)
 
     def _release(self, prefilled: _Prefilled) -> None:
@@ -240,14 +242,17 @@ class RequestFlow:
         router.decode_started(decode)
         try:
             async for response in call:
+                if response.HasField("started"):
+                    self._started(response.started, sent_at)
                 out = self.output.add(response.token_ids)
                 if out.token_ids:
                     self._token_times.append((time.monotonic(), len(out.token_ids)))
                 if response.HasField("final") or self.output.stopped:
-                    final = response.final if response.HasField("final") else None
-                    reason = final.finish_reason if final is not None else "stop"
-                    yield self._final(out, reason, decode, final, sent_at, prefilled)
+                    reason = response.final.finish_reason if response.HasField("final") else "stop"
+                    yield self._final(out, reason, decode)
                     return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
+                if not response.token_ids:
+                    continue  # only news of the start
                 if prefilled is None and not self.breakdown.ttft_ms and out.token_ids:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 yield out
@@ -256,38 +261,32 @@ class RequestFlow:
             call.cancel()
             router.decode_done(decode)
 
-    def _final(
-        self,
-        message: inference_pb2.GenerateResponse,
-        finish_reason: str,
-        decode: WorkerEntry | None,
-        final: worker_pb2.DecodeFinal | None,
-        sent_at: float,
-        prefilled: _Prefilled | None,
-    ) -> inference_pb2.GenerateResponse:
-        """``message`` made the last one. ``final`` is None when the frontend ended the request at
-        a stop string: the decode worker's own measurements (``DecodeFinal``) never came then."""
+    def _started(self, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
+        """The decode worker began the request: after the pull, or with a prompt computed there."""
+        self._decode_started = True
         b = self.breakdown
-        cached = 0
+        b.kv_transfer_ms = started.kv_transfer_ms
+        b.kv_transfer_bytes = started.kv_transfer_bytes
+        if not b.disaggregated:
+            b.queue_ms = (sent_at - self.arrival) * 1e3 + started.queue_ms
+            b.prefill_ms = started.prefill_ms
+            self._cached_tokens = started.num_cached_tokens
+
+    def _final(
+        self, message: inference_pb2.GenerateResponse, finish_reason: str, decode: WorkerEntry | None = None
+    ) -> inference_pb2.GenerateResponse:
+        """``message`` made the last one: the usage and the latency breakdown go with it."""
+        b = self.breakdown
         if decode is not None:
             b.decode_worker = decode.worker_id
-        if final is not None:
-            b.kv_transfer_ms = final.kv_transfer_ms
-            b.kv_transfer_bytes = final.kv_transfer_bytes
-            cached = final.num_cached_tokens
-        if not b.disaggregated and decode is not None:
-            b.prefill_worker = decode.worker_id
-            b.queue_ms = (sent_at - self.arrival) * 1e3 + (final.queue_ms if final is not None else 0.0)
-            b.prefill_ms = final.prefill_ms if final is not None else 0.0
-        now = time.monotonic()
-        b.e2e_ms = (now - self.arrival) * 1e3
+            if not b.disaggregated:
+                b.prefill_worker = decode.worker_id
+        b.e2e_ms = (time.monotonic() - self.arrival) * 1e3
         if not b.ttft_ms:
             b.ttft_ms = b.e2e_ms
-        if b.disaggregated and prefilled is not None:
-            cached = prefilled.response.num_cached_tokens
         self.output.finish(message, finish_reason)
         message.final.usage.prompt_tokens = len(self.request.token_ids)
-        message.final.usage.cached_prompt_tokens = cached
+        message.final.usage.cached_prompt_tokens = self._cached_tokens
         message.final.breakdown.CopyFrom(b)
         return message
 

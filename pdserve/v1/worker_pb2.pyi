@@ -75,28 +75,34 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "final")
+    __slots__ = ("token_ids", "final", "started")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     final: DecodeFinal
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ...) -> None: ...
+    started: DecodeStarted
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ..., started: _Optional[_Union[DecodeStarted, _Mapping]] = ...) -> None: ...
 
-class DecodeFinal(_message.Message):
-    __slots__ = ("finish_reason", "num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+class DecodeStarted(_message.Message):
+    __slots__ = ("num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
-    finish_reason: str
     num_cached_tokens: int
     queue_ms: float
     prefill_ms: float
     kv_transfer_ms: float
     kv_transfer_bytes: int
-    def __init__(self, finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+
+class DecodeFinal(_message.Message):
+    __slots__ = ("finish_reason",)
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    def __init__(self, finish_reason: _Optional[str] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("reason",)

@@ -79,13 +79,17 @@ class DecodeService(WorkerServicer):
         try:
             if source is not None and peer is not None:
                 deadline = received_at + source.pull_within_s
-                stats, ended = await self._pull(request_id, source, peer, stream, deadline, context)
+                started, stats, ended = await self._pull(request_id, source, peer, stream, deadline, context)
                 if ended is not None:  # the engine ended the request before it got blocks
                     yield self._response(ended, source, stats)
                     done = True
                     return
+                yield worker_pb2.DecodeResponse(started=started)
             async for output in stream.outputs():
-                yield self._response(output, source, stats)
+                response = self._response(output, source, stats)
+                if source is None and output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
+                    response.started.CopyFrom(self._local_start(output))  # with the first token
+                yield response
             done = True
         finally:
             if not done:
@@ -112,12 +116,14 @@ class DecodeService(WorkerServicer):
         stream: RequestStream,
         deadline: float,
         context: grpc.aio.ServicerContext,
-    ) -> tuple[TransferStats | None, RequestOutput | None]:
+    ) -> tuple[worker_pb2.DecodeStarted, TransferStats | None, RequestOutput | None]:
         """Wait for blocks, pull the KV into them, resume decoding; or the engine's own end."""
+        queued_from = time.monotonic()
         item = await stream.next()
         if isinstance(item, RequestOutput):
-            return None, item
+            return worker_pb2.DecodeStarted(), None, item
         assert isinstance(item, KVAwaited)
+        queue_s = time.monotonic() - queued_from
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             self.runtime.engine_loop.abort(request_id)
@@ -135,7 +141,21 @@ class DecodeService(WorkerServicer):
             self.runtime.engine_loop.abort(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull from {source.worker_id} failed: {exc.reason}")
         await self.runtime.engine_loop.kv_received(request_id, source.first_token_id)
-        return stats, None
+        started = worker_pb2.DecodeStarted(
+            num_cached_tokens=item.num_cached_tokens, queue_ms=queue_s * 1e3,
+            kv_transfer_ms=stats.seconds * 1e3, kv_transfer_bytes=stats.num_bytes,
+        )  # fmt: skip
+        return started, stats, None
+
+    @staticmethod
+    def _local_start(output: RequestOutput) -> worker_pb2.DecodeStarted:
+        """How a prompt computed here began: its queue and compute time, its prefix-cache hits."""
+        scheduled = output.first_scheduled_time or output.arrival_time
+        return worker_pb2.DecodeStarted(
+            num_cached_tokens=output.num_cached_tokens,
+            queue_ms=(scheduled - output.arrival_time) * 1e3,
+            prefill_ms=((output.first_token_time or scheduled) - scheduled) * 1e3,
+        )
 
     def _record(
         self, output: RequestOutput, scheduled: float, local_prefill_ms: float, stats: TransferStats | None
@@ -161,14 +181,5 @@ class DecodeService(WorkerServicer):
             scheduled = output.first_scheduled_time or output.arrival_time
             local_prefill_ms = ((output.first_token_time or scheduled) - scheduled) * 1e3 if source is None else 0.0
             self._record(output, scheduled, local_prefill_ms, stats)
-            response.final.CopyFrom(
-                worker_pb2.DecodeFinal(
-                    finish_reason=output.finish_reason or "abort",
-                    num_cached_tokens=output.num_cached_tokens,
-                    queue_ms=(scheduled - output.arrival_time) * 1e3,
-                    prefill_ms=local_prefill_ms,
-                    kv_transfer_ms=stats.seconds * 1e3 if stats is not None else 0.0,
-                    kv_transfer_bytes=stats.num_bytes if stats is not None else 0,
-                )
-            )
+            response.final.CopyFrom(worker_pb2.DecodeFinal(finish_reason=output.finish_reason or "abort"))
         return response

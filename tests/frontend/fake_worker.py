@@ -44,6 +44,8 @@ class Script:
         decode_error: Decode fails with this code after ``tokens`` instead of finishing.
         stall: answer no Prefill, and send nothing after ``tokens`` in Decode, until the
             caller cancels the call or its deadline passes.
+        pull_stalls: Decode from a ``kv_source`` never finishes its pull: it sends nothing,
+            not even the ``DecodeStarted`` a real decode worker sends once the pull is done.
     """
 
     prefill_error: grpc.StatusCode | None = None
@@ -51,6 +53,7 @@ class Script:
     tokens: tuple[int, ...] = (11, 12, 13)
     decode_error: grpc.StatusCode | None = None
     stall: bool = False
+    pull_stalls: bool = False
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -125,14 +128,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         try:
             if self.script.draining:
                 await refuse_as_draining(context, self.worker_id)
+            if request.HasField("kv_source"):
+                if self.script.pull_stalls:
+                    await asyncio.Event().wait()
+                # A real decode worker reports the pull as soon as it is done.
+                yield worker_pb2.DecodeResponse(started=worker_pb2.DecodeStarted(kv_transfer_ms=1.0))
             for token_id in self.script.tokens:
                 yield worker_pb2.DecodeResponse(token_ids=[token_id])
             if self.script.decode_error is not None:
                 await context.abort(self.script.decode_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
-            # A real decode worker reports the pull it made from a kv_source in its final message.
-            pulled_ms = 1.0 if request.HasField("kv_source") else 0.0
-            yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length", kv_transfer_ms=pulled_ms))
+            yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length"))
         finally:
             self.num_in_flight -= 1

@@ -257,7 +257,7 @@ async def stops_after_the_first_token(routing: Routing, model: str, decode: Fake
 
 
 async def cancels_while_decoding(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
-    """The client's call is cancelled while the decode worker has sent nothing yet."""
+    """The client's call is cancelled while the decode worker is still pulling."""
     flow = new_flow(routing, model)
     first_token = asyncio.Event()
 
@@ -280,7 +280,7 @@ async def cancels_while_decoding(routing: Routing, model: str, decode: FakeWorke
     [
         (refused_everywhere, Script(draining=True)),
         (stops_after_the_first_token, Script(stall=True, tokens=())),
-        (cancels_while_decoding, Script(stall=True, tokens=())),
+        (cancels_while_decoding, Script(pull_stalls=True)),
     ],
     ids=["decode-refused-everywhere", "client-stops-after-first-token", "client-cancels-while-decoding"],
 )
@@ -310,6 +310,23 @@ def test_a_completed_decode_sends_no_release(etcd_url: str, model: str) -> None:
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert final_of(responses).finish_reason == "length"
+    assert len(prefill.prefills) == 1
+    assert prefill.releases == []
+
+
+def test_a_client_gone_after_the_pull_sends_no_release(etcd_url: str, model: str) -> None:
+    """Once the decode worker reported the pull, its completion notices free the pin: no Release."""
+    prefill = FakeWorker("p1", "prefill")
+    decode = FakeWorker("d1", "decode", Script(stall=True, tokens=(11,)))
+
+    async def body() -> None:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            stream = new_flow(routing, model).run()
+            assert list((await asyncio.wait_for(anext(stream), DEADLINE_S)).token_ids) == [FIRST_TOKEN_ID]
+            assert list((await asyncio.wait_for(anext(stream), DEADLINE_S)).token_ids) == [11]
+            await stream.aclose()
+
+    run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert len(prefill.prefills) == 1
     assert prefill.releases == []
 

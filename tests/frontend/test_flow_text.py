@@ -66,6 +66,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         if self.refusal == "untyped":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: worker takes no new requests")
         rest = self.tokens[1:] if request.HasField("kv_source") else self.tokens
+        if request.HasField("kv_source"):  # the pull is done, as a real decode worker reports
+            yield worker_pb2.DecodeResponse(started=worker_pb2.DecodeStarted(kv_transfer_ms=1.0))
         try:
             for token in rest[:-1]:
                 yield worker_pb2.DecodeResponse(token_ids=[token])
