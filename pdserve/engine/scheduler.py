@@ -15,14 +15,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import KVRole, Request, RequestStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 4096
 
     def __post_init__(self) -> None:
