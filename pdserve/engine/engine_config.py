@@ -12,9 +12,13 @@ MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How an engine runs a model. Facts found at start-up (how many blocks fit) are
-    reported by the engine, never written back here."""
+    reported by the engine, never written back here.
+
+    The one place for the engine's options and their defaults: a worker gets it whole (a
+    ``WorkerConfig`` field), and the command line's engine options (``cli/common.py``) take
+    their defaults from here."""
 
     dtype: str | None = None  # one of DTYPE_CHOICES; None: the checkpoint's
     device: str = "auto"  # auto: cuda when available
