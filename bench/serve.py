@@ -58,7 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load  # noqa: E402
 from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
 
-from pdserve.cli.common import add_engine_args, engine_argv, seconds  # noqa: E402
+import msgspec  # noqa: E402
+
+from pdserve.cli.common import add_engine_args, from_options, seconds  # noqa: E402
+from pdserve.engine.engine_config import EngineConfig  # noqa: E402
+from pdserve.frontend.config import DISAGGREGATION_MODES  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--disaggregation",
-        choices=["always", "conditional", "off"],
+        choices=DISAGGREGATION_MODES,
         default="always",
         help="frontend mode without --compare (default: always)",
     )
@@ -247,19 +251,23 @@ class Bench:
         }
 
     async def run_plan(self, plan: Plan, model_path: str, threads: int) -> dict[str, Any]:
+        from pdserve.frontend.config import FrontendConfig, RouterConfig
         from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
+        from pdserve.worker.config import WorkerConfig
 
         a = self.args
         name = f"bench-{plan.name}"
-        cluster = LocalCluster(ClusterSpec(
-            model=model_path, etcd=a.etcd, threads_per_worker=threads,
-            worker_args=(*engine_argv(a), "--model-name", name),
-            frontend_args=("--port", "0", "--disaggregation", plan.disaggregation,
-                           "--request-timeout", str(a.request_timeout)),
-        ))  # fmt: skip
+        engine = from_options(a, EngineConfig)
+        # The cluster gives every child its registry's URL as ``etcd``.
+        prefill = WorkerConfig(role="prefill", model=model_path, etcd="", model_name=name, num_threads=threads,
+                               engine=engine)  # fmt: skip
+        frontend = FrontendConfig(etcd="", port=0, router=RouterConfig(disaggregation=plan.disaggregation),
+                                  request_timeout_s=a.request_timeout)  # fmt: skip
+        cluster = LocalCluster(ClusterSpec(prefill=prefill, decode=msgspec.structs.replace(prefill, role="decode"),
+                                           frontend=frontend, etcd=a.etcd))  # fmt: skip
         deployment = {"workers": plan.label, "num_prefill": plan.num_prefill, "num_decode": plan.num_decode,
                       "disaggregation": plan.disaggregation, "threads_per_worker": threads,
-                      "worker_args": list(engine_argv(a))}  # fmt: skip
+                      "engine": msgspec.to_builtins(engine)}  # fmt: skip
         started = time.perf_counter()
         _log(f"starting {plan.name}: {plan.label}, {threads} thread(s) per worker")
         try:

@@ -1,10 +1,31 @@
-"""Argument types and option groups shared by the ``pdserve`` commands."""
+"""Argument types and option groups shared by the ``pdserve`` commands.
+
+A configuration has one home: its struct (``EngineConfig``, ``WorkerConfig``,
+``FrontendConfig``, ``RouterConfig``) holds every field's default and check, and it is what
+travels to a child process (``pdserve up`` writes each child's as JSON and starts it with
+``--config FILE``). The command line only fills it in. An option for a field is added with
+``add_field_option``: it stores under ``"Struct.field"`` and has no default of its own, so a
+field whose option is not given keeps the struct's default, which the help reads from the
+struct (``{default}`` in the help text). ``from_options`` builds the struct from the options
+given.
+
+Adding an engine option is therefore a field in ``EngineConfig`` (its default and its check)
+plus its ``add_field_option`` line in ``add_engine_args``, and nothing else: every command
+with engine options builds its ``EngineConfig`` with ``from_options``, and ``pdserve up``
+hands it to each worker inside its ``WorkerConfig``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any, TypeVar
 
-from pdserve.engine.engine_config import KERNEL_CHOICES, EngineConfig
+import msgspec
+
+from pdserve.engine.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, EngineConfig
+
+Config = TypeVar("Config", bound=msgspec.Struct)
 
 
 def token_ids(text: str) -> list[int]:
@@ -36,58 +57,83 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a duration such as 500ms or 2s, got {text!r}") from None
 
 
+def port_or_off(text: str) -> int | None:
+    """A port number; a negative one turns the server off (None)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, or -1 for off, got {text!r}") from None
+    return None if port < 0 else port
+
+
+def field_default(struct: type[msgspec.Struct], name: str) -> Any:
+    """The default of ``struct``'s field ``name``."""
+    for field in msgspec.structs.fields(struct):
+        if field.name == name:
+            return field.default
+    raise AttributeError(f"{struct.__name__} has no field {name!r}")
+
+
+def add_field_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    struct: type[msgspec.Struct],
+    field: str,
+    *,
+    help: str,
+    **kwargs: Any,
+) -> argparse.Action:
+    """Add ``flag``, which sets ``struct``'s ``field``; ``{default}`` in ``help`` shows the
+    field's default (format it as the field's type, e.g. ``{default:g}s``)."""
+    default = field_default(struct, field)  # raises for a field the struct does not have
+    if kwargs.get("action") is None and "choices" not in kwargs:
+        kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    return parser.add_argument(flag, dest=f"{struct.__name__}.{field}", default=argparse.SUPPRESS,
+                               help=help.format(default=default), **kwargs)  # fmt: skip
+
+
+def from_options(args: argparse.Namespace, struct: type[Config], **fields: Any) -> Config:
+    """``struct`` from the options ``add_field_option`` added for it that were given, and ``fields``;
+    ValueError, from the struct's checks, naming a bad field."""
+    prefix = f"{struct.__name__}."
+    given = {name.removeprefix(prefix): value for name, value in vars(args).items() if name.startswith(prefix)}
+    return struct(**given, **fields)
+
+
+def given_fields(args: argparse.Namespace) -> list[str]:
+    """The struct fields whose options were given (``add_field_option``), as ``Struct.field``."""
+    return [name for name in vars(args) if "." in name]
+
+
+def read_config(path: str, struct: type[Config]) -> Config:
+    """The ``--config`` file: ``struct`` as JSON; ValueError naming the file and the bad field."""
+    try:
+        return msgspec.json.decode(Path(path).read_bytes(), type=struct)
+    except OSError as error:
+        raise ValueError(f"--config {path}: {error.strerror}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ValueError(f"--config {path}: not a {struct.__name__}: {error}") from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The ``EngineConfig`` options; build the config with ``from_options(args, EngineConfig)``."""
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="compute dtype (default: the checkpoint's)",
-    )
-    group.add_argument(
-        "--kernels",
-        choices=list(KERNEL_CHOICES),
-        default="auto",
+    add_field_option(group, "--dtype", EngineConfig, "dtype", choices=DTYPE_CHOICES,
+                     help="compute dtype (default: the checkpoint's)")  # fmt: skip
+    add_field_option(
+        group, "--kernels", EngineConfig, "kernels", choices=KERNEL_CHOICES,
         help="compute kernels: triton (GPU); cpu (oneDNN linears and a C decode attention, compiled on first "
         "use with the machine's C compiler and cached in ~/.cache/pdserve or $PDSERVE_CACHE_DIR); torch (the "
         "plain reference); auto = triton on CUDA, else cpu, falling back to torch with a warning when no "
-        "compiler builds the C kernel",
-    )
-    group.add_argument(
-        "--kv-cache-memory",
-        type=size_bytes,
-        default=None,
-        help="KV cache budget, e.g. 2G (default: sized automatically)",
-    )
-    group.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default: 64)")
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="per-step token budget; also the prefill chunk size (default: 2048)",
-    )
-    group.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        dtype=args.dtype, kernels=args.kernels, kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        "compiler builds the C kernel (default: {default})",
     )  # fmt: skip
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine options of ``args`` as command-line arguments (for child workers)."""
-    argv = ["--kernels", args.kernels, "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
-    if args.dtype:
-        argv += ["--dtype", args.dtype]
-    if args.kv_cache_memory is not None:
-        argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    if args.max_model_len is not None:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    return argv
+    add_field_option(group, "--kv-cache-memory", EngineConfig, "kv_cache_memory", type=size_bytes,
+                     help="KV cache budget, e.g. 2G (default: sized automatically)")  # fmt: skip
+    add_field_option(group, "--max-num-seqs", EngineConfig, "max_num_seqs", type=int,
+                     help="most requests running at once (default: {default})")  # fmt: skip
+    add_field_option(group, "--max-num-batched-tokens", EngineConfig, "max_num_batched_tokens", type=int,
+                     help="per-step token budget; also the prefill chunk size (default: {default})")  # fmt: skip
+    add_field_option(group, "--max-model-len", EngineConfig, "max_model_len", type=int,
+                     help="context window (default: the model's)")  # fmt: skip
+    add_field_option(group, "--no-prefix-caching", EngineConfig, "enable_prefix_caching", action="store_false",
+                     help="disable the prefix cache")  # fmt: skip

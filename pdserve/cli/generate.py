@@ -7,7 +7,9 @@ import json
 import sys
 import time
 
-from pdserve.cli.common import add_engine_args, engine_config, token_ids
+from pdserve.cli.common import add_engine_args, from_options, token_ids
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
 
 DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
 (--model: the engine runs in this process) or from a running pdserve server (--target
@@ -29,10 +31,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--token-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 for greedy (default: 1.0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
-    gen.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1 disables")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    sampling = SamplingParams()  # the engine's defaults are the command's
+    gen.add_argument("--temperature", type=float, default=sampling.temperature,
+                     help="0 for greedy (default: %(default)s)")  # fmt: skip
+    gen.add_argument("--top-p", type=float, default=sampling.top_p, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=sampling.top_k,
+                     help="sample from the k most likely tokens; -1 disables")  # fmt: skip
+    gen.add_argument("--min-p", type=float, default=sampling.min_p,
+                     help="drop tokens below min_p x the top probability")  # fmt: skip
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable); not included in the text")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -68,13 +74,12 @@ def _local(args: argparse.Namespace) -> int:
     import msgspec
 
     from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    llm = LLM(args.model, **msgspec.structs.asdict(engine_config(args)))
+    llm = LLM(args.model, **msgspec.structs.asdict(from_options(args, EngineConfig)))
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
     times: list[float] = []

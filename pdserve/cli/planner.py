@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdserve.cli.operate import add_etcd_arg, duration
+from pdserve.planner.planner import PlannerConfig
 
 if TYPE_CHECKING:
-    from pdserve.planner.planner import PlannerConfig
     from pdserve.planner.profile import EngineProfile
     from pdserve.planner.scaling import ScalingConnector
 
@@ -55,16 +55,15 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     """The options every planner takes (also ``pdserve up --autoscale``)."""
     parser.add_argument("--profile", metavar="FILE",
                         help="the engine profile the latency model predicts from (`pdserve profile` writes one)")  # fmt: skip
-    parser.add_argument("--planner-interval", type=duration, default=10.0, metavar="DURATION",
-                        help="how often the planner observes and decides (default: 10s; match the frontends' "
-                             "--stats-window)")  # fmt: skip
+    parser.add_argument("--planner-interval", type=duration, metavar="DURATION",
+                        help="how often the planner observes and decides (default: --planner-config's interval_s, "
+                             f"else {PlannerConfig.interval_s:g}s; match the frontends' --stats-window)")  # fmt: skip
     parser.add_argument("--planner-config", metavar="FILE",
                         help="JSON with PlannerConfig fields to override (margins, cool-downs, forecast: {...})")  # fmt: skip
 
 
 def load_planner(args: argparse.Namespace) -> tuple[EngineProfile, PlannerConfig]:
     """The profile and the planner configuration the options name; ValueError naming the bad file or field."""
-    from pdserve.planner.planner import PlannerConfig
     from pdserve.planner.profile import EngineProfile
 
     if not args.profile:
@@ -81,8 +80,10 @@ def load_planner(args: argparse.Namespace) -> tuple[EngineProfile, PlannerConfig
             raise ValueError(f"--planner-config {args.planner_config}: {error}") from None
         if not isinstance(overrides, dict):
             raise ValueError(f"--planner-config {args.planner_config}: expected a JSON object")
+    if args.planner_interval is not None:
+        overrides["interval_s"] = args.planner_interval
     try:
-        config = msgspec.convert({**overrides, "interval_s": args.planner_interval}, PlannerConfig)
+        config = msgspec.convert(overrides, PlannerConfig)
     except (msgspec.ValidationError, ValueError) as error:
         raise ValueError(f"--planner-config {args.planner_config}: {error}") from None
     return profile, config

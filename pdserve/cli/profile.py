@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.common import add_engine_args, engine_config
+from pdserve.cli.common import add_engine_args, from_options
+from pdserve.engine.engine_config import EngineConfig
 
 DESCRIPTION = """Load the model with the given engine options, time prefill at several prompt
 lengths and decode steps at several batch sizes and context lengths (each point the fastest
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = LLMEngine(args.model, engine_config(args))
+    engine = LLMEngine(args.model, from_options(args, EngineConfig))
     max_len, max_seqs = engine.max_model_len, engine.scheduler.config.max_num_seqs
     # Keep what fits this engine, so the defaults work for a small context or batch cap.
     prompts = [n for n in args.prompt_lengths if n + 1 < max_len]

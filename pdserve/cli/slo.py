@@ -7,6 +7,7 @@ import argparse
 import aetcd
 import msgspec
 
+from pdserve.cli.common import field_default
 from pdserve.cli.operate import (
     EXIT_STATUS,
     OperationFailed,
@@ -38,8 +39,8 @@ Durations: 500ms, 0.5s, 250us, 1m, or a bare number of seconds.
 """
 
 SET_HELP = """Create or change a model's targets. Flags not given keep their stored values; a
-model with no targets yet needs --ttft-p90 and --itl-p90. Replica bounds default to 1..8.
-Prints what was stored (the last writer wins)."""
+model with no targets yet needs --ttft-p90 and --itl-p90, and its replica bounds default as
+shown below. Prints what was stored (the last writer wins)."""
 
 SHOW_HELP = """Print stored targets as a table, or with --json a JSON list (one object with
 --model)."""
@@ -65,7 +66,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     for role in ("prefill", "decode"):
         for bound in ("min", "max"):
             set_.add_argument(f"--{bound}-{role}", type=int, metavar="N",
-                              help=f"{bound}imum {role} replicas (default: keep; {1 if bound == 'min' else 8})")  # fmt: skip
+                              help=f"{bound}imum {role} replicas (default: keep; "
+                                   f"{field_default(SLOTargets, f'{bound}_{role}_replicas')})")  # fmt: skip
     set_.add_argument("--json", action="store_true", help="print the stored targets as JSON")
     set_.set_defaults(func=run_set)
 

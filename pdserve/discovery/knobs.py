@@ -22,8 +22,12 @@ import aetcd
 import msgspec
 
 from pdserve.discovery.registry import KNOBS_PREFIX, knobs_key
+from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
+
+# The router's start-up threshold (``RouterConfig.local_prefill_threshold_tokens``) as well.
+LOCAL_PREFILL_THRESHOLD_TOKENS = 64
 
 
 class Knobs(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,12 +42,14 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True):
     - ``local_prefill_threshold_tokens``: the router prefills prompts shorter than this on
       the decode worker itself, skipping the prefill queue and the KV transfer; 0 sends
       every prompt to the prefill pool.
+
+    The defaults are those a deployment starts with: the engine's and the router's.
     """
 
-    decode_max_num_seqs: int = 64
-    decode_max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 2048
-    local_prefill_threshold_tokens: int = 0
+    decode_max_num_seqs: int = MAX_NUM_SEQS
+    decode_max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    prefill_chunk_size: int = MAX_NUM_BATCHED_TOKENS
+    local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
 
     def __post_init__(self) -> None:
         if self.decode_max_num_seqs < 1:

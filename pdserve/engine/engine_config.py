@@ -6,13 +6,21 @@ import msgspec
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# The batch and token budget a worker starts with; the live knobs (discovery/knobs.py) start here too.
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 2048
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How an engine runs a model. Facts found at start-up (how many blocks fit) are
-    reported by the engine, never written back here."""
+    reported by the engine, never written back here.
 
-    dtype: str | None = None  # float32 | bfloat16 | float16; None: the checkpoint's
+    The one place for the engine's options and their defaults: a worker gets it whole (a
+    ``WorkerConfig`` field), and the command line's engine options (``cli/common.py``) take
+    their defaults from here."""
+
+    dtype: str | None = None  # one of DTYPE_CHOICES; None: the checkpoint's
     device: str = "auto"  # auto: cuda when available
     # auto: triton on cuda; on CPU the C kernels (cpu), or torch when no C compiler builds them
     kernels: str = "auto"
@@ -22,8 +30,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_memory: int = 4 * 2**30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = MAX_NUM_SEQS
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0

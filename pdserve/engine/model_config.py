@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.engine_config import DTYPE_CHOICES
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -23,7 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
 )
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -9,7 +9,8 @@ import socket
 from pdserve.discovery.registration import LeasedRecord
 from pdserve.discovery.registry import frontend_key
 from pdserve.discovery.registry_view import RegistryView
-from pdserve.frontend.service import INFERENCE_SERVICE, FrontendConfig, InferenceService
+from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import serve_metrics
 from pdserve.rpc.server import RpcServer

@@ -4,10 +4,11 @@
   ``max_num_seqs`` in force).
 - Prefill: the cheapest by estimated work — the prompt tokens it would have to compute (its
   prefix-cache overlap counts for it) plus the prompt tokens already queued on it.
-- Conditional disaggregation: a prompt whose uncached part is at most ``local_prefill_tokens``,
-  or one arriving while every prefill worker is saturated, is prefilled on the decode worker;
-  moving its KV would cost more than computing it there. ``always`` and ``off`` force either way.
-  The model's live knobs, when stored, set the threshold in place of ``local_prefill_tokens``.
+- Conditional disaggregation: a prompt whose uncached part is at most
+  ``local_prefill_threshold_tokens``, or one arriving while every prefill worker is saturated,
+  is prefilled on the decode worker; moving its KV would cost more than computing it there.
+  ``always`` and ``off`` force either way. The model's live knobs, when stored, set the
+  threshold in place of the config's.
 
 Registry loads are up to a second old, so the router also counts what it dispatched itself
 since, and takes the larger of the two.
@@ -20,40 +21,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
-
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import WorkerEntry
+from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
-
-DISAGGREGATION_MODES = ("always", "conditional", "off")
 
 
 class NoWorker(RuntimeError):
     """No worker of a role is available for the model."""
-
-
-class RouterConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Attributes:
-    disaggregation: "always" (every prompt on a prefill worker), "conditional", or "off"
-        (every prompt on its decode worker: a colocated deployment).
-    local_prefill_tokens: conditional: prompts with at most this many uncached tokens are
-        prefilled on the decode worker.
-    prefill_saturation_tokens: conditional: a prefill worker with this many prompt tokens
-        queued is saturated; when all are, prompts are prefilled on the decode worker.
-    """
-
-    disaggregation: str = "conditional"
-    local_prefill_tokens: int = 64
-    prefill_saturation_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.disaggregation not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-        if self.local_prefill_tokens < 0:
-            raise ValueError(f"local_prefill_tokens must be >= 0, got {self.local_prefill_tokens}")
-        if self.prefill_saturation_tokens < 1:
-            raise ValueError(f"prefill_saturation_tokens must be >= 1, got {self.prefill_saturation_tokens}")
 
 
 @dataclass(frozen=True)
@@ -119,7 +94,7 @@ class Router:
         if mode == "conditional":
             uncached = len(token_ids) - choice.cached_tokens
             saturated = all(self._queued_tokens(w) >= self.config.prefill_saturation_tokens for w in candidates)
-            threshold = self.config.local_prefill_tokens if knobs is None else knobs.local_prefill_threshold_tokens
+            threshold = (self.config if knobs is None else knobs).local_prefill_threshold_tokens
             if uncached <= threshold or saturated:
                 return None
         return choice

@@ -20,8 +20,9 @@ from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
 from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
-from pdserve.frontend.router import Router, RouterConfig
+from pdserve.frontend.router import Router
 from pdserve.observability.frontend_stats import FrontendStats, RollingWindow
 from pdserve.observability.metrics import FrontendMetrics
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
@@ -29,40 +30,6 @@ from pdserve.v1 import inference_pb2, inference_pb2_grpc
 logger = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = "pdserve.v1.Inference"
-
-
-class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Attributes:
-    etcd: the registry's URL.
-    host / port: where the public API listens.
-    router: routing and disaggregation settings.
-    max_queued_requests: requests in flight past which new ones get RESOURCE_EXHAUSTED.
-    request_timeout_s: the deadline of a request whose caller set none (or a longer one).
-    tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
-    metrics_port: Prometheus /metrics port (0: a free one; None: off).
-    stats_window_s: the span of the live percentiles published in etcd for ``pdserve status``
-        and the planner; the planner's interval (default 10 s) is the natural choice.
-    """
-
-    etcd: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    router: RouterConfig = RouterConfig()
-    max_queued_requests: int = 1024
-    request_timeout_s: float = 600.0
-    tokenizer: str | None = None
-    metrics_port: int | None = 0
-    stats_window_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if not self.stats_window_s > 0:
-            raise ValueError(f"stats_window_s must be > 0, got {self.stats_window_s}")
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -89,7 +56,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def stats(self, frontend_id: str) -> FrontendStats:
         """What this frontend publishes for the planner and ``pdserve status``."""
         router = self.config.router
-        threshold = router.local_prefill_tokens if router.disaggregation == "conditional" else None
+        threshold = router.local_prefill_threshold_tokens if router.disaggregation == "conditional" else None
         return msgspec.structs.replace(self.window.snapshot(frontend_id), local_prefill_tokens=threshold)
 
     async def ListModels(

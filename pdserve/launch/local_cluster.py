@@ -2,10 +2,12 @@
 
 ``LocalCluster`` starts the registry (the given etcd, or an ``EmbeddedEtcd`` in this process),
 the frontend, and the prefill and decode workers, each a ``python -m pdserve ...`` child with
-its own engine and NIXL agent. A child is ready when it prints its "listening on" line; one
-that exits or stays silent past the start-up deadline fails the start with its last output.
-``scale`` adds workers or drains the newest ones (SIGTERM); ``stop`` drains every child and
-kills any still alive after the grace period. Nothing outlives the cluster.
+its own engine and NIXL agent. A child gets its whole configuration, a ``WorkerConfig`` or
+``FrontendConfig`` written as JSON, with ``--config FILE``, so a new option reaches it without
+an edit here. A child is ready when it prints its "listening on" line; one that exits or stays
+silent past the start-up deadline fails the start with its last output. ``scale`` adds
+workers or drains the newest ones (SIGTERM); ``stop`` drains every child and kills any still
+alive after the grace period. Nothing outlives the cluster, its configuration files included.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import collections
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
+from pdserve.frontend.config import FrontendConfig
 from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
+from pdserve.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +54,23 @@ class Child:
 @dataclass(frozen=True)
 class ClusterSpec:
     """Attributes:
-    model: the model directory every worker loads.
-    worker_args: extra command-line options for every worker (engine options).
-    frontend_args: options for the frontend (host, port, routing).
-    etcd: an etcd URL, or None for the embedded registry.
-    threads_per_worker: torch CPU threads of each worker (None: torch's default).
+    prefill / decode: the configuration of each worker of the pool.
+    frontend: the frontend's configuration.
+    etcd: an etcd URL, or None for the embedded registry. The registry is the cluster's: each
+        child gets its URL as its configuration's ``etcd``, whatever that held.
     """
 
-    model: str
-    worker_args: tuple[str, ...] = ()
-    frontend_args: tuple[str, ...] = ()
+    prefill: WorkerConfig
+    decode: WorkerConfig
+    frontend: FrontendConfig
     etcd: str | None = None
-    threads_per_worker: int | None = None
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if (self.prefill.role, self.decode.role) != ("prefill", "decode"):
+            raise ValueError(f"the prefill and decode configurations have the roles {self.prefill.role!r} "
+                             f"and {self.decode.role!r}")  # fmt: skip
 
 
 class LocalCluster:
@@ -69,6 +81,7 @@ class LocalCluster:
         self.frontend: Child | None = None
         self.workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
         self._count = 0
+        self._config_dir: Path | None = None
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
         """Start the registry, the workers and the frontend; all ready, or ChildFailed."""
@@ -76,10 +89,9 @@ class LocalCluster:
             if self.etcd_url is None:
                 self._embedded = EmbeddedEtcd()
                 self.etcd_url = await self._embedded.start()
+            self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
-            self.frontend = await self._spawn(
-                "frontend", ["frontend", "--etcd", self.etcd_url, *self.spec.frontend_args]
-            )
+            self.frontend = await self._spawn("frontend", ["frontend", "--config", str(self._config_file("frontend"))])
         except BaseException:
             await self.stop()
             raise
@@ -94,13 +106,20 @@ class LocalCluster:
             starts += [self._start_worker(role) for _ in range(want - len(pool))]
         await asyncio.gather(*starts)
 
+    def _write_configs(self, etcd_url: str) -> None:
+        """Each kind of child's configuration, as JSON in a directory of this user's only."""
+        self._config_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        spec = self.spec
+        for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
+            self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
+
+    def _config_file(self, name: str) -> Path:
+        assert self._config_dir is not None
+        return self._config_dir / f"{name}.json"
+
     async def _start_worker(self, role: str) -> None:
-        assert self.etcd_url is not None
         self._count += 1
-        argv = [role, "--model", self.spec.model, "--etcd", self.etcd_url, *self.spec.worker_args]
-        if self.spec.threads_per_worker:
-            argv += ["--num-threads", str(self.spec.threads_per_worker)]
-        child = await self._spawn(f"{role}-{self._count}", argv)
+        child = await self._spawn(f"{role}-{self._count}", [role, "--config", str(self._config_file(role))])
         self.workers[role].append(child)
 
     async def _spawn(self, name: str, argv: list[str]) -> Child:
@@ -176,3 +195,6 @@ class LocalCluster:
         if self._embedded is not None:
             await self._embedded.stop()
             self._embedded = None
+        if self._config_dir is not None:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            self._config_dir = None

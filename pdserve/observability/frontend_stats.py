@@ -70,7 +70,7 @@ class FrontendStats(msgspec.Struct, frozen=True, kw_only=True):
     frontend_id: str
     updated_at: float  # unix seconds of the snapshot
     models: dict[str, ModelStats] = {}
-    # The router's start-up local-prefill threshold (--local-prefill-tokens); None unless it
+    # The router's start-up local-prefill threshold (--local-prefill-threshold); None unless it
     # routes conditionally. Live knobs override it; the planner starts from it.
     local_prefill_tokens: int | None = None
 

@@ -11,8 +11,8 @@ from pdserve.observability.frontend_stats import FrontendStats
 
 def deployed_knobs(model: str, workers: Sequence[WorkerEntry], frontends: Sequence[FrontendStats]) -> Knobs:
     """The knobs in force for ``model`` when none are stored: its workers' start-up budgets
-    (the tightest of each pool) and its frontends' local-prefill threshold; ``Knobs()``'s
-    defaults for whatever no live component reports."""
+    (the tightest of each pool) and its frontends' local-prefill threshold (0 when none
+    routes conditionally); ``Knobs()``'s defaults for whatever no live component reports."""
     default = Knobs()
 
     def tightest(role: str, limit: Callable[[WorkerEntry], int], fallback: int) -> int:
@@ -21,6 +21,8 @@ def deployed_knobs(model: str, workers: Sequence[WorkerEntry], frontends: Sequen
     seqs = tightest("decode", lambda w: w.max_num_seqs, default.decode_max_num_seqs)
     tokens = tightest("decode", lambda w: w.max_num_batched_tokens, default.decode_max_num_batched_tokens)
     thresholds = [f.local_prefill_tokens for f in frontends if f.local_prefill_tokens is not None]
+    if not thresholds and frontends:  # none routes conditionally: no prompt is prefilled locally
+        thresholds = [0]
     return Knobs(
         decode_max_num_seqs=seqs,
         decode_max_num_batched_tokens=max(seqs, tokens),

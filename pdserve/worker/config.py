@@ -1,4 +1,5 @@
-"""A worker's configuration (the ``pdserve prefill`` / ``pdserve decode`` options)."""
+"""A worker's configuration (the ``pdserve prefill`` / ``pdserve decode`` options, or the
+JSON file ``pdserve up`` hands each worker with ``--config``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 import msgspec
 
+from pdserve.engine.engine_config import EngineConfig
+
 ROLES = ("prefill", "decode")
 
 
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
     role: "prefill" or "decode".
     model: the Hugging Face model directory.
@@ -25,6 +28,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_timeout_s: decode: the deadline of one KV pull.
     drain_timeout_s: SIGTERM or Drain: how long in-flight requests may take to finish.
     metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
+    num_threads: torch CPU threads (None: torch's default).
+    engine: how its engine runs the model.
     """
 
     role: str
@@ -40,6 +45,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_timeout_s: float = 30.0
     drain_timeout_s: float = 60.0
     metrics_port: int | None = 0
+    num_threads: int | None = None
+    engine: EngineConfig = EngineConfig()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -49,6 +56,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
     def served_model_name(self) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeService
 from pdserve.worker.prefill import PrefillService
@@ -16,9 +17,11 @@ logger = logging.getLogger(__name__)
 SERVICES = {"prefill": PrefillService, "decode": DecodeService}
 
 
-async def serve(config: WorkerConfig, engine_config: EngineConfig) -> None:
+async def serve(config: WorkerConfig) -> None:
     """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit."""
-    engine = LLMEngine(config.model, engine_config)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    engine = LLMEngine(config.model, config.engine)
     runtime = WorkerRuntime(config, engine)
     try:
         await runtime.start(SERVICES[config.role])

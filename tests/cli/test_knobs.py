@@ -7,7 +7,7 @@ import json
 import msgspec
 
 from pdserve.discovery.etcd import close_quietly, connect
-from pdserve.discovery.knobs import delete_knobs
+from pdserve.discovery.knobs import LOCAL_PREFILL_THRESHOLD_TOKENS, delete_knobs
 from pdserve.discovery.registry import WorkerLoad
 from tests.cli.test_operate import make_entry, pdserve, pdserve_async, registered
 from tests.utils.aio import run_scenario
@@ -47,7 +47,8 @@ def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_
     assert before.returncode == 0, before.stderr
     assert json.loads(before.stdout) == {
         "model": model, "source": "start-up", "decode_max_num_seqs": 32, "decode_max_num_batched_tokens": 512,
-        "prefill_chunk_size": 1024, "local_prefill_threshold_tokens": 0,
+        "prefill_chunk_size": 1024,
+        "local_prefill_threshold_tokens": LOCAL_PREFILL_THRESHOLD_TOKENS,  # no frontend reports one: the default
     }  # fmt: skip
     assert stored.returncode == 0, stored.stderr
     assert "decode_max_num_seqs 64 is capped at 32 on decode workers" in stored.stdout

@@ -71,4 +71,5 @@ def test_deployed_knobs_are_the_tightest_start_up_budgets_of_each_pool() -> None
         decode_max_num_seqs=16, decode_max_num_batched_tokens=1024, prefill_chunk_size=4096,
         local_prefill_threshold_tokens=128,
     )  # fmt: skip
+    assert deployed_knobs("m", workers, frontends[1:]).local_prefill_threshold_tokens == 0  # none conditional
     assert deployed_knobs("nobody", workers, []) == Knobs()

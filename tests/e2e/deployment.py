@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
+from pdserve.worker.config import WorkerConfig
 
 
 def long_context_copy(checkpoint: Path, directory: Path, max_position_embeddings: int) -> Path:
@@ -56,15 +59,16 @@ class Deployment:
         prefill: int,
         decode: int,
         model_name: str,
-        worker_args: tuple[str, ...] = (),
-        frontend_args: tuple[str, ...] = (),
+        disaggregation: Disaggregation,
     ) -> None:
         self.etcd = etcd
         self.model_name = model_name
+        worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
+                              num_threads=1)  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
-            model=model, etcd=etcd, threads_per_worker=1, start_timeout_s=120, stop_timeout_s=30,
-            worker_args=("--model-name", model_name, "--lease-ttl", "3s", *worker_args),
-            frontend_args=("--port", "0", *frontend_args),
+            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
+            frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
+            start_timeout_s=120, stop_timeout_s=30,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -163,9 +167,9 @@ class UpProcess:
     """``pdserve up ARGS`` as a user runs it, its output read to the end on a thread (a pipe
     nobody reads would block ``up`` once full) and kept, so that a failure can show it all."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                                        stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
         self.lines: list[str] = []
         self._is_up = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)

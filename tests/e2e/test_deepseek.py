@@ -21,7 +21,7 @@ def test_deepseek_v3_greedy_tokens_over_disaggregation_equal_the_offline_engine(
     reference, clear = reference_greedy(hf_model, prompts[0], 10)
     assert clear >= 5 and expected[0].token_ids[:clear] == reference[:clear]
     deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-deepseek-v3",
-                            frontend_args=("--disaggregation", "always"))  # fmt: skip
+                            disaggregation="always")  # fmt: skip
     try:
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(

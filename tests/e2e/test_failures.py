@@ -26,7 +26,7 @@ DEADLINE_S = 30.0
 def cluster(checkpoints, etcd_url, tmp_path_factory):
     path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), 4096)
     deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL,
-                            frontend_args=("--disaggregation", "always"))  # fmt: skip
+                            disaggregation="always")  # fmt: skip
     yield deployment, path
     deployment.close()
 

@@ -38,7 +38,7 @@ def llama(checkpoints, etcd_url, tmp_path_factory):
     path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), LONG_CONTEXT)
     hf_model = checkpoints("llama")[1]
     deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL,
-                            frontend_args=("--disaggregation", "always"))  # fmt: skip
+                            disaggregation="always")  # fmt: skip
     yield deployment, path, hf_model
     deployment.close()
 
@@ -187,7 +187,7 @@ def test_queue_limit_gives_resource_exhausted(llama, etcd_url):
 
 def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(llama, etcd_url):
     deployment, path, _ = llama
-    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-tokens", "32")
+    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-threshold", "32")
     try:
         results = {}
         for name, prompt in (("short", list(range(2, 20))), ("long", list(range(100, 180)))):
@@ -231,7 +231,7 @@ def test_live_knobs_retune_the_workers_and_the_router_without_a_restart(llama, e
                 for role in ("prefill", "decode")}  # fmt: skip
     prompts = [list(range(150, 190)), list(range(200, 240)), list(range(250, 290))]
     want = [out.token_ids for out in LLM(str(path)).generate(prompts, greedy)]
-    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-tokens", "0")
+    frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-threshold", "0")
     try:
         tokens, before = generate(frontend.stub, prompts[0])
         assert tokens == want[0] and before.disaggregated

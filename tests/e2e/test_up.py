@@ -26,14 +26,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints):
+def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1")
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1",
+                   "--max-num-seqs", "8", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     try:
         up_line, port = up.wait_up()
         assert "(embedded)" in up_line
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        # The engine option reached both workers, inside the configuration each was started with.
+        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
+        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert sorted((w["role"], w["max_num_seqs"]) for w in json.loads(listed.stdout)) == [
+            ("decode", 8), ("prefill", 8)
+        ]
+        written = sorted(p.name for p in tmp_path.glob("pdserve-up-*/*.json"))
+        assert written == ["decode.json", "frontend.json", "prefill.json"]
         result = subprocess.run(
             [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
              "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"],
@@ -52,6 +63,7 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints)
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in pids), "a worker outlived pdserve up"
+        assert not list(tmp_path.glob("pdserve-up-*")), "the children's configuration files outlived pdserve up"
     finally:
         up.close()
 

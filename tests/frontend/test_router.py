@@ -7,7 +7,8 @@ import pytest
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import WorkerEntry, WorkerLoad
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
-from pdserve.frontend.router import NoWorker, Router, RouterConfig
+from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.router import NoWorker, Router
 
 
 def entry(worker_id: str, role: str, **load: int | bool) -> WorkerEntry:
@@ -56,7 +57,8 @@ def test_prefill_follows_the_cached_prefix_unless_that_worker_is_swamped():
 
 
 def test_conditional_disaggregation_keeps_short_uncached_prompts_on_the_decode_worker():
-    router = Router(RouterConfig(disaggregation="conditional", local_prefill_tokens=16, prefill_saturation_tokens=100))
+    router = Router(RouterConfig(disaggregation="conditional", local_prefill_threshold_tokens=16,
+                                 prefill_saturation_tokens=100))  # fmt: skip
     p1 = entry("p1", "prefill")
     assert router.choose_prefill([p1], list(range(16))) is None
     assert router.choose_prefill([p1], list(range(17))).worker.worker_id == "p1"
@@ -66,7 +68,7 @@ def test_conditional_disaggregation_keeps_short_uncached_prompts_on_the_decode_w
 
 
 def test_live_knobs_set_the_local_prefill_threshold_in_place_of_the_config():
-    router = Router(RouterConfig(disaggregation="conditional", local_prefill_tokens=16))
+    router = Router(RouterConfig(disaggregation="conditional", local_prefill_threshold_tokens=16))
     p1, prompt = entry("p1", "prefill"), list(range(40))
     assert router.choose_prefill([p1], prompt) is not None
     assert router.choose_prefill([p1], prompt, knobs=Knobs(local_prefill_threshold_tokens=64)) is None
@@ -94,8 +96,8 @@ def test_always_and_off_force_either_way():
 def test_bad_router_config_names_the_field():
     with pytest.raises(ValueError, match="disaggregation"):
         RouterConfig(disaggregation="sometimes")
-    with pytest.raises(ValueError, match="local_prefill_tokens"):
-        RouterConfig(local_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="local_prefill_threshold_tokens"):
+        RouterConfig(local_prefill_threshold_tokens=-1)
 
 
 def test_prefix_index_is_chained_and_bounded():

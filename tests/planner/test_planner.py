@@ -57,9 +57,10 @@ def run(planner: Planner, intervals: int, rate: float, start: float = 0.0, **kwa
 
 
 def make(prefill: int = 2, decode: int = 2, slo: SLOTargets = SLO) -> Planner:
-    # A decode batch cap the synthetic profile's steps hold the ITL target at, so that the
-    # tests see only the changes they are about.
-    knobs = Knobs(decode_max_num_seqs=16)
+    # A decode batch cap the synthetic profile's steps hold the ITL target at, and no local
+    # prefill (every prompt on the prefill pool), so that the tests see only the changes they
+    # are about.
+    knobs = Knobs(decode_max_num_seqs=16, local_prefill_threshold_tokens=0)
     return Planner(slo, synthetic_profile(), CONFIG, prefill_replicas=prefill, decode_replicas=decode, knobs=knobs)
 
 

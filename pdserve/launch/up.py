@@ -1,0 +1,164 @@
+"""``pdserve up``: a whole deployment on this machine, from start to Ctrl-C.
+
+``up`` first checks what would otherwise fail only after every worker has loaded its model
+(the model directory, the frontend's port), then starts a ``LocalCluster``, and with
+``autoscale`` the SLO planner over its pools; it prints where the API listens and serves until
+SIGINT or SIGTERM, or until a child dies, and then stops everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
+
+if TYPE_CHECKING:
+    from pdserve.discovery.slo import SLOTargets
+    from pdserve.planner.planner import PlannerConfig
+    from pdserve.planner.profile import EngineProfile
+    from pdserve.worker.config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class Autoscale:
+    """The SLO planner over the cluster's pools: its targets (written to the registry at
+    start), the engine profile it predicts from, and its settings."""
+
+    slo: SLOTargets
+    profile: EngineProfile
+    config: PlannerConfig
+
+
+@dataclass(frozen=True)
+class UpSpec:
+    """Attributes:
+    cluster: the processes. A worker configuration without ``num_threads`` gets an even
+        share of this machine's CPUs.
+    num_prefill / num_decode: the workers to start with.
+    autoscale: the planner to run over them, or None for fixed pools.
+    """
+
+    cluster: ClusterSpec
+    num_prefill: int
+    num_decode: int
+    autoscale: Autoscale | None = None
+
+
+def up(spec: UpSpec) -> int:
+    """Serve until SIGINT or SIGTERM (0), or until a child dies or fails to start (1).
+
+    Raises ValueError, before anything starts, when the model directory has no config.json
+    or the frontend's port is taken.
+    """
+    model = spec.cluster.decode.model
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"no config.json in model directory {model}")
+    _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
+    return asyncio.run(_serve(_with_thread_share(spec)))
+
+
+def _with_thread_share(spec: UpSpec) -> UpSpec:
+    """Workers given no thread count share this machine's CPUs evenly."""
+    share = max(1, (os.cpu_count() or 1) // (spec.num_prefill + spec.num_decode))
+
+    def shared(config: WorkerConfig) -> WorkerConfig:
+        return config if config.num_threads is not None else msgspec.structs.replace(config, num_threads=share)
+
+    cluster = spec.cluster
+    return replace(spec, cluster=replace(cluster, prefill=shared(cluster.prefill), decode=shared(cluster.decode)))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail now, not after every worker has loaded its model, when the frontend's port is taken."""
+    if port == 0:
+        return
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                         "choose another port, or 0 for any free one") from None  # fmt: skip
+
+
+async def _serve(spec: UpSpec) -> int:
+    cluster = LocalCluster(spec.cluster)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = loop.create_task(cluster.start(spec.num_prefill, spec.num_decode))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # Ctrl-C during start-up
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await cluster.stop()
+        return 130
+    try:
+        start.result()
+    except ChildFailed as exc:  # the cluster already stopped what it had started
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 1
+    assert cluster.frontend is not None
+    registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
+    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
+          f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
+    autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
+    try:
+        while not stop.is_set():
+            dead = cluster.exited()
+            if dead:
+                print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", flush=True)
+                break
+            try:
+                async with asyncio.timeout(1.0):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+    finally:
+        if autoscaler is not None:
+            await autoscaler()
+        await cluster.stop()
+    return 0 if stop.is_set() else 1
+
+
+async def _start_autoscaler(cluster: LocalCluster, autoscale: Autoscale) -> Callable[[], Awaitable[None]]:
+    """Write the SLO, start the planner over the cluster's workers; returns what stops it."""
+    from pdserve.discovery.etcd import close_quietly, connect
+    from pdserve.discovery.slo_store import put_slo
+    from pdserve.launch.local_connector import LocalConnector
+    from pdserve.planner.service import PlannerService
+
+    slo, config = autoscale.slo, autoscale.config
+    assert cluster.etcd_url is not None
+    client = await connect(cluster.etcd_url)
+    try:
+        await put_slo(client, slo)
+    finally:
+        await close_quietly(client)
+    connector = LocalConnector(cluster)
+    service = PlannerService(
+        cluster.etcd_url, autoscale.profile, lambda m: connector if m == slo.model else None, config
+    )
+    planner_stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(service.run(planner_stop), name="planner")
+    print(f"pdserve up: autoscaling {slo.model} every {config.interval_s:g}s: TTFT p90 <= {slo.ttft_p90_s:g}s, "
+          f"ITL p90 <= {slo.itl_p90_s:g}s, prefill 1..{slo.max_prefill_replicas}, "
+          f"decode 1..{slo.max_decode_replicas}", flush=True)  # fmt: skip
+
+    async def close() -> None:
+        planner_stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await connector.close()
+
+    return close
