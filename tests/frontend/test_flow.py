@@ -30,8 +30,9 @@ from pdserve.discovery.registry import WorkerLoad
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
-from pdserve.frontend.router import Router, RouterConfig
+from pdserve.frontend.router import Router
 from pdserve.lifecycle import cancel_and_wait
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script
@@ -60,7 +61,7 @@ async def serving(
     Releases, so the workers' records are complete once the block is left.
     """
     view = RegistryView(etcd_url, poll_s=0.2)
-    config = RouterConfig(disaggregation=disaggregation, local_prefill_tokens=0)
+    config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
     routing = Routing(view, Router(config, seed=0), WorkerChannels())
     try:
         for worker in workers:

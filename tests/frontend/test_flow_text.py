@@ -21,8 +21,9 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
-from pdserve.frontend.router import Router, RouterConfig
+from pdserve.frontend.router import Router
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.utils.aio import run_scenario

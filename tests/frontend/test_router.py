@@ -6,8 +6,8 @@ import pytest
 
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import WorkerEntry, WorkerLoad
-from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.router import NoWorker, Router
 
 
