@@ -67,6 +67,10 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
     try:
         _, port = up.wait_up()
         _burst(port, path.name, seconds=8)
+        # The planner decides during the burst; the new worker may still be loading after it.
+        deadline = time.monotonic() + 60
+        while max(_decode_sizes(lines), default=1) < 2 and "decode 1→2" in "".join(lines) and time.monotonic() < deadline:
+            time.sleep(0.5)
         grown = max(_decode_sizes(lines), default=1)
         assert grown >= 2, f"the decode pool did not grow under the burst:\n{''.join(lines)}"
         deadline = time.monotonic() + 60
