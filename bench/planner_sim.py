@@ -50,9 +50,10 @@ sys.path.insert(0, str(REPO))
 
 from pdserve.discovery.knobs import Knobs  # noqa: E402
 from pdserve.discovery.slo import SLOTargets  # noqa: E402
+from pdserve.planner.config import PlannerConfig  # noqa: E402
 from pdserve.planner.latency_model import LatencyModel, LengthDistribution  # noqa: E402
 from pdserve.planner.observation import Observation  # noqa: E402
-from pdserve.planner.planner import Decision, Planner, PlannerConfig  # noqa: E402
+from pdserve.planner.planner import Decision, Planner  # noqa: E402
 from pdserve.planner.profile import EngineProfile  # noqa: E402
 from sim.simulator import SimResult, simulate  # noqa: E402
 from sim.traces import Trace, standard_traces  # noqa: E402

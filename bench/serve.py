@@ -52,13 +52,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load  # noqa: E402
 from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
-
-import msgspec  # noqa: E402
 
 from pdserve.cli.common import add_engine_args, from_options, seconds  # noqa: E402
 from pdserve.engine.engine_config import EngineConfig  # noqa: E402

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdserve.cli.operate import add_etcd_arg, duration
-from pdserve.planner.planner import PlannerConfig
+from pdserve.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
     from pdserve.planner.profile import EngineProfile

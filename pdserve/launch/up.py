@@ -24,7 +24,7 @@ from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
 if TYPE_CHECKING:
     from pdserve.discovery.slo import SLOTargets
-    from pdserve.planner.planner import PlannerConfig
+    from pdserve.planner.config import PlannerConfig
     from pdserve.planner.profile import EngineProfile
     from pdserve.worker.config import WorkerConfig
 

@@ -24,9 +24,10 @@ from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
 from pdserve.discovery.registry import list_workers, planner_key
 from pdserve.discovery.slo_store import list_slos
 from pdserve.observability.frontend_stats import list_frontend_stats
+from pdserve.planner.config import PlannerConfig
 from pdserve.planner.deployed_knobs import deployed_knobs
 from pdserve.planner.observer import observe
-from pdserve.planner.planner import Decision, Planner, PlannerConfig
+from pdserve.planner.planner import Decision, Planner
 from pdserve.planner.profile import EngineProfile
 from pdserve.planner.scaling import ScalingConnector
 

@@ -9,8 +9,9 @@ from msgspec.structs import replace
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.slo import SLOTargets
 from pdserve.observability.summary import Summary
+from pdserve.planner.config import PlannerConfig
 from pdserve.planner.observation import Observation
-from pdserve.planner.planner import Decision, Planner, PlannerConfig
+from pdserve.planner.planner import Decision, Planner
 from pdserve.planner.profile import DecodeGrid
 from tests.planner.profiles import synthetic_profile
 

@@ -14,7 +14,7 @@ from pdserve.discovery.registry import WorkerLoad, encode_entry, frontend_key, p
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import delete_slo, put_slo
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
-from pdserve.planner.planner import PlannerConfig
+from pdserve.planner.config import PlannerConfig
 from pdserve.planner.scaling import AdviseOnly
 from pdserve.planner.service import PlannerService
 from tests.discovery.test_registry import make_entry

@@ -9,7 +9,6 @@ from pdserve.rpc.status import DRAINING, REFUSAL_KEY, refusal_reason, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.utils.aio import run_scenario
 
-
 TYPED = ((REFUSAL_KEY, worker_pb2.Refusal(reason=DRAINING).SerializeToString()),)
 # request id -> how Release fails without ``refuse``: (code, trailing metadata)
 UNTYPED = {
