@@ -5,7 +5,6 @@ Key layout (a contract: routers, the planner, the CLI and the operator read thes
     /pdserve/v1/workers/{model}/{role}/{worker_id}   JSON WorkerEntry, under the worker's lease
     /pdserve/v1/slo/{model}                          JSON SLOTargets: the model's TTFT/ITL targets
     /pdserve/v1/planner/{model}                      JSON Decision: the planner's latest decision
-    /pdserve/v1/drain/{worker_id}                    reserved: a request to drain a worker
     /pdserve/v1/frontends/{frontend_id}              JSON FrontendStats, under the frontend's lease
     /pdserve/v1/knobs/{model}                        JSON Knobs: live scheduler and router settings
 
@@ -55,11 +54,6 @@ def slo_key(model: str) -> str:
 def planner_key(model: str) -> str:
     """The key reserved for the planner's decisions about a model."""
     return f"{ROOT}/planner/{_segment(model)}"
-
-
-def drain_key(worker_id: str) -> str:
-    """The key reserved for a request that a worker drain."""
-    return f"{ROOT}/drain/{_segment(worker_id)}"
 
 
 def knobs_key(model: str) -> str:
