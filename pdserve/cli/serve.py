@@ -8,16 +8,17 @@ import os
 from typing import TYPE_CHECKING
 
 from pdserve.cli.common import add_engine_args, engine_config, seconds
+from pdserve.discovery.registry import Role
 
 if TYPE_CHECKING:
     from pdserve.frontend.service import FrontendConfig
 
 WORKER_DESCRIPTION = {
-    "prefill": """Run a prefill worker: it computes prompts' KV and first tokens and keeps each
+    Role.PREFILL: """Run a prefill worker: it computes prompts' KV and first tokens and keeps each
 prompt's KV blocks pinned until a decode worker has pulled them over NIXL. It registers in etcd
 under a lease (key /pdserve/v1/workers/MODEL/prefill/ID) and refreshes its load about every
 second; SIGTERM drains it (no new work, in-flight work finishes) and revokes the lease.""",
-    "decode": """Run a decode worker: it pulls prompts' KV from prefill workers over NIXL (or
+    Role.DECODE: """Run a decode worker: it pulls prompts' KV from prefill workers over NIXL (or
 computes short prompts itself) and streams the generated tokens. It registers in etcd under a
 lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight streams finish.""",
 }
@@ -25,7 +26,7 @@ ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
-    for role in ("prefill", "decode"):
+    for role in Role:
         p = commands.add_parser(
             role,
             help=f"run a {role} worker",
@@ -41,7 +42,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--worker-id", default=None, help="name in the registry (default: ROLE-HOSTNAME-PID)")
         p.add_argument("--lease-ttl", type=seconds, default=5.0, help="registry lease TTL (default: 5s)")
         p.add_argument("--drain-timeout", type=seconds, default=60.0, help="longest drain on SIGTERM (default: 60s)")
-        if role == "prefill":
+        if role is Role.PREFILL:
             p.add_argument(
                 "--hold",
                 type=seconds,
@@ -135,7 +136,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    extra = {"hold_s": args.hold} if args.role == "prefill" else {"transfer_timeout_s": args.transfer_timeout}
+    extra = {"hold_s": args.hold} if args.role is Role.PREFILL else {"transfer_timeout_s": args.transfer_timeout}
     config = WorkerConfig(
         role=args.role, model=args.model, etcd=_require_etcd(args), model_name=args.model_name, host=args.host,
         port=args.port, advertise_host=args.advertise_host, worker_id=args.worker_id, lease_ttl_s=args.lease_ttl,

@@ -29,7 +29,7 @@ from pdserve.cli.operate import (
 )
 from pdserve.discovery.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.discovery.knobs import list_knobs
-from pdserve.discovery.registry import ROLES, ROOT, WorkerEntry
+from pdserve.discovery.registry import ROOT, Role, WorkerEntry
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import list_slos
 from pdserve.observability.frontend_stats import ModelStats, list_frontend_stats
@@ -154,7 +154,7 @@ async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> 
         models.append({
             "model": name,
             "slo": msgspec.to_builtins(slo) if slo is not None else None,
-            "pools": {role: pool_status([e for e in entries if e.role == role]) for role in ROLES},
+            "pools": {role: pool_status([e for e in entries if e.role == role]) for role in Role},
             "latency": latency,
             "checks": checks(slo, latency),
             "planner": decisions.get(name),
@@ -234,13 +234,13 @@ def _render_model(m: dict[str, Any], now: float, num_frontends: int) -> str:
     if slo is None:
         lines.append(f"  no SLO set (pdserve slo set --model {m['model']} --ttft-p90 500ms --itl-p90 30ms)")
     rows = []
-    for role in ROLES:
+    for role in Role:
         p = pools[role]
         kv = f"{p['kv_usage']:.0%}" if p["kv_usage"] is not None else None
         bounds = f"{slo[f'min_{role}_replicas']}..{slo[f'max_{role}_replicas']}" if slo else None
         rows.append([role, p["ready"], p["draining"], p["running"], p["waiting"],
-                     p["held_requests"] if role == "prefill" else None,
-                     p["queued_prefill_tokens"] if role == "prefill" else None, kv,
+                     p["held_requests"] if role is Role.PREFILL else None,
+                     p["queued_prefill_tokens"] if role is Role.PREFILL else None, kv,
                      planner.get(f"{role}_replicas"), bounds])  # fmt: skip
     headers = ["POOL", "READY", "DRAINING", "RUNNING", "WAITING", "HELD", "QUEUED_TOK", "KV", "PLANNED", "BOUNDS"]
     lines.append(table(headers, rows, "  "))
@@ -282,7 +282,7 @@ def _render_planner(decision: dict[str, Any] | None, now: float) -> list[str]:
     # Decision.time is the observation's clock; it reads as an age only when it is unix time.
     is_unix = isinstance(when, (int, float)) and 1e9 < when <= now + 60
     head = f"  planner ({fmt_age(now - when)} ago)" if is_unix else f"  planner (time {when})"
-    parts = [f"{role} {decision[f'{role}_replicas']}" for role in ROLES if f"{role}_replicas" in decision]
+    parts = [f"{role} {decision[f'{role}_replicas']}" for role in Role if f"{role}_replicas" in decision]
     if isinstance(decision.get("rate"), (int, float)):
         peak = decision.get("peak_rate")
         parts.append(

@@ -16,6 +16,7 @@ from pdserve.cli.common import add_engine_args, engine_argv
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args
+from pdserve.discovery.registry import Role
 
 if TYPE_CHECKING:
     from pdserve.discovery.slo import SLOTargets
@@ -73,7 +74,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
     scaling.add_argument("--ttft-p90", type=duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
     scaling.add_argument("--itl-p90", type=duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
-    for role in ("prefill", "decode"):
+    for role in Role:
         scaling.add_argument(f"--max-{role}", type=int, default=4, metavar="N",
                              help=f"autoscale: most {role} workers (default: 4; the fewest is 1)")  # fmt: skip
     add_planner_args(scaling)

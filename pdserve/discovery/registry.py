@@ -21,6 +21,7 @@ alive and rewrites the entry with fresh load about every second; a worker that s
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Iterable
 from urllib.parse import quote
@@ -34,14 +35,28 @@ logger = logging.getLogger(__name__)
 ROOT = "/pdserve/v1"
 WORKERS_PREFIX = f"{ROOT}/workers/"
 KNOBS_PREFIX = f"{ROOT}/knobs/"
-ROLES = ("prefill", "decode")
+
+
+class Role(enum.StrEnum):
+    """What a worker does; the value is its key segment and its JSON value in etcd."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value: str) -> Role:
+        """``value`` as a Role; a ValueError naming the roles for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"role must be one of {', '.join(cls)}, got {value!r}") from None
 
 
 def _segment(name: str) -> str:
     return quote(name, safe="")
 
 
-def worker_key(model: str, role: str, worker_id: str) -> str:
+def worker_key(model: str, role: Role, worker_id: str) -> str:
     """The key of one worker's entry."""
     return f"{WORKERS_PREFIX}{_segment(model)}/{_segment(role)}/{_segment(worker_id)}"
 
@@ -94,7 +109,7 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     """What a worker publishes about itself: identity, where to reach it, its KV geometry."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     model: str
     model_path: str
     endpoint: str  # host:port of the worker's gRPC service
@@ -110,8 +125,7 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     load: WorkerLoad = WorkerLoad()
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        msgspec.structs.force_setattr(self, "role", Role.parse(self.role))  # a str given in code becomes a Role
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
 

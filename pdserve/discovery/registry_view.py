@@ -17,7 +17,7 @@ from pdserve.discovery.etcd import (
     RegistryUnavailable,
 )
 from pdserve.discovery.knobs import Knobs, parse_knobs
-from pdserve.discovery.registry import KNOBS_PREFIX, WORKERS_PREFIX, WorkerEntry, decode_entries
+from pdserve.discovery.registry import KNOBS_PREFIX, WORKERS_PREFIX, Role, WorkerEntry, decode_entries
 from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class RegistryView:
         """Whether the view has not been refreshed for more than ``stale_after_s``."""
         return time.monotonic() - self._last_read > self._stale_after_s
 
-    def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerEntry]:
+    def workers(self, role: Role | None = None, model: str | None = None) -> list[WorkerEntry]:
         """Registered workers, optionally of one role and model, sorted by worker id."""
         return [
             entry

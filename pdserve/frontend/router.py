@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
 DISAGGREGATION_MODES = ("always", "conditional", "off")
@@ -75,7 +75,7 @@ class Router:
     def choose_decode(self, workers: Sequence[WorkerEntry], exclude: Sequence[str] = ()) -> WorkerEntry:
         candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
         if not candidates:
-            raise NoWorker("decode")
+            raise NoWorker(Role.DECODE)
         return min(candidates, key=lambda w: (self._decode_score(w), self._random.random()))
 
     def _decode_score(self, worker: WorkerEntry) -> float:
@@ -100,7 +100,7 @@ class Router:
         candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
         if not candidates:
             if mode == "always":
-                raise NoWorker("prefill")
+                raise NoWorker(Role.PREFILL)
             return None
         hashes_by_size: dict[int, list[bytes]] = {}
         best: tuple[float, float, PrefillChoice] | None = None

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
+from pdserve.discovery.registry import Role
 from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class LocalCluster:
         self.etcd_url: str | None = spec.etcd
         self._embedded: EmbeddedEtcd | None = None
         self.frontend: Child | None = None
-        self.workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
+        self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
         self._count = 0
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
@@ -87,14 +88,14 @@ class LocalCluster:
     async def scale(self, num_prefill: int, num_decode: int) -> None:
         """Start workers up to, or drain the newest down to, the given counts."""
         starts = []
-        for role, want in (("prefill", num_prefill), ("decode", num_decode)):
+        for role, want in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode)):
             pool = self.workers[role]
             while len(pool) > want:
                 await self._terminate(pool.pop())
             starts += [self._start_worker(role) for _ in range(want - len(pool))]
         await asyncio.gather(*starts)
 
-    async def _start_worker(self, role: str) -> None:
+    async def _start_worker(self, role: Role) -> None:
         assert self.etcd_url is not None
         self._count += 1
         argv = [role, "--model", self.spec.model, "--etcd", self.etcd_url, *self.spec.worker_args]
@@ -162,7 +163,7 @@ class LocalCluster:
 
     def exited(self) -> list[Child]:
         """Children that died on their own."""
-        children = [*self.workers["prefill"], *self.workers["decode"], *([self.frontend] if self.frontend else [])]
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE], *([self.frontend] if self.frontend else [])]
         return [c for c in children if c.process.returncode is not None]
 
     async def stop(self) -> None:
@@ -170,8 +171,8 @@ class LocalCluster:
         if self.frontend is not None:
             await self._terminate(self.frontend)
             self.frontend = None
-        children = [*self.workers["prefill"], *self.workers["decode"]]
-        self.workers = {"prefill": [], "decode": []}
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE]]
+        self.workers = {role: [] for role in Role}
         await asyncio.gather(*(self._terminate(c) for c in children))
         if self._embedded is not None:
             await self._embedded.stop()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from pdserve.discovery.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
 from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
-from pdserve.discovery.registry import list_workers, planner_key
+from pdserve.discovery.registry import Role, list_workers, planner_key
 from pdserve.discovery.slo_store import list_slos
 from pdserve.observability.frontend_stats import list_frontend_stats
 from pdserve.planner.deployed_knobs import deployed_knobs
@@ -101,9 +101,9 @@ class PlannerService:
                 if sizes is None:  # unknown: what is registered now, within the bounds
                     ready = [w for w in workers if w.model == slo.model and not w.load.draining]
                     sizes = (
-                        min(max(sum(w.role == "prefill" for w in ready), slo.min_prefill_replicas),
+                        min(max(sum(w.role is Role.PREFILL for w in ready), slo.min_prefill_replicas),
                             slo.max_prefill_replicas),
-                        min(max(sum(w.role == "decode" for w in ready), slo.min_decode_replicas),
+                        min(max(sum(w.role is Role.DECODE for w in ready), slo.min_decode_replicas),
                             slo.max_decode_replicas),
                     )  # fmt: skip
                 prefill, decode = sizes

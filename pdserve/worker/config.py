@@ -8,12 +8,12 @@ from pathlib import Path
 
 import msgspec
 
-ROLES = ("prefill", "decode")
+from pdserve.discovery.registry import Role
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Attributes:
-    role: "prefill" or "decode".
+    role: prefill or decode (a str is taken as its Role).
     model: the Hugging Face model directory.
     etcd: the registry's URL.
     model_name: the served name (default: the directory's name).
@@ -27,7 +27,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
     """
 
-    role: str
+    role: Role
     model: str
     etcd: str
     model_name: str | None = None
@@ -42,8 +42,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int | None = 0
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        msgspec.structs.force_setattr(self, "role", Role.parse(self.role))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s"):

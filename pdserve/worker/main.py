@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.discovery.registry import Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
@@ -13,7 +14,7 @@ from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
-SERVICES = {"prefill": PrefillService, "decode": DecodeService}
+SERVICES = {Role.PREFILL: PrefillService, Role.DECODE: DecodeService}
 
 
 async def serve(config: WorkerConfig, engine_config: EngineConfig) -> None:

@@ -21,7 +21,7 @@ import grpc
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.registry import Role, WorkerEntry, WorkerLoad
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer import KVAgent, KVLayout
@@ -150,7 +150,7 @@ class WorkerRuntime:
         """
         start = self.engine.config
         seqs, tokens = start.max_num_seqs, start.max_num_batched_tokens
-        if knobs is not None and self.config.role == "decode":
+        if knobs is not None and self.config.role is Role.DECODE:
             seqs = min(knobs.decode_max_num_seqs, seqs)
             tokens = min(knobs.decode_max_num_batched_tokens, tokens)
         elif knobs is not None:

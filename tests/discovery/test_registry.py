@@ -22,7 +22,15 @@ import pytest
 
 from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, encode_entry, list_workers, worker_key
+from pdserve.discovery.registry import (
+    Role,
+    WorkerEntry,
+    WorkerLoad,
+    decode_entry,
+    encode_entry,
+    list_workers,
+    worker_key,
+)
 from pdserve.discovery.registry_view import RegistryView
 from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
@@ -125,6 +133,18 @@ def test_endpoint_rejects_bad_urls_naming_them(url: str) -> None:
 
 def test_model_names_with_slashes_stay_one_key_segment() -> None:
     assert worker_key("org/name", "decode", "w 1") == "/pdserve/v1/workers/org%2Fname/decode/w%201"
+
+
+def test_roles_are_typed_in_code_and_plain_strings_in_etcd() -> None:
+    entry = make_entry("m", "w", "decode")  # a str given in code becomes its Role
+    assert entry.role is Role.DECODE
+    assert b'"role":"decode"' in encode_entry(entry)
+    assert decode_entry(encode_entry(entry)).role is Role.DECODE
+    assert entry.key == worker_key("m", Role.DECODE, "w") == "/pdserve/v1/workers/m/decode/w"
+    with pytest.raises(ValueError, match="role must be one of prefill, decode, got 'chef'"):
+        make_entry("m", "w", "chef")
+    with pytest.raises(msgspec.ValidationError):
+        decode_entry(encode_entry(entry).replace(b'"decode"', b'"chef"'))
 
 
 def test_connect_to_a_dead_port_fails_fast_naming_the_url() -> None:
