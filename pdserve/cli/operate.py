@@ -37,7 +37,7 @@ etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379."""
 WORKERS_EXAMPLES = f"""examples:
   pdserve workers --etcd http://127.0.0.1:2379
   PDSERVE_ETCD=http://etcd:2379 pdserve workers --model meta-llama/Llama-3.1-8B
-  pdserve workers --json | jq '.[] | select(.load.draining) | .worker_id'
+  pdserve workers --json | jq '.[] | select(.draining) | .worker_id'
 
 columns: RUN/WAIT requests running and queued; KV the share of KV blocks in use; HELD prompts
 whose KV a prefill worker keeps pinned for a decode worker to pull; UP time since the worker
@@ -228,7 +228,7 @@ def run_workers(args: argparse.Namespace) -> int:
             rows.append([
                 e.role, e.worker_id, e.endpoint, e.model, e.load.running, e.load.waiting,
                 f"{e.load.kv_usage:.0%}", e.load.held_requests if e.role is Role.PREFILL else None,
-                "draining" if e.load.draining else "ready", fmt_age(now - e.started_at),
+                "draining" if e.draining else "ready", fmt_age(now - e.started_at),
                 f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
             ])  # fmt: skip
         print(table(["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE"], rows))

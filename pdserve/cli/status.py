@@ -168,8 +168,8 @@ def pool_status(entries: list[WorkerEntry]) -> dict[str, Any]:
     loads = [e.load for e in entries]
     total_blocks = sum(load.kv_blocks_total for load in loads)
     return {
-        "ready": sum(not load.draining for load in loads),
-        "draining": sum(load.draining for load in loads),
+        "ready": sum(not e.draining for e in entries),
+        "draining": sum(e.draining for e in entries),
         "workers": [e.worker_id for e in entries],
         "running": sum(load.running for load in loads),
         "waiting": sum(load.waiting for load in loads),

@@ -11,7 +11,7 @@ Every process runs this, data plane and control plane alike.
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
 from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, list_workers
+from pdserve.discovery.registry import Role, WorkerEntry, list_workers
 from pdserve.discovery.registry_view import RegistryView
 
 __all__ = [
@@ -19,8 +19,8 @@ __all__ = [
     "EtcdEndpoint",
     "RegistryUnavailable",
     "RegistryView",
+    "Role",
     "WorkerEntry",
-    "WorkerLoad",
     "WorkerRegistration",
     "connect",
     "list_workers",

@@ -22,7 +22,8 @@ from pdserve.discovery.etcd import (
     EtcdConnection,
     RegistryUnavailable,
 )
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, encode_entry
+from pdserve.discovery.registry import WorkerEntry, encode_entry
+from pdserve.engine.load import EngineLoad
 from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -185,18 +186,19 @@ class LeasedRecord:
 
 
 class WorkerRegistration(LeasedRecord):
-    """A worker's entry at ``entry.key``, rewritten every ``refresh_s`` with a fresh ``load()``.
+    """A worker's entry at ``entry.key``, rewritten every ``refresh_s`` with a fresh ``load()``
+    and ``draining()``, stamped with the time of the write.
 
-    Draining is reported through ``load()`` (``WorkerLoad.draining``): the worker owns that
-    state, the registration only publishes it.
+    The worker owns its load and its draining state; the registration only publishes them.
     """
 
     def __init__(
         self,
         etcd_url: str,
         entry: WorkerEntry,
-        load: Callable[[], WorkerLoad],
+        load: Callable[[], EngineLoad],
         *,
+        draining: Callable[[], bool] = lambda: False,
         ttl_s: float = 5.0,
         refresh_s: float = 1.0,
         start_timeout_s: float = 30.0,
@@ -205,7 +207,8 @@ class WorkerRegistration(LeasedRecord):
                          refresh_s=refresh_s, start_timeout_s=start_timeout_s)  # fmt: skip
         self.entry = entry
         self._load = load
+        self._draining = draining
 
     def _entry_value(self) -> bytes:
-        load = msgspec.structs.replace(self._load(), updated_at=time.time())
-        return encode_entry(msgspec.structs.replace(self.entry, load=load))
+        entry = msgspec.structs.replace(self.entry, load=self._load(), draining=self._draining(), updated_at=time.time())
+        return encode_entry(entry)

@@ -30,6 +30,8 @@ import aetcd
 import aetcd.rtypes
 import msgspec
 
+from pdserve.engine.load import EngineLoad
+
 logger = logging.getLogger(__name__)
 
 ROOT = "/pdserve/v1"
@@ -81,32 +83,8 @@ def frontend_key(frontend_id: str) -> str:
     return f"{ROOT}/frontends/{_segment(frontend_id)}"
 
 
-class WorkerLoad(msgspec.Struct, kw_only=True, frozen=True):
-    """A worker's load as it last reported it."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    # Prefill only: requests whose blocks stay pinned until a decode worker has pulled them.
-    held_requests: int = 0
-    queued_prefill_tokens: int = 0
-    # A draining worker finishes what it has and must be sent nothing new.
-    draining: bool = False
-    # The scheduler limits in force (live knobs may lower them below the entry's start-up
-    # values); 0 when not reported.
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of KV blocks in use; 0 when the worker has not reported its pool."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
 class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
-    """What a worker publishes about itself: identity, where to reach it, its KV geometry."""
+    """What a worker publishes about itself: identity, where to reach it, its KV geometry, its load."""
 
     worker_id: str
     role: Role
@@ -122,7 +100,9 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int = 0  # 0: not reported (an older worker)
     started_at: float  # unix seconds; tells a restarted worker from its earlier self
     metrics_port: int | None = None
-    load: WorkerLoad = WorkerLoad()
+    load: EngineLoad = EngineLoad()  # as the worker last reported it
+    draining: bool = False  # a draining worker finishes what it has and must be sent nothing new
+    updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "role", Role.parse(self.role))  # a str given in code becomes a Role

@@ -73,7 +73,7 @@ class Router:
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose_decode(self, workers: Sequence[WorkerEntry], exclude: Sequence[str] = ()) -> WorkerEntry:
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
         if not candidates:
             raise NoWorker(Role.DECODE)
         return min(candidates, key=lambda w: (self._decode_score(w), self._random.random()))
@@ -97,7 +97,7 @@ class Router:
         mode = self.config.disaggregation
         if mode == "off":
             return None
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
         if not candidates:
             if mode == "always":
                 raise NoWorker(Role.PREFILL)

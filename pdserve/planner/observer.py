@@ -44,7 +44,7 @@ def observe(
             if 0 <= index < seconds:
                 arrivals[index] += count
     models = [s for _, s in stats]
-    ready = [w for w in workers if w.model == model and not w.load.draining]
+    ready = [w for w in workers if w.model == model and not w.draining]
     prefill = [w for w in ready if w.role is Role.PREFILL]
     decode = [w for w in ready if w.role is Role.DECODE]
     return Observation(

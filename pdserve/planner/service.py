@@ -99,7 +99,7 @@ class PlannerService:
             if planner is None:
                 sizes = await connector.current()
                 if sizes is None:  # unknown: what is registered now, within the bounds
-                    ready = [w for w in workers if w.model == slo.model and not w.load.draining]
+                    ready = [w for w in workers if w.model == slo.model and not w.draining]
                     sizes = (
                         min(max(sum(w.role is Role.PREFILL for w in ready), slo.min_prefill_replicas),
                             slo.max_prefill_replicas),

@@ -21,12 +21,13 @@ import grpc
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import Role, WorkerEntry, WorkerLoad
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.load import EngineLoad
 from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.lifecycle import install_stack_dump
-from pdserve.observability.metrics import Occupancy, WorkerMetrics, serve_metrics
+from pdserve.observability.metrics import WorkerMetrics, serve_metrics
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -75,7 +76,7 @@ class WorkerRuntime:
         self.engine_loop = EngineLoop(engine)
         self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name)
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
-        self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._occupancy)
+        self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
         self.server = RpcServer()
         self.registration: WorkerRegistration | None = None
@@ -100,7 +101,7 @@ class WorkerRuntime:
         await self.knobs.poll()
         self.knobs.start()
         self.registration = WorkerRegistration(
-            self.config.etcd, self._entry(), self.load, ttl_s=self.config.lease_ttl_s
+            self.config.etcd, self._entry(), self._load, draining=self._draining, ttl_s=self.config.lease_ttl_s
         )
         await self.registration.start()
         logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
@@ -123,24 +124,15 @@ class WorkerRuntime:
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             started_at=time.time(),
             metrics_port=self.metrics_port,
-            load=self.load(),
+            load=self._load(),
+            draining=self.draining,
         )
 
-    def load(self) -> WorkerLoad:
-        """The load summary published in the registry (refreshed about every second)."""
-        load = self.engine_loop.load
-        return WorkerLoad(
-            running=load.running + load.awaiting_kv,
-            waiting=load.waiting,
-            kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_total=load.kv_blocks_total,
-            held_requests=load.held_requests,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            draining=self.draining,
-            max_num_seqs=load.max_num_seqs,
-            max_num_batched_tokens=load.max_num_batched_tokens,
-            updated_at=time.time(),
-        )
+    def _load(self) -> EngineLoad:
+        return self.engine_loop.load
+
+    def _draining(self) -> bool:
+        return self.draining
 
     async def apply_knobs(self, knobs: Knobs | None) -> None:
         """Set the scheduler's limits from the model's live knobs (None: the start-up ones).
@@ -159,14 +151,6 @@ class WorkerRuntime:
         await self.engine_loop.retune(seqs, tokens)
         logger.info("%s: scheduler limits now %d sequences, %d tokens a step%s", self.worker_id, seqs, tokens,
                     "" if knobs is not None else " (start-up settings)")  # fmt: skip
-
-    def _occupancy(self) -> Occupancy:
-        load = self.engine_loop.load
-        return Occupancy(
-            running=load.running + load.awaiting_kv, waiting=load.waiting, kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_total=load.kv_blocks_total, held_requests=load.held_requests,
-            num_preemptions=load.num_preemptions,
-        )  # fmt: skip
 
     def request_stop(self, reason: str) -> None:
         """Begin the drain (idempotent); ``run`` then finishes the work and exits."""
