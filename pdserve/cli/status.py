@@ -89,19 +89,20 @@ def run_status(args: argparse.Namespace) -> int:
 async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
     """Redraw until interrupted; while etcd is away, say so and keep trying."""
     reconnect = EtcdConnection(args.etcd, ETCD_TIMEOUT_S)
-    current: aetcd.Client | None = client
+    first: aetcd.Client | None = client  # run_with_etcd's (it closes it), until a read fails
     is_tty = sys.stdout.isatty()
     try:
         while True:
             try:
-                if current is None:
-                    current = await reconnect.client()
-                status = await collect(current, args.etcd, args.model)
+                if first is not None:
+                    status = await collect(first, args.etcd, args.model)
+                else:
+                    async with reconnect.use() as current:
+                        status = await collect(current, args.etcd, args.model)
                 text = None if args.json else render(status)
             except (*ETCD_ERRORS, RegistryUnavailable) as error:
                 status, text = None, f"{unreachable(args.etcd, error)}; retrying every {fmt_seconds(args.interval)}"
-                await reconnect.reset()  # the first client is closed by run_with_etcd
-                current = None
+                first = None
             if args.json:
                 print_json(status or {"etcd": args.etcd, "time": time.time(), "error": text}, compact=True)
             else:
@@ -111,7 +112,7 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
     finally:
-        await reconnect.reset()
+        await reconnect.close()
 
 
 async def read_decisions(client: aetcd.Client) -> dict[str, dict[str, Any]]:

@@ -5,7 +5,8 @@ Every process runs this, data plane and control plane alike.
   of it (a lease-kept entry) and ``registry_view`` the readers' (a refreshed view).
 - ``knobs`` and ``knobs_follower``: a model's live knobs and the loop that applies them.
 - ``slo`` and ``slo_store``: a model's latency targets.
-- ``etcd`` reaches a real etcd; ``embedded_etcd`` stands in for one on a single machine.
+- ``etcd`` reaches a real etcd through one connection a process shares; ``retry`` outlives
+  its outages; ``embedded_etcd`` stands in for one on a single machine.
 """
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd

@@ -5,7 +5,8 @@ pool → the role's gRPC service → the model's live knobs, read once and then 
 etcd registration (last, so that nothing is routed here before it can serve, with the knobs
 in force). Shutdown is the reverse, after a drain: the worker reports itself draining
 (registry and health), refuses new requests, lets in-flight ones finish — bounded by
-``drain_timeout_s`` — then revokes its lease and closes everything it owns.
+``drain_timeout_s`` — then revokes its lease and closes everything it owns. Everything that
+talks to etcd shares the runtime's one connection, closed last.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registration import WorkerRegistration
@@ -53,6 +55,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def close(self) -> None:
         """Release what ``start`` acquired (called after the drain)."""
 
+    def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
+        """What follows the model's live knobs for this role: a poll of the model's key."""
+        return KnobsFollower.from_etcd(self.runtime.etcd, self.runtime.config.served_model_name, apply)
+
     async def Drain(
         self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DrainResponse:
@@ -67,7 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class WorkerRuntime:
-    """Owns a worker's engine loop, NIXL agent, gRPC server and registration."""
+    """Owns a worker's engine loop, NIXL agent, gRPC server, etcd connection and registration."""
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
         self.config = config
@@ -79,8 +85,9 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
         self.server = RpcServer()
+        self.etcd = EtcdConnection(config.etcd, min(MAX_CALL_TIMEOUT_S, config.lease_ttl_s / 2))
         self.registration: WorkerRegistration | None = None
-        self.knobs = KnobsFollower(config.etcd, config.served_model_name, self.apply_knobs)
+        self.knobs: KnobsFollower | None = None
         self.servicer: WorkerServicer | None = None
         self.draining = False
         self.endpoint: str | None = None
@@ -98,10 +105,11 @@ class WorkerRuntime:
         self.endpoint = f"{self.config.reachable_host}:{port}"
         if self.config.metrics_port is not None:
             self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
+        self.knobs = self.servicer.knobs_follower(self.apply_knobs)
         await self.knobs.poll()
         self.knobs.start()
         self.registration = WorkerRegistration(
-            self.config.etcd, self._entry(), self._load, draining=self._draining, ttl_s=self.config.lease_ttl_s
+            self.etcd, self._entry(), self._load, draining=self._draining, ttl_s=self.config.lease_ttl_s
         )
         await self.registration.start()
         logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
@@ -185,7 +193,8 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         """Leave the registry, stop serving, free the agent and the engine thread."""
-        await self.knobs.close()
+        if self.knobs is not None:
+            await self.knobs.close()
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(grace_s=1.0)
@@ -193,3 +202,4 @@ class WorkerRuntime:
             await self.servicer.close()
         await self.agent.close()
         await self.engine_loop.stop()
+        await self.etcd.close()  # last: the knobs, the registration and a decode worker's view use it

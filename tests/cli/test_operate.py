@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.etcd import EtcdConnection, close_quietly, connect
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry, frontend_key, list_workers, planner_key
 from pdserve.engine.load import EngineLoad
@@ -53,8 +53,9 @@ def make_entry(model: str, worker_id: str, role: str, endpoint: str = "127.0.0.1
 @asynccontextmanager
 async def registered(etcd_url: str, *entries: WorkerEntry) -> AsyncIterator[None]:
     """The entries registered, each with the load and draining state it carries."""
+    etcd = EtcdConnection(etcd_url)
     registrations = [
-        WorkerRegistration(etcd_url, entry, lambda e=entry: e.load, draining=lambda e=entry: e.draining, ttl_s=5)
+        WorkerRegistration(etcd, entry, lambda e=entry: e.load, draining=lambda e=entry: e.draining, ttl_s=5)
         for entry in entries
     ]
     try:
@@ -64,6 +65,7 @@ async def registered(etcd_url: str, *entries: WorkerEntry) -> AsyncIterator[None
     finally:
         for registration in registrations:
             await registration.close()
+        await etcd.close()
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
+from pdserve.discovery.etcd import EtcdConnection, EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import (
     Role,
@@ -176,8 +176,9 @@ def test_registration_and_view_give_up_at_their_start_timeout() -> None:
     url = f"http://127.0.0.1:{free_port()}"
 
     async def body() -> None:
-        registration = WorkerRegistration(url, make_entry("m", "w"), EngineLoad, start_timeout_s=1.0)
-        view = RegistryView(url, start_timeout_s=1.0)
+        etcd = EtcdConnection(url)
+        registration = WorkerRegistration(etcd, make_entry("m", "w"), EngineLoad, start_timeout_s=1.0)
+        view = RegistryView(etcd, start_timeout_s=1.0)
         for start in (registration.start, view.start):
             began = time.monotonic()
             with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
@@ -192,10 +193,11 @@ def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: 
     entry = make_entry(model, "prefill-0")
 
     async def body() -> None:
+        etcd = EtcdConnection(registry_url)
         registration = WorkerRegistration(
-            registry_url, entry, lambda: loads[-1], draining=lambda: len(loads) > 1, ttl_s=3, refresh_s=0.5
+            etcd, entry, lambda: loads[-1], draining=lambda: len(loads) > 1, ttl_s=3, refresh_s=0.5
         )
-        view = RegistryView(registry_url, poll_s=0.1)
+        view = RegistryView(etcd, poll_s=0.1)
         await registration.start()
         await view.start()
         try:
@@ -220,6 +222,7 @@ def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: 
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
 
     run_scenario(body())
 
@@ -235,18 +238,19 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
             events.append((mine(added), mine(removed)))
 
     async def body() -> None:
-        view = RegistryView(registry_url, poll_s=0.1)
+        etcd = EtcdConnection(registry_url)
+        view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         view.add_listener(listener)
         first = WorkerRegistration(
-            registry_url,
+            etcd,
             make_entry(model, "d0", "decode"),
             EngineLoad,
             ttl_s=3,
             refresh_s=1,
         )
         second = WorkerRegistration(
-            registry_url,
+            etcd,
             make_entry(model, "d1", "decode"),
             EngineLoad,
             ttl_s=3,
@@ -269,13 +273,14 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
         )
 
         # The same worker id back after a restart: its old self removed, its new self added.
-        restarted = WorkerRegistration(registry_url, make_entry(model, "d1", "decode", started_at=2.0), EngineLoad)
+        restarted = WorkerRegistration(etcd, make_entry(model, "d1", "decode", started_at=2.0), EngineLoad)
         await restarted.start()
         await eventually(lambda: view.get("d1").started_at == 2.0, 2.0, "restarted d1 seen")
         await second.close()  # revokes the old lease; the restarted worker's key is its own now
         await restarted.close()
         await eventually(lambda: view.workers(model=model) == [], 2.0, "all gone")
         await view.close()
+        await etcd.close()
 
     run_scenario(body())
     flat = [(tuple(a), tuple(r)) for a, r in events]
@@ -301,7 +306,8 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
     )
 
     async def body() -> float:
-        view = RegistryView(registry_url, poll_s=0.1)
+        etcd = EtcdConnection(registry_url)
+        view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         try:
             assert child.stdout.readline().strip() == "registered"
@@ -313,6 +319,7 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
             return time.monotonic() - killed_at
         finally:
             await view.close()
+            await etcd.close()
 
     try:
         gone_after = run_scenario(body())
@@ -326,12 +333,14 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
 # A worker in its own process: registers, says so, and refreshes until killed.
 CHILD_WORKER = """
 import asyncio, sys
+from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registry import decode_entry
 from pdserve.engine.load import EngineLoad
 from pdserve.discovery.registration import WorkerRegistration
 
 async def main():
-    registration = WorkerRegistration(sys.argv[1], decode_entry(sys.argv[2].encode()), EngineLoad, ttl_s=2, refresh_s=0.5)
+    etcd = EtcdConnection(sys.argv[1])
+    registration = WorkerRegistration(etcd, decode_entry(sys.argv[2].encode()), EngineLoad, ttl_s=2, refresh_s=0.5)
     await registration.start()
     print("registered", flush=True)
     await asyncio.Event().wait()
@@ -347,14 +356,15 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
 
     async def body() -> None:
         client = await connect(registry_url)
-        registration = WorkerRegistration(registry_url, make_entry(model, "good"), EngineLoad, ttl_s=3)
+        etcd = EtcdConnection(registry_url)
+        registration = WorkerRegistration(etcd, make_entry(model, "good"), EngineLoad, ttl_s=3)
         await registration.start()
         await client.put(garbage_key, b"{not json")
         await client.put(
             worker_key(model, "decode", "bad-role").encode(),
             b'{"worker_id": "x", "role": "chef"}',
         )
-        view = RegistryView(registry_url, poll_s=0.05)
+        view = RegistryView(etcd, poll_s=0.05)
         try:
             await view.start()
             await asyncio.sleep(0.3)  # several polls over the same bad values
@@ -363,6 +373,7 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
             await client.delete(garbage_key)
             await client.delete(worker_key(model, "decode", "bad-role").encode())
             await client.close()
@@ -379,8 +390,9 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
 @pytest.mark.parametrize("wipe", [False, True], ids=["same-data-dir", "wiped-data-dir"])
 def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wipe: bool) -> None:
     async def body() -> None:
-        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
-        view = RegistryView(etcd_server.url, poll_s=0.1, stale_after_s=1.0)
+        etcd = EtcdConnection(etcd_server.url, 1.0)  # one client for both, as in a decode worker
+        registration = WorkerRegistration(etcd, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
+        view = RegistryView(etcd, poll_s=0.1, stale_after_s=1.0)
         await registration.start()
         await view.start()
         first_lease = registration.lease_id
@@ -413,18 +425,21 @@ def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wi
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
 
     run_scenario(body())
 
 
 def test_close_with_etcd_down_gives_up_quickly(etcd_server: EtcdServer, model: str) -> None:
     async def body() -> None:
-        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
+        etcd = EtcdConnection(etcd_server.url, 1.0)
+        registration = WorkerRegistration(etcd, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
         await registration.start()
         etcd_server.stop()
         start = time.monotonic()
         await registration.close()
         assert time.monotonic() - start < 2.5
         assert registration.lease_id is None
+        await etcd.close()
 
     run_scenario(body())
