@@ -182,10 +182,10 @@ def small_op_cases(z: Sizes, device: str, backend) -> list[Case]:
 
 
 def moe_cases(z: Sizes, device: str, backend) -> list[Case]:
-    from pdserve.kernels.backend import RouterConfig
+    from pdserve.kernels.backend import MoERouting
 
     dt, e, t, num_experts, hidden, inter = torch.bfloat16, 2, z.moe_tokens, z.v3_experts, z.v3_hidden, z.v3_inter
-    config = RouterConfig(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, group_score="top2_sum", scaling_factor=2.5)
+    config = MoERouting(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, group_score="top2_sum", scaling_factor=2.5)
     logits = torch.randn(t, num_experts, device=device)
     bias = torch.randn(num_experts, device=device) / 10
     x = torch.randn(t, hidden, device=device).to(dt)

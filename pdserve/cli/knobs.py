@@ -10,7 +10,7 @@ import msgspec
 
 from pdserve.cli.operate import EXIT_STATUS, OperationFailed, add_etcd_arg, print_json, run_with_etcd, table
 from pdserve.discovery.knobs import Knobs, delete_knobs, get_knobs, list_knobs, put_knobs
-from pdserve.discovery.registry import WorkerEntry, knobs_key, list_workers
+from pdserve.discovery.registry import Role, WorkerEntry, knobs_key, list_workers
 from pdserve.discovery.slo_store import get_slo
 from pdserve.observability.frontend_stats import list_frontend_stats
 from pdserve.planner.deployed_knobs import deployed_knobs
@@ -125,9 +125,9 @@ def _capped(knobs: Knobs, workers: list[WorkerEntry]) -> list[str]:
     """What the registered workers will cap, because they were started with less."""
     notes = []
     for role, field, limit_of in (
-        ("decode", "decode_max_num_seqs", lambda w: w.max_num_seqs),
-        ("decode", "decode_max_num_batched_tokens", lambda w: w.max_num_batched_tokens),
-        ("prefill", "prefill_chunk_size", lambda w: w.max_num_batched_tokens),
+        (Role.DECODE, "decode_max_num_seqs", lambda w: w.max_num_seqs),
+        (Role.DECODE, "decode_max_num_batched_tokens", lambda w: w.max_num_batched_tokens),
+        (Role.PREFILL, "prefill_chunk_size", lambda w: w.max_num_batched_tokens),
     ):
         limits = [limit_of(w) for w in workers if w.role == role and limit_of(w)]
         if limits and getattr(knobs, field) > min(limits):

@@ -23,7 +23,7 @@ import grpc
 import msgspec
 
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
-from pdserve.discovery.registry import ROLES, WORKERS_PREFIX, WorkerEntry, decode_entries, decode_entry, worker_key
+from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
 from pdserve.discovery.slo import parse_duration
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -37,7 +37,7 @@ etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379."""
 WORKERS_EXAMPLES = f"""examples:
   pdserve workers --etcd http://127.0.0.1:2379
   PDSERVE_ETCD=http://etcd:2379 pdserve workers --model meta-llama/Llama-3.1-8B
-  pdserve workers --json | jq '.[] | select(.load.draining) | .worker_id'
+  pdserve workers --json | jq '.[] | select(.draining) | .worker_id'
 
 columns: RUN/WAIT requests running and queued; KV the share of KV blocks in use; HELD prompts
 whose KV a prefill worker keeps pinned for a decode worker to pull; UP time since the worker
@@ -161,7 +161,7 @@ async def read_workers(client: aetcd.Client) -> list[tuple[WorkerEntry, int]]:
         response = await client.get_prefix(WORKERS_PREFIX.encode())
     warned: set[tuple[bytes, int]] = set()
     workers = [(entry, kv.lease) for kv in response for entry in decode_entries([kv], warned)]
-    return sorted(workers, key=lambda w: (w[0].model, ROLES.index(w[0].role), w[0].worker_id))
+    return sorted(workers, key=lambda w: (w[0].model, list(Role).index(w[0].role), w[0].worker_id))
 
 
 async def lease_ttls(client: aetcd.Client, lease_ids: set[int]) -> dict[int, tuple[int, int]]:
@@ -227,8 +227,8 @@ def run_workers(args: argparse.Namespace) -> int:
             ttl = ttls.get(lease)
             rows.append([
                 e.role, e.worker_id, e.endpoint, e.model, e.load.running, e.load.waiting,
-                f"{e.load.kv_usage:.0%}", e.load.held_requests if e.role == "prefill" else None,
-                "draining" if e.load.draining else "ready", fmt_age(now - e.started_at),
+                f"{e.load.kv_usage:.0%}", e.load.held_requests if e.role is Role.PREFILL else None,
+                "draining" if e.draining else "ready", fmt_age(now - e.started_at),
                 f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
             ])  # fmt: skip
         print(table(["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE"], rows))

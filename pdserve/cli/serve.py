@@ -23,15 +23,16 @@ from pdserve.cli.common import (
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
 from pdserve.worker.config import WorkerConfig
+from pdserve.discovery.registry import Role
 
 Config = TypeVar("Config", WorkerConfig, FrontendConfig)
 
 WORKER_DESCRIPTION = {
-    "prefill": """Run a prefill worker: it computes prompts' KV and first tokens and keeps each
+    Role.PREFILL: """Run a prefill worker: it computes prompts' KV and first tokens and keeps each
 prompt's KV blocks pinned until a decode worker has pulled them over NIXL. It registers in etcd
 under a lease (key /pdserve/v1/workers/MODEL/prefill/ID) and refreshes its load about every
 second; SIGTERM drains it (no new work, in-flight work finishes) and revokes the lease.""",
-    "decode": """Run a decode worker: it pulls prompts' KV from prefill workers over NIXL (or
+    Role.DECODE: """Run a decode worker: it pulls prompts' KV from prefill workers over NIXL (or
 computes short prompts itself) and streams the generated tokens. It registers in etcd under a
 lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight streams finish.""",
 }
@@ -45,7 +46,7 @@ frontend; give no other option with it"""
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
-    for role in ("prefill", "decode"):
+    for role in Role:
         p = commands.add_parser(
             role,
             help=f"run a {role} worker",
@@ -72,7 +73,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     f.set_defaults(func=run_frontend)
 
 
-def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
+def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     """The ``WorkerConfig`` options of a ``role`` worker (its engine's: ``add_engine_args``)."""
 
     def option(flag: str, field: str, help: str, **kwargs: object) -> None:
@@ -85,7 +86,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: str) -> None:
     option("--worker-id", "worker_id", "name in the registry (default: ROLE-HOSTNAME-PID)")
     option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=seconds)
     option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=seconds)
-    if role == "prefill":
+    if role is Role.PREFILL:
         option("--hold", "hold_s", "longest a prompt's blocks stay pinned awaiting the pull (default: {default:g}s)",
                type=seconds)  # fmt: skip
     else:

@@ -18,7 +18,7 @@ from pdserve.cli.operate import (
     run_with_etcd,
     table,
 )
-from pdserve.discovery.registry import slo_key
+from pdserve.discovery.registry import Role, slo_key
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import delete_slo, get_slo, list_slos, put_slo
 
@@ -63,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     set_.add_argument("--itl-p90", type=duration, metavar="DURATION", help="p90 inter-token latency, e.g. 30ms")
     set_.add_argument("--e2e-p90", type=_optional_duration, default=argparse.SUPPRESS, metavar="DURATION",
                       help="p90 end-to-end latency, e.g. 20s; `none` removes it (default: keep; none)")  # fmt: skip
-    for role in ("prefill", "decode"):
+    for role in Role:
         for bound in ("min", "max"):
             set_.add_argument(f"--{bound}-{role}", type=int, metavar="N",
                               help=f"{bound}imum {role} replicas (default: keep; "

@@ -29,7 +29,7 @@ from pdserve.cli.operate import (
 )
 from pdserve.discovery.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.discovery.knobs import list_knobs
-from pdserve.discovery.registry import ROLES, ROOT, WorkerEntry
+from pdserve.discovery.registry import ROOT, Role, WorkerEntry
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import list_slos
 from pdserve.observability.frontend_stats import ModelStats, list_frontend_stats
@@ -89,19 +89,20 @@ def run_status(args: argparse.Namespace) -> int:
 async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
     """Redraw until interrupted; while etcd is away, say so and keep trying."""
     reconnect = EtcdConnection(args.etcd, ETCD_TIMEOUT_S)
-    current: aetcd.Client | None = client
+    first: aetcd.Client | None = client  # run_with_etcd's (it closes it), until a read fails
     is_tty = sys.stdout.isatty()
     try:
         while True:
             try:
-                if current is None:
-                    current = await reconnect.client()
-                status = await collect(current, args.etcd, args.model)
+                if first is not None:
+                    status = await collect(first, args.etcd, args.model)
+                else:
+                    async with reconnect.use() as current:
+                        status = await collect(current, args.etcd, args.model)
                 text = None if args.json else render(status)
             except (*ETCD_ERRORS, RegistryUnavailable) as error:
                 status, text = None, f"{unreachable(args.etcd, error)}; retrying every {fmt_seconds(args.interval)}"
-                await reconnect.reset()  # the first client is closed by run_with_etcd
-                current = None
+                first = None
             if args.json:
                 print_json(status or {"etcd": args.etcd, "time": time.time(), "error": text}, compact=True)
             else:
@@ -111,7 +112,7 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
     finally:
-        await reconnect.reset()
+        await reconnect.close()
 
 
 async def read_decisions(client: aetcd.Client) -> dict[str, dict[str, Any]]:
@@ -154,7 +155,7 @@ async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> 
         models.append({
             "model": name,
             "slo": msgspec.to_builtins(slo) if slo is not None else None,
-            "pools": {role: pool_status([e for e in entries if e.role == role]) for role in ROLES},
+            "pools": {role: pool_status([e for e in entries if e.role == role]) for role in Role},
             "latency": latency,
             "checks": checks(slo, latency),
             "planner": decisions.get(name),
@@ -168,8 +169,8 @@ def pool_status(entries: list[WorkerEntry]) -> dict[str, Any]:
     loads = [e.load for e in entries]
     total_blocks = sum(load.kv_blocks_total for load in loads)
     return {
-        "ready": sum(not load.draining for load in loads),
-        "draining": sum(load.draining for load in loads),
+        "ready": sum(not e.draining for e in entries),
+        "draining": sum(e.draining for e in entries),
         "workers": [e.worker_id for e in entries],
         "running": sum(load.running for load in loads),
         "waiting": sum(load.waiting for load in loads),
@@ -234,13 +235,13 @@ def _render_model(m: dict[str, Any], now: float, num_frontends: int) -> str:
     if slo is None:
         lines.append(f"  no SLO set (pdserve slo set --model {m['model']} --ttft-p90 500ms --itl-p90 30ms)")
     rows = []
-    for role in ROLES:
+    for role in Role:
         p = pools[role]
         kv = f"{p['kv_usage']:.0%}" if p["kv_usage"] is not None else None
         bounds = f"{slo[f'min_{role}_replicas']}..{slo[f'max_{role}_replicas']}" if slo else None
         rows.append([role, p["ready"], p["draining"], p["running"], p["waiting"],
-                     p["held_requests"] if role == "prefill" else None,
-                     p["queued_prefill_tokens"] if role == "prefill" else None, kv,
+                     p["held_requests"] if role is Role.PREFILL else None,
+                     p["queued_prefill_tokens"] if role is Role.PREFILL else None, kv,
                      planner.get(f"{role}_replicas"), bounds])  # fmt: skip
     headers = ["POOL", "READY", "DRAINING", "RUNNING", "WAITING", "HELD", "QUEUED_TOK", "KV", "PLANNED", "BOUNDS"]
     lines.append(table(headers, rows, "  "))
@@ -282,7 +283,7 @@ def _render_planner(decision: dict[str, Any] | None, now: float) -> list[str]:
     # Decision.time is the observation's clock; it reads as an age only when it is unix time.
     is_unix = isinstance(when, (int, float)) and 1e9 < when <= now + 60
     head = f"  planner ({fmt_age(now - when)} ago)" if is_unix else f"  planner (time {when})"
-    parts = [f"{role} {decision[f'{role}_replicas']}" for role in ROLES if f"{role}_replicas" in decision]
+    parts = [f"{role} {decision[f'{role}_replicas']}" for role in Role if f"{role}_replicas" in decision]
     if isinstance(decision.get("rate"), (int, float)):
         peak = decision.get("peak_rate")
         parts.append(

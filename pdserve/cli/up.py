@@ -18,6 +18,7 @@ from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, frontend_config
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
+from pdserve.discovery.registry import Role
 
 DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as separate
 processes on this machine (each with its own engine and NIXL agent), print where the API
@@ -69,7 +70,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
     scaling.add_argument("--ttft-p90", type=duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
     scaling.add_argument("--itl-p90", type=duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
-    for role in ("prefill", "decode"):
+    for role in Role:
         scaling.add_argument(f"--max-{role}", type=int, default=4, metavar="N",
                              help=f"autoscale: most {role} workers (default: 4; the fewest is 1)")  # fmt: skip
     add_planner_args(scaling)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --prefill {args.prefill} --decode {args.decode}")
     if args.prefill == 0 and frontend.router.disaggregation == "always":
         raise ValueError("--disaggregation always needs --prefill >= 1")
-    prefill = WorkerConfig(role="prefill", model=args.model, etcd="", num_threads=args.threads_per_worker,
+    prefill = WorkerConfig(role=Role.PREFILL, model=args.model, etcd="", num_threads=args.threads_per_worker,
                            engine=from_options(args, EngineConfig))  # fmt: skip
     autoscale = None
     if args.autoscale:
@@ -99,6 +100,6 @@ def run(args: argparse.Namespace) -> int:
                          max_prefill_replicas=max(args.max_prefill, args.prefill),
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         autoscale = Autoscale(slo, *load_planner(args))
-    decode = msgspec.structs.replace(prefill, role="decode")  # the same settings in the other pool
+    decode = msgspec.structs.replace(prefill, role=Role.DECODE)  # the same settings in the other pool
     cluster = ClusterSpec(prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd)
     return up(UpSpec(cluster, num_prefill=args.prefill, num_decode=args.decode, autoscale=autoscale))

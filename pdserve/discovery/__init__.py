@@ -5,13 +5,14 @@ Every process runs this, data plane and control plane alike.
   of it (a lease-kept entry) and ``registry_view`` the readers' (a refreshed view).
 - ``knobs`` and ``knobs_follower``: a model's live knobs and the loop that applies them.
 - ``slo`` and ``slo_store``: a model's latency targets.
-- ``etcd`` reaches a real etcd; ``embedded_etcd`` stands in for one on a single machine.
+- ``etcd`` reaches a real etcd through one connection a process shares; ``retry`` outlives
+  its outages; ``embedded_etcd`` stands in for one on a single machine.
 """
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
 from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, list_workers
+from pdserve.discovery.registry import Role, WorkerEntry, list_workers
 from pdserve.discovery.registry_view import RegistryView
 
 __all__ = [
@@ -19,8 +20,8 @@ __all__ = [
     "EtcdEndpoint",
     "RegistryUnavailable",
     "RegistryView",
+    "Role",
     "WorkerEntry",
-    "WorkerLoad",
     "WorkerRegistration",
     "connect",
     "list_workers",

@@ -1,4 +1,4 @@
-"""Reaching etcd: parse its URL, open an aetcd client that is known to answer.
+"""Reaching etcd: parse its URL, open an aetcd client that is known to answer, share it.
 
 aetcd's own ``connect()`` only builds a gRPC channel and never talks to the server, and its
 calls have no deadline unless one is given; a server that accepts connections but never
@@ -9,6 +9,8 @@ deadline, and every caller in pdserve wraps each aetcd call in ``asyncio.timeout
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -96,26 +98,53 @@ async def close_quietly(client: aetcd.Client, timeout_s: float = 1.0) -> None:
 
 
 class EtcdConnection:
-    """A client opened on first use and dropped after any failure, so the next use dials afresh.
+    """One client to etcd that the parts of a process share; whoever made it closes it, last.
 
-    Dropping matters: after an outage gRPC's reconnect backoff on an old channel can grow to
-    minutes, while a new channel dials at once.
+    The client is opened on first use (``connect``, under ``timeout_s``) and dropped when a
+    call on it fails, so that the next use dials afresh: after an outage gRPC's reconnect
+    backoff on an old channel can grow to minutes, while a new channel dials at once. A
+    dropped client is closed when the last call on it ends, not at once: closing a channel
+    cancels the calls on it, and one part's failure must not cancel another part's call.
     """
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float = MAX_CALL_TIMEOUT_S) -> None:
         EtcdEndpoint.parse(url)  # a malformed URL fails here, not at first use
         self.url = url
         self.timeout_s = timeout_s
         self._client: aetcd.Client | None = None
+        self._num_calls: dict[aetcd.Client, int] = {}  # uses under way, of the client and of dropped ones
+        self._connecting = asyncio.Lock()  # one dial at a time: a second would leak the first's client
 
-    async def client(self) -> aetcd.Client:
-        """The open client, connecting (under ``timeout_s``) if there is none."""
-        if self._client is None:
-            self._client = await connect(self.url, self.timeout_s)
-        return self._client
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[aetcd.Client]:
+        """The client, for calls each under its own deadline (inside the block, so that a
+        deadline passed counts as a failure); a failed call drops the client.
 
-    async def reset(self) -> None:
-        """Close the client, if any; the next ``client()`` connects again."""
-        if self._client is not None:
-            client, self._client = self._client, None
+        Raises RegistryUnavailable when there is no client and none can be opened.
+        """
+        client = await self._open()
+        self._num_calls[client] = self._num_calls.get(client, 0) + 1
+        try:
+            yield client
+        except ETCD_ERRORS:
+            if self._client is client:
+                self._client = None
+            raise
+        finally:
+            self._num_calls[client] -= 1
+            if not self._num_calls[client]:
+                del self._num_calls[client]
+                if client is not self._client:
+                    await close_quietly(client)
+
+    async def close(self) -> None:
+        """Close the client; for the owner, once nothing uses the connection any more."""
+        client, self._client = self._client, None
+        if client is not None:
             await close_quietly(client)
+
+    async def _open(self) -> aetcd.Client:
+        async with self._connecting:
+            if self._client is None:
+                self._client = await connect(self.url, self.timeout_s)
+            return self._client

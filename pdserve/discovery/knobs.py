@@ -109,18 +109,25 @@ async def list_knobs(client: aetcd.Client, timeout_s: float = 3.0) -> dict[str, 
 
 
 def parse_knobs(
-    kvs: Iterable[aetcd.rtypes.KeyValue], warned: set[tuple[bytes, int]] | None = None
+    kvs: Iterable[aetcd.rtypes.KeyValue],
+    warned: set[tuple[bytes, int]] | None = None,
+    last: dict[str, Knobs] | None = None,
 ) -> dict[str, Knobs]:
     """``{model: Knobs}`` from the key-values under ``KNOBS_PREFIX``; bad values are skipped
-    with a warning, once per value when a ``warned`` set is kept between calls."""
+    with a warning, once per value when a ``warned`` set is kept between calls. A reader that
+    passes the ``last`` result keeps a model's knobs from it when its new value is bad, as
+    the model's workers do."""
     knobs = {}
     for kv in kvs:
         key = kv.key.decode(errors="replace")
+        model = unquote(key.removeprefix(KNOBS_PREFIX))
         try:
-            knobs[unquote(key.removeprefix(KNOBS_PREFIX))] = decode_knobs(kv.value)
+            knobs[model] = decode_knobs(kv.value)
         except ValueError as error:
             if warned is None or (kv.key, kv.mod_revision) not in warned:
                 logger.warning("skipping %s: %s", key, error)
             if warned is not None:
                 warned.add((kv.key, kv.mod_revision))
+            if last is not None and model in last:
+                knobs[model] = last[model]
     return knobs

@@ -1,7 +1,8 @@
 """Values kept in etcd under a lease while their owner lives: a worker's entry, a frontend's stats.
 
 ``LeasedRecord`` is the mechanism (lease, refresh, outage handling); ``WorkerRegistration``
-is a worker's entry with its live load.
+is a worker's entry with its live load. Both write through the process's ``EtcdConnection``,
+which their owner closes after them.
 """
 
 from __future__ import annotations
@@ -14,15 +15,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.discovery.etcd import (
-    ETCD_ERRORS,
-    MAX_BACKOFF_S,
-    MAX_CALL_TIMEOUT_S,
-    MIN_BACKOFF_S,
-    EtcdConnection,
-    RegistryUnavailable,
-)
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, encode_entry
+from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
+from pdserve.discovery.registry import WorkerEntry, encode_entry
+from pdserve.discovery.retry import UNAVAILABLE, Outage, retry_until
+from pdserve.engine.load import EngineLoad
 from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -43,7 +39,7 @@ class LeasedRecord:
 
     def __init__(
         self,
-        etcd_url: str,
+        etcd: EtcdConnection,
         key: str,
         value: Callable[[], bytes],
         *,
@@ -54,18 +50,17 @@ class LeasedRecord:
     ) -> None:
         if not 0 < refresh_s < ttl_s:
             raise ValueError(f"refresh_s ({refresh_s}) must be positive and below ttl_s ({ttl_s})")
-        self.etcd_url = etcd_url
         self.key = key
         self.name = name
+        self._etcd = etcd
         self._value = value
         self._ttl = max(1, math.ceil(ttl_s))  # etcd leases count whole seconds
         self._refresh_s = refresh_s
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = min(MAX_CALL_TIMEOUT_S, ttl_s / 2)
-        self._etcd = EtcdConnection(etcd_url, self._call_timeout_s)
+        self._outage = Outage(logger)
         self._lease_id: int | None = None
         self._task: asyncio.Task[None] | None = None
-        self._is_registered = False
 
     @property
     def lease_id(self) -> int | None:
@@ -74,31 +69,19 @@ class LeasedRecord:
 
     @property
     def is_registered(self) -> bool:
-        """Whether the last write to etcd succeeded."""
-        return self._is_registered
+        """Whether the key was written at start and the last write since succeeded."""
+        return self._task is not None and not self._outage.is_out
 
     async def start(self) -> None:
         """Write the key, retrying until ``start_timeout_s``; then keep it fresh in the background.
 
         Raises RegistryUnavailable naming the URL if no registration succeeded in time.
         """
-        deadline = time.monotonic() + self._start_timeout_s
-        backoff = MIN_BACKOFF_S
-        while True:
-            try:
-                await self._write()
-                break
-            except (*ETCD_ERRORS, RegistryUnavailable) as exc:
-                await self._etcd.reset()
-                if time.monotonic() + backoff > deadline:
-                    raise RegistryUnavailable(f"etcd at {self.etcd_url} is unreachable: {exc}") from exc
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, MAX_BACKOFF_S)
-        self._is_registered = True
+        await retry_until(self._etcd, self._write, self._start_timeout_s)
         logger.info(
             "registered %s at %s (lease %x, ttl %d s)",
             self.name,
-            self.etcd_url,
+            self._etcd.url,
             self._lease_id,
             self._ttl,
         )
@@ -114,98 +97,77 @@ class LeasedRecord:
             self._task = None
         if self._lease_id is not None:
             try:
-                client = await self._etcd.client()
-                async with asyncio.timeout(self._call_timeout_s):
+                async with self._etcd.use() as client, asyncio.timeout(self._call_timeout_s):
                     await client.revoke_lease(self._lease_id)
-            except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+            except UNAVAILABLE as exc:
                 logger.info(
                     "could not revoke lease %x (%s); it expires within %d s",
                     self._lease_id,
                     exc,
                     self._ttl,
                 )
-        await self._etcd.reset()
         self._lease_id = None
-        self._is_registered = False
 
     async def _keep_fresh(self) -> None:
-        backoff = MIN_BACKOFF_S
         while True:
-            await asyncio.sleep(self._refresh_s if self._is_registered else backoff)
+            await asyncio.sleep(self._outage.backoff_s if self._outage.is_out else self._refresh_s)
             try:
                 await self._write()
             except Exception as exc:  # the task must outlive any one failure
-                if self._is_registered:
-                    # Only expected etcd failures are shown without a traceback.
-                    expected = isinstance(exc, (*ETCD_ERRORS, RegistryUnavailable))
-                    logger.warning(
-                        "%s could not refresh its registration; retrying: %s",
-                        self.name,
-                        exc,
-                        exc_info=not expected,
-                    )
-                self._is_registered = False
-                await self._etcd.reset()
-                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                self._outage.failed(exc, "%s could not refresh its registration; retrying", self.name)
                 continue
-            if not self._is_registered:
-                logger.info(
-                    "%s registered again at %s (lease %x)",
-                    self.name,
-                    self.etcd_url,
-                    self._lease_id,
-                )
-            self._is_registered = True
-            backoff = MIN_BACKOFF_S
+            self._outage.answered("%s registered again at %s (lease %x)", self.name, self._etcd.url, self._lease_id)
 
     async def refresh_now(self) -> None:
         """Write the current value at once (e.g. a worker now ``draining``); best effort, bounded by a deadline."""
         try:
             await self._write()
-        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+        except UNAVAILABLE as exc:
             logger.info("%s could not publish its value now (%s); the next refresh will", self.name, exc)
 
     async def _write(self) -> None:
         """Renew (or replace) the lease, then write a fresh value under it."""
         timeout = self._call_timeout_s
-        client = await self._etcd.client()
-        if self._lease_id is not None:
+        async with self._etcd.use() as client:
+            if self._lease_id is not None:
+                async with asyncio.timeout(timeout):
+                    reply = await client.refresh_lease(self._lease_id)
+                # etcd answers a lease it no longer has with TTL 0 rather than an error.
+                if reply is None or reply.TTL <= 0:
+                    logger.warning("lease %x of %s is gone; registering under a new lease", self._lease_id, self.name)
+                    self._lease_id = None
+            if self._lease_id is None:
+                async with asyncio.timeout(timeout):
+                    lease = await client.lease(self._ttl)
+                self._lease_id = lease.id
             async with asyncio.timeout(timeout):
-                reply = await client.refresh_lease(self._lease_id)
-            # etcd answers a lease it no longer has with TTL 0 rather than an error.
-            if reply is None or reply.TTL <= 0:
-                logger.warning("lease %x of %s is gone; registering under a new lease", self._lease_id, self.name)
-                self._lease_id = None
-        if self._lease_id is None:
-            async with asyncio.timeout(timeout):
-                lease = await client.lease(self._ttl)
-            self._lease_id = lease.id
-        async with asyncio.timeout(timeout):
-            await client.put(self.key.encode(), self._value(), lease=self._lease_id)
+                await client.put(self.key.encode(), self._value(), lease=self._lease_id)
 
 
 class WorkerRegistration(LeasedRecord):
-    """A worker's entry at ``entry.key``, rewritten every ``refresh_s`` with a fresh ``load()``.
+    """A worker's entry at ``entry.key``, rewritten every ``refresh_s`` with a fresh ``load()``
+    and ``draining()``, stamped with the time of the write.
 
-    Draining is reported through ``load()`` (``WorkerLoad.draining``): the worker owns that
-    state, the registration only publishes it.
+    The worker owns its load and its draining state; the registration only publishes them.
     """
 
     def __init__(
         self,
-        etcd_url: str,
+        etcd: EtcdConnection,
         entry: WorkerEntry,
-        load: Callable[[], WorkerLoad],
+        load: Callable[[], EngineLoad],
         *,
+        draining: Callable[[], bool] = lambda: False,
         ttl_s: float = 5.0,
         refresh_s: float = 1.0,
         start_timeout_s: float = 30.0,
     ) -> None:
-        super().__init__(etcd_url, entry.key, self._entry_value, name=entry.worker_id, ttl_s=ttl_s,
+        super().__init__(etcd, entry.key, self._entry_value, name=entry.worker_id, ttl_s=ttl_s,
                          refresh_s=refresh_s, start_timeout_s=start_timeout_s)  # fmt: skip
         self.entry = entry
         self._load = load
+        self._draining = draining
 
     def _entry_value(self) -> bytes:
-        load = msgspec.structs.replace(self._load(), updated_at=time.time())
-        return encode_entry(msgspec.structs.replace(self.entry, load=load))
+        entry = msgspec.structs.replace(self.entry, load=self._load(), draining=self._draining(), updated_at=time.time())
+        return encode_entry(entry)

@@ -5,7 +5,6 @@ Key layout (a contract: routers, the planner, the CLI and the operator read thes
     /pdserve/v1/workers/{model}/{role}/{worker_id}   JSON WorkerEntry, under the worker's lease
     /pdserve/v1/slo/{model}                          JSON SLOTargets: the model's TTFT/ITL targets
     /pdserve/v1/planner/{model}                      JSON Decision: the planner's latest decision
-    /pdserve/v1/drain/{worker_id}                    reserved: a request to drain a worker
     /pdserve/v1/frontends/{frontend_id}              JSON FrontendStats, under the frontend's lease
     /pdserve/v1/knobs/{model}                        JSON Knobs: live scheduler and router settings
 
@@ -22,6 +21,7 @@ alive and rewrites the entry with fresh load about every second; a worker that s
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Iterable
 from urllib.parse import quote
@@ -30,19 +30,35 @@ import aetcd
 import aetcd.rtypes
 import msgspec
 
+from pdserve.engine.load import EngineLoad
+
 logger = logging.getLogger(__name__)
 
 ROOT = "/pdserve/v1"
 WORKERS_PREFIX = f"{ROOT}/workers/"
 KNOBS_PREFIX = f"{ROOT}/knobs/"
-ROLES = ("prefill", "decode")
+
+
+class Role(enum.StrEnum):
+    """What a worker does; the value is its key segment and its JSON value in etcd."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value: str) -> Role:
+        """``value`` as a Role; a ValueError naming the roles for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"role must be one of {', '.join(cls)}, got {value!r}") from None
 
 
 def _segment(name: str) -> str:
     return quote(name, safe="")
 
 
-def worker_key(model: str, role: str, worker_id: str) -> str:
+def worker_key(model: str, role: Role, worker_id: str) -> str:
     """The key of one worker's entry."""
     return f"{WORKERS_PREFIX}{_segment(model)}/{_segment(role)}/{_segment(worker_id)}"
 
@@ -57,11 +73,6 @@ def planner_key(model: str) -> str:
     return f"{ROOT}/planner/{_segment(model)}"
 
 
-def drain_key(worker_id: str) -> str:
-    """The key reserved for a request that a worker drain."""
-    return f"{ROOT}/drain/{_segment(worker_id)}"
-
-
 def knobs_key(model: str) -> str:
     """The key of a model's live knobs (``knobs_store``)."""
     return f"{KNOBS_PREFIX}{_segment(model)}"
@@ -72,35 +83,11 @@ def frontend_key(frontend_id: str) -> str:
     return f"{ROOT}/frontends/{_segment(frontend_id)}"
 
 
-class WorkerLoad(msgspec.Struct, kw_only=True, frozen=True):
-    """A worker's load as it last reported it."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    # Prefill only: requests whose blocks stay pinned until a decode worker has pulled them.
-    held_requests: int = 0
-    queued_prefill_tokens: int = 0
-    # A draining worker finishes what it has and must be sent nothing new.
-    draining: bool = False
-    # The scheduler limits in force (live knobs may lower them below the entry's start-up
-    # values); 0 when not reported.
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of KV blocks in use; 0 when the worker has not reported its pool."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
 class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
-    """What a worker publishes about itself: identity, where to reach it, its KV geometry."""
+    """What a worker publishes about itself: identity, where to reach it, its KV geometry, its load."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     model: str
     model_path: str
     endpoint: str  # host:port of the worker's gRPC service
@@ -113,11 +100,12 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int = 0  # 0: not reported (an older worker)
     started_at: float  # unix seconds; tells a restarted worker from its earlier self
     metrics_port: int | None = None
-    load: WorkerLoad = WorkerLoad()
+    load: EngineLoad = EngineLoad()  # as the worker last reported it
+    draining: bool = False  # a draining worker finishes what it has and must be sent nothing new
+    updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        msgspec.structs.force_setattr(self, "role", Role.parse(self.role))  # a str given in code becomes a Role
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
 

@@ -9,15 +9,10 @@ import math
 import time
 from collections.abc import Callable
 
-from pdserve.discovery.etcd import (
-    ETCD_ERRORS,
-    MAX_BACKOFF_S,
-    MAX_CALL_TIMEOUT_S,
-    EtcdConnection,
-    RegistryUnavailable,
-)
+from pdserve.discovery.etcd import MAX_BACKOFF_S, MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.knobs import Knobs, parse_knobs
-from pdserve.discovery.registry import KNOBS_PREFIX, WORKERS_PREFIX, WorkerEntry, decode_entries
+from pdserve.discovery.registry import KNOBS_PREFIX, WORKERS_PREFIX, Role, WorkerEntry, decode_entries
+from pdserve.discovery.retry import Outage, retry_until
 from pdserve.lifecycle import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -31,22 +26,24 @@ class RegistryView:
     plain read under a deadline, so the view survives etcd restarts, data loss and network
     cuts with no reconnect or resync logic. While etcd is unreachable the view keeps the last
     workers it saw and, after ``stale_after_s`` without a successful read, reports
-    ``is_stale``; it keeps retrying meanwhile.
+    ``is_stale``; it keeps retrying meanwhile. It reads through ``etcd``, which its owner
+    closes after it.
     """
 
     def __init__(
         self,
-        etcd_url: str,
+        etcd: EtcdConnection,
         *,
         poll_s: float = 0.5,
         stale_after_s: float = 3.0,
         start_timeout_s: float = 10.0,
     ) -> None:
-        self.etcd_url = etcd_url
-        self._poll_s = poll_s
+        self.poll_s = poll_s
+        self._etcd = etcd
         self._stale_after_s = stale_after_s
         self._start_timeout_s = start_timeout_s
-        self._etcd = EtcdConnection(etcd_url, min(MAX_CALL_TIMEOUT_S, max(poll_s, 0.5)))
+        self._call_timeout_s = min(MAX_CALL_TIMEOUT_S, max(poll_s, 0.5))
+        self._outage = Outage(logger)
         self._workers: dict[str, WorkerEntry] = {}
         self._knobs: dict[str, Knobs] = {}
         self._listeners: list[Callable[[list[WorkerEntry], list[WorkerEntry]], None]] = []
@@ -59,7 +56,7 @@ class RegistryView:
         """Whether the view has not been refreshed for more than ``stale_after_s``."""
         return time.monotonic() - self._last_read > self._stale_after_s
 
-    def workers(self, role: str | None = None, model: str | None = None) -> list[WorkerEntry]:
+    def workers(self, role: Role | None = None, model: str | None = None) -> list[WorkerEntry]:
         """Registered workers, optionally of one role and model, sorted by worker id."""
         return [
             entry
@@ -68,7 +65,8 @@ class RegistryView:
         ]
 
     def knobs(self, model: str) -> Knobs | None:
-        """The model's live knobs (``knobs_store``), or None when none are stored."""
+        """The model's live knobs, or None when none are stored; a stored value that does not
+        decode leaves the last good one in force."""
         return self._knobs.get(model)
 
     def get(self, worker_id: str) -> WorkerEntry | None:
@@ -88,55 +86,29 @@ class RegistryView:
 
         Raises RegistryUnavailable naming the URL if no read succeeded in time.
         """
-        deadline = time.monotonic() + self._start_timeout_s
-        while True:
-            try:
-                await self._poll()
-                break
-            except (*ETCD_ERRORS, RegistryUnavailable) as exc:
-                await self._etcd.reset()
-                if time.monotonic() + MAX_BACKOFF_S > deadline:
-                    raise RegistryUnavailable(f"etcd at {self.etcd_url} is unreachable: {exc}") from exc
-                await asyncio.sleep(MAX_BACKOFF_S)
+        await retry_until(self._etcd, self._poll, self._start_timeout_s, min_backoff_s=MAX_BACKOFF_S)
         self._task = asyncio.create_task(self._poll_forever(), name="registry view")
 
     async def close(self) -> None:
-        """Stop polling and close the connection."""
+        """Stop polling."""
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-        await self._etcd.reset()
 
     async def _poll_forever(self) -> None:
-        is_reachable = True
+        url = self._etcd.url
         while True:
-            await asyncio.sleep(self._poll_s)
+            await asyncio.sleep(self.poll_s)
             try:
                 await self._poll()
             except Exception as exc:  # the task must outlive any one failure
-                if is_reachable:
-                    expected = isinstance(exc, (*ETCD_ERRORS, RegistryUnavailable))
-                    logger.warning(
-                        "registry at %s unreachable; keeping the %d last known workers: %s",
-                        self.etcd_url,
-                        len(self._workers),
-                        exc,
-                        exc_info=not expected,
-                    )
-                is_reachable = False
-                await self._etcd.reset()
+                self._outage.failed(exc, "registry at %s unreachable; keeping the %d last known workers", url,
+                                    len(self._workers))  # fmt: skip
                 continue
-            if not is_reachable:
-                logger.info(
-                    "registry at %s answers again: %d workers",
-                    self.etcd_url,
-                    len(self._workers),
-                )
-            is_reachable = True
+            self._outage.answered("registry at %s answers again: %d workers", url, len(self._workers))
 
     async def _poll(self) -> None:
-        client = await self._etcd.client()
-        async with asyncio.timeout(self._etcd.timeout_s):
+        async with self._etcd.use() as client, asyncio.timeout(self._call_timeout_s):
             workers, knobs = await asyncio.gather(
                 client.get_prefix(WORKERS_PREFIX.encode()), client.get_prefix(KNOBS_PREFIX.encode())
             )
@@ -144,7 +116,7 @@ class RegistryView:
         kvs = [*workers, *knobs]
         self._warned &= {(kv.key, kv.mod_revision) for kv in kvs}  # forget values since replaced
         self._last_read = time.monotonic()
-        self._knobs = parse_knobs(knobs, self._warned)
+        self._knobs = parse_knobs(knobs, self._warned, self._knobs)
         self._apply({entry.worker_id: entry for entry in decode_entries(workers, self._warned)})
 
     def _apply(self, workers: dict[str, WorkerEntry]) -> None:

@@ -12,6 +12,8 @@ import re
 
 import msgspec
 
+from pdserve.discovery.registry import Role
+
 # A number, then an optional unit. A bare number is seconds: every duration in pdserve's
 # structs is in seconds, so "1.5" means what the same value means in the stored JSON.
 _DURATION = re.compile(r"\s*(?P<value>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>us|ms|s|m)?\s*")
@@ -55,12 +57,12 @@ class SLOTargets(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        for pool in ("prefill", "decode"):
-            low, high = getattr(self, f"min_{pool}_replicas"), getattr(self, f"max_{pool}_replicas")
+        for role in Role:
+            low, high = getattr(self, f"min_{role}_replicas"), getattr(self, f"max_{role}_replicas")
             if low < 1:
-                raise ValueError(f"min_{pool}_replicas must be >= 1, got {low}")
+                raise ValueError(f"min_{role}_replicas must be >= 1, got {low}")
             if high < low:
-                raise ValueError(f"max_{pool}_replicas ({high}) must be >= min_{pool}_replicas ({low})")
+                raise ValueError(f"max_{role}_replicas ({high}) must be >= min_{role}_replicas ({low})")
 
     def encode(self) -> bytes:
         """The JSON value stored in etcd."""

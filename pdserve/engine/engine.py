@@ -255,9 +255,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_requests > 0
 
-    def num_unfinished(self) -> int:
-        return self.scheduler.num_requests
-
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> StepOutput:

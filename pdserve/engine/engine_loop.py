@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.load import EngineLoad
 from pdserve.engine.request import KVRole
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -32,22 +33,6 @@ class KVAwaited:
 
     block_ids: list[int]
     num_cached_tokens: int  # leading prompt tokens already in this engine's prefix cache
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of the engine's occupancy, taken after each step."""
-
-    running: int = 0
-    waiting: int = 0
-    awaiting_kv: int = 0
-    held_requests: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    queued_prefill_tokens: int = 0  # prompt tokens not computed yet, over waiting and running requests
-    num_preemptions: int = 0
-    max_num_seqs: int = 0  # the scheduler's limits in force
-    max_num_batched_tokens: int = 0
 
 
 class RequestStream:
@@ -112,6 +97,7 @@ class EngineLoop:
 
     @property
     def load(self) -> EngineLoad:
+        """The engine's load after its last step."""
         return self._load
 
     @property
@@ -270,9 +256,9 @@ class EngineLoop:
         queued += sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in scheduler.running)
         pool = engine.block_pool
         return EngineLoad(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
+            running=len(scheduler.running) + len(scheduler.awaiting_kv),
             awaiting_kv=len(scheduler.awaiting_kv),
+            waiting=len(scheduler.waiting),
             held_requests=engine.num_held,
             kv_blocks_used=pool.num_blocks - pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,

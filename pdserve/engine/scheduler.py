@@ -75,9 +75,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.awaiting_kv)
-
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.awaiting_kv)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.rpc.sampling import sampling_params
@@ -68,8 +68,8 @@ class ModelCatalog:
                 model_path=entries[0].model_path,
                 max_model_len=min(w.max_model_len for w in entries),
                 vocab_size=min(w.vocab_size for w in entries),
-                num_prefill=sum(w.role == "prefill" for w in entries),
-                num_decode=sum(w.role == "decode" for w in entries),
+                num_prefill=sum(w.role is Role.PREFILL for w in entries),
+                num_decode=sum(w.role is Role.DECODE for w in entries),
             )
             for name, entries in sorted(by_name.items())
         }

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
@@ -105,8 +105,8 @@ class RequestFlow:
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
         try:
-            decode = router.choose_decode(view.workers("decode", model))
-            choice = router.choose_prefill(view.workers("prefill", model), self.request.token_ids,
+            decode = router.choose_decode(view.workers(Role.DECODE, model))
+            choice = router.choose_prefill(view.workers(Role.PREFILL, model), self.request.token_ids,
                                            knobs=view.knobs(model))  # fmt: skip
         except NoWorker as exc:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}") from None
@@ -144,7 +144,7 @@ class RequestFlow:
                 logger.warning("prefill of %s failed on %s", self.request_id, failures[-1])
             if attempt == 1:
                 try:
-                    others = view.workers("prefill", self.request.model.name)
+                    others = view.workers(Role.PREFILL, self.request.model.name)
                     current = router.choose_prefill(others, self.request.token_ids, exclude=[choice.worker.worker_id],
                                                     knobs=view.knobs(self.request.model.name))  # fmt: skip
                 except NoWorker:
@@ -226,7 +226,7 @@ class RequestFlow:
                     ) from None
                 try:
                     decode = self.routing.router.choose_decode(
-                        self.routing.view.workers("decode", self.request.model.name), exclude=tried
+                        self.routing.view.workers(Role.DECODE, self.request.model.name), exclude=tried
                     )
                 except NoWorker:
                     raise FlowError(

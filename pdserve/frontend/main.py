@@ -6,6 +6,7 @@ import asyncio
 import signal
 import socket
 
+from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registration import LeasedRecord
 from pdserve.discovery.registry import frontend_key
 from pdserve.discovery.registry_view import RegistryView
@@ -19,8 +20,13 @@ from pdserve.v1 import inference_pb2_grpc
 
 async def serve(config: FrontendConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight streams get a few seconds to finish."""
-    view = RegistryView(config.etcd)
-    await view.start()
+    etcd = EtcdConnection(config.etcd)  # the process's one client, closed last
+    view = RegistryView(etcd)
+    try:
+        await view.start()
+    except BaseException:
+        await etcd.close()
+        raise
     service = InferenceService(config, view)
     server = RpcServer()
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
@@ -29,7 +35,7 @@ async def serve(config: FrontendConfig) -> None:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
         stats = LeasedRecord(
-            config.etcd, frontend_key(frontend_id), lambda: service.stats(frontend_id).encode(),
+            etcd, frontend_key(frontend_id), lambda: service.stats(frontend_id).encode(),
             name=frontend_id, start_timeout_s=5.0,
         )  # fmt: skip
         await stats.start()
@@ -50,3 +56,4 @@ async def serve(config: FrontendConfig) -> None:
             await stats.close()
         await service.close()
         await view.close()
+        await etcd.close()

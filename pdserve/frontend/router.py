@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
@@ -48,9 +48,9 @@ class Router:
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose_decode(self, workers: Sequence[WorkerEntry], exclude: Sequence[str] = ()) -> WorkerEntry:
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
         if not candidates:
-            raise NoWorker("decode")
+            raise NoWorker(Role.DECODE)
         return min(candidates, key=lambda w: (self._decode_score(w), self._random.random()))
 
     def _decode_score(self, worker: WorkerEntry) -> float:
@@ -72,10 +72,10 @@ class Router:
         mode = self.config.disaggregation
         if mode == "off":
             return None
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.load.draining]
+        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
         if not candidates:
             if mode == "always":
-                raise NoWorker("prefill")
+                raise NoWorker(Role.PREFILL)
             return None
         hashes_by_size: dict[int, list[bytes]] = {}
         best: tuple[float, float, PrefillChoice] | None = None

@@ -45,7 +45,7 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class MoERouting:
     """How an MoE layer picks its experts.
 
     ``scoring`` "softmax" (Mixtral, Qwen-MoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3).
@@ -139,7 +139,7 @@ class Backend(ABC):
 
     @abstractmethod
     def route(
-        self, router_logits: torch.Tensor, config: RouterConfig, correction_bias: torch.Tensor | None
+        self, router_logits: torch.Tensor, config: MoERouting, correction_bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pick experts: returns (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
 

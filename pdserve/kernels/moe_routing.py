@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-from pdserve.kernels.backend import RouterConfig
+from pdserve.kernels.backend import MoERouting
 
 _SCORINGS = {"softmax": 0, "sigmoid": 1}
 _GROUP_SCORES = {"max": 0, "top2_sum": 1}
@@ -81,7 +81,7 @@ def _route_kernel(
 
 
 def route(
-    router_logits: torch.Tensor, config: RouterConfig, correction_bias: torch.Tensor | None,
+    router_logits: torch.Tensor, config: MoERouting, correction_bias: torch.Tensor | None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts for logits [T, E]: returns (weights [T, top_k] float32, expert ids [T, top_k] int64).

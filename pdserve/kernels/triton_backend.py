@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import kv_write, moe_align, moe_combine, moe_gemm, moe_routing, rms_norm, rotary
-from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, RouterConfig
+from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, MoERouting
 from pdserve.kernels.mla_decode import mla_decode_attention
 from pdserve.kernels.mla_extend import mla_extend_attention
 from pdserve.kernels.paged_decode import paged_decode_attention
@@ -69,7 +69,7 @@ class TritonBackend(Backend):
             )
         return out
 
-    def route(self, router_logits, config: RouterConfig, correction_bias):
+    def route(self, router_logits, config: MoERouting, correction_bias):
         return moe_routing.route(router_logits, config, correction_bias)
 
     def dispatch(self, hidden, weights, expert_ids, num_experts) -> DispatchedTokens:

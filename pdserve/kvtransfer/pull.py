@@ -8,9 +8,8 @@ for its deadline unless this process died.
 
 Contract: when ``pull`` returns or raises, no transfer it posted is still writing into
 ``local_block_ids`` (handles are released, which cancels them, before it returns), so the
-blocks may be freed at once. On failure the puller frees them itself through its
-``free_on_failure`` callback (normally ``KVCacheManager.free``) before raising
-``TransferFailed``; without one, the caller frees them.
+blocks may be freed at once. The caller owns them and frees them, after a failure as after
+a success.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,21 +46,18 @@ class KVPuller:
 
     ``deadline_s`` bounds a whole pull (setup, transfer, notices); ``max_run_blocks`` caps a
     coalesced descriptor; ``cancel_grace_s`` is how long a timed-out transfer may take to
-    acknowledge its cancellation before the pull reports failure anyway;
-    ``free_on_failure(request_id)`` gives a failed request's local blocks back.
+    acknowledge its cancellation before the pull reports failure anyway.
     """
 
     def __init__(
         self,
         agent: KVAgent,
         *,
-        free_on_failure: Callable[[str], None] | None = None,
         deadline_s: float = 30.0,
         max_run_blocks: int = 64,
         cancel_grace_s: float = 1.0,
     ) -> None:
         self.agent = agent
-        self.free_on_failure = free_on_failure
         self.deadline_s = deadline_s
         self.max_run_blocks = max_run_blocks
         self.cancel_grace_s = cancel_grace_s
@@ -130,8 +126,6 @@ class KVPuller:
             await self._notify(request_id, names, failure, deadline)
         stats.seconds = time.perf_counter() - start
         if failure is not None:
-            if self.free_on_failure is not None:
-                self.free_on_failure(request_id)
             raise TransferFailed(request_id, failure)
         return stats
 

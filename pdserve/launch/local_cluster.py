@@ -28,6 +28,7 @@ import msgspec
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
 from pdserve.frontend.config import FrontendConfig
+from pdserve.discovery.registry import Role
 from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
 from pdserve.worker.config import WorkerConfig
 
@@ -68,7 +69,7 @@ class ClusterSpec:
     stop_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if (self.prefill.role, self.decode.role) != ("prefill", "decode"):
+        if (self.prefill.role, self.decode.role) != (Role.PREFILL, Role.DECODE):
             raise ValueError(f"the prefill and decode configurations have the roles {self.prefill.role!r} "
                              f"and {self.decode.role!r}")  # fmt: skip
 
@@ -79,7 +80,7 @@ class LocalCluster:
         self.etcd_url: str | None = spec.etcd
         self._embedded: EmbeddedEtcd | None = None
         self.frontend: Child | None = None
-        self.workers: dict[str, list[Child]] = {"prefill": [], "decode": []}
+        self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
         self._count = 0
         self._config_dir: Path | None = None
 
@@ -99,7 +100,7 @@ class LocalCluster:
     async def scale(self, num_prefill: int, num_decode: int) -> None:
         """Start workers up to, or drain the newest down to, the given counts."""
         starts = []
-        for role, want in (("prefill", num_prefill), ("decode", num_decode)):
+        for role, want in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode)):
             pool = self.workers[role]
             while len(pool) > want:
                 await self._terminate(pool.pop())
@@ -117,7 +118,7 @@ class LocalCluster:
         assert self._config_dir is not None
         return self._config_dir / f"{name}.json"
 
-    async def _start_worker(self, role: str) -> None:
+    async def _start_worker(self, role: Role) -> None:
         self._count += 1
         child = await self._spawn(f"{role}-{self._count}", [role, "--config", str(self._config_file(role))])
         self.workers[role].append(child)
@@ -181,7 +182,7 @@ class LocalCluster:
 
     def exited(self) -> list[Child]:
         """Children that died on their own."""
-        children = [*self.workers["prefill"], *self.workers["decode"], *([self.frontend] if self.frontend else [])]
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE], *([self.frontend] if self.frontend else [])]
         return [c for c in children if c.process.returncode is not None]
 
     async def stop(self) -> None:
@@ -189,8 +190,8 @@ class LocalCluster:
         if self.frontend is not None:
             await self._terminate(self.frontend)
             self.frontend = None
-        children = [*self.workers["prefill"], *self.workers["decode"]]
-        self.workers = {"prefill": [], "decode": []}
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE]]
+        self.workers = {role: [] for role in Role}
         await asyncio.gather(*(self._terminate(c) for c in children))
         if self._embedded is not None:
             await self._embedded.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdserve.discovery.registry import Role
 from pdserve.launch.local_cluster import LocalCluster
 from pdserve.planner.scaling import ScalingConnector
 
@@ -28,7 +29,7 @@ class LocalConnector(ScalingConnector):
     async def current(self) -> tuple[int, int]:
         if self._wanted is not None:
             return self._wanted
-        return len(self.cluster.workers["prefill"]), len(self.cluster.workers["decode"])
+        return len(self.cluster.workers[Role.PREFILL]), len(self.cluster.workers[Role.DECODE])
 
     async def scale(self, prefill: int, decode: int) -> None:
         if prefill < 0 or decode < 1:

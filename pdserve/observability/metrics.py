@@ -2,7 +2,7 @@
 
 Every process owns its registry (no module-level singletons): ``WorkerMetrics`` and
 ``FrontendMetrics`` hold the counters and histograms the request paths update, and read
-occupancy (running, waiting, KV blocks, held requests, preemptions) from a load function at
+occupancy (running, waiting, KV blocks, held requests, preemptions) from the engine's load at
 scrape time, so a gauge is never stale. GPU utilisation and memory come from NVML where a GPU
 exists; without one those series are simply absent.
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from pdserve.engine.load import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -23,20 +24,8 @@ logger = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-@dataclass(frozen=True)
-class Occupancy:
-    """What the engine holds now (read at scrape time)."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    held_requests: int
-    num_preemptions: int
-
-
 class _OccupancyCollector(Collector):
-    def __init__(self, read: Callable[[], Occupancy], labels: dict[str, str]) -> None:
+    def __init__(self, read: Callable[[], EngineLoad], labels: dict[str, str]) -> None:
         self.read = read
         self.labels = labels
 
@@ -91,9 +80,10 @@ class _GpuCollector(Collector):
 
 
 class WorkerMetrics:
-    """A worker's metrics; ``labels`` (role, worker, model) are on every series."""
+    """A worker's metrics; ``labels`` (role, worker, model) are on every series; the occupancy
+    gauges read ``load()`` at scrape time."""
 
-    def __init__(self, role: str, worker_id: str, model: str, occupancy: Callable[[], Occupancy]) -> None:
+    def __init__(self, role: str, worker_id: str, model: str, load: Callable[[], EngineLoad]) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id, "model": model}
         names = list(labels)
@@ -121,7 +111,7 @@ class WorkerMetrics:
         self._num_cached_tokens = 0
         hit_rate = Gauge("pdserve_prefix_cache_hit_rate", "Cached over admitted prompt tokens", names, registry=r)
         hit_rate.labels(**labels).set_function(self._hit_rate)
-        r.register(_OccupancyCollector(occupancy, labels))
+        r.register(_OccupancyCollector(load, labels))
         r.register(_GpuCollector())
 
     def _hit_rate(self) -> float:

@@ -2,7 +2,7 @@
 
 An ``Observation`` is built from two sources: the frontends (arrivals, prompt and output
 lengths, TTFT / ITL / end-to-end latencies of the requests they served in the interval) and
-the workers' load entries in etcd (``registry.WorkerLoad``: ready replicas, waiting and
+the workers' load entries in etcd (``WorkerEntry.load``: ready replicas, waiting and
 running requests, KV usage). Each producer keeps raw samples for one interval and hands them
 to ``Summary.of``; the observation itself carries only summaries, so its size does not grow
 with load and it can be stored, logged and sent as it is.

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.observability.summary import Summary
 from pdserve.planner.observation import Observation
@@ -44,9 +44,9 @@ def observe(
             if 0 <= index < seconds:
                 arrivals[index] += count
     models = [s for _, s in stats]
-    ready = [w for w in workers if w.model == model and not w.load.draining]
-    prefill = [w for w in ready if w.role == "prefill"]
-    decode = [w for w in ready if w.role == "decode"]
+    ready = [w for w in workers if w.model == model and not w.draining]
+    prefill = [w for w in ready if w.role is Role.PREFILL]
+    decode = [w for w in ready if w.role is Role.DECODE]
     return Observation(
         model=model,
         time=now,

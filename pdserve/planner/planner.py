@@ -59,6 +59,7 @@ import msgspec
 from msgspec.structs import replace
 
 from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.registry import Role
 from pdserve.discovery.slo import SLOTargets
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.forecast import Forecast, Forecaster
@@ -96,7 +97,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
 class _Pool:
     """One pool's desired size and the intervals of its last changes."""
 
-    name: str  # "prefill" | "decode"
+    name: Role
     metric: str  # "TTFT" | "ITL"
     replicas: int
     minimum: int
@@ -137,10 +138,10 @@ class Planner:
         self.model = LatencyModel(profile)
         self._forecaster = Forecaster(config.forecast)
         self._prefill = _Pool(
-            "prefill", "TTFT", prefill_replicas, slo.min_prefill_replicas, slo.max_prefill_replicas, slo.ttft_p90_s
+            Role.PREFILL, "TTFT", prefill_replicas, slo.min_prefill_replicas, slo.max_prefill_replicas, slo.ttft_p90_s
         )
         self._decode = _Pool(
-            "decode", "ITL", decode_replicas, slo.min_decode_replicas, slo.max_decode_replicas, slo.itl_p90_s
+            Role.DECODE, "ITL", decode_replicas, slo.min_decode_replicas, slo.max_decode_replicas, slo.itl_p90_s
         )
         self._interval = 0
         self._last_knob_change = -math.inf

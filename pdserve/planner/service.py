@@ -19,9 +19,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.discovery.etcd import ETCD_ERRORS, MAX_CALL_TIMEOUT_S, EtcdConnection, RegistryUnavailable
+from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
-from pdserve.discovery.registry import list_workers, planner_key
+from pdserve.discovery.registry import Role, list_workers, planner_key
+from pdserve.discovery.retry import UNAVAILABLE, Outage
 from pdserve.discovery.slo_store import list_slos
 from pdserve.observability.frontend_stats import list_frontend_stats
 from pdserve.planner.config import PlannerConfig
@@ -53,7 +54,7 @@ class PlannerService:
         self._connector_for = connector_for
         self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S)
         self._planners: dict[str, Planner] = {}
-        self._reachable = True
+        self._outage = Outage(logger)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step every ``interval_s`` until ``stop`` is set."""
@@ -68,26 +69,23 @@ class PlannerService:
                 except TimeoutError:
                     pass
         finally:
-            await self._etcd.reset()
+            await self._etcd.close()
 
     async def step(self) -> list[Decision]:
         """One interval: the decisions made (and applied), or none if etcd could not be read."""
         try:
-            client = await self._etcd.client()
-            slos, frontends, workers, stored_knobs = await asyncio.gather(
-                list_slos(client, MAX_CALL_TIMEOUT_S),
-                list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
-                list_workers(client, MAX_CALL_TIMEOUT_S),
-                list_knobs(client, MAX_CALL_TIMEOUT_S),
-            )
-        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
-            if self._reachable:
-                logger.warning("planner: etcd at %s unreachable, skipping intervals until it answers: %s",
-                               self._etcd.url, exc)  # fmt: skip
-            self._reachable = False
-            await self._etcd.reset()
+            async with self._etcd.use() as client:
+                slos, frontends, workers, stored_knobs = await asyncio.gather(
+                    list_slos(client, MAX_CALL_TIMEOUT_S),
+                    list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
+                    list_workers(client, MAX_CALL_TIMEOUT_S),
+                    list_knobs(client, MAX_CALL_TIMEOUT_S),
+                )
+        except UNAVAILABLE as exc:
+            self._outage.failed(exc, "planner: etcd at %s unreachable, skipping intervals until it answers",
+                                self._etcd.url)  # fmt: skip
             return []
-        self._reachable = True
+        self._outage.answered()
         now = time.time()
         decisions = []
         planned = set()
@@ -100,11 +98,11 @@ class PlannerService:
             if planner is None:
                 sizes = await connector.current()
                 if sizes is None:  # unknown: what is registered now, within the bounds
-                    ready = [w for w in workers if w.model == slo.model and not w.load.draining]
+                    ready = [w for w in workers if w.model == slo.model and not w.draining]
                     sizes = (
-                        min(max(sum(w.role == "prefill" for w in ready), slo.min_prefill_replicas),
+                        min(max(sum(w.role is Role.PREFILL for w in ready), slo.min_prefill_replicas),
                             slo.max_prefill_replicas),
-                        min(max(sum(w.role == "decode" for w in ready), slo.min_decode_replicas),
+                        min(max(sum(w.role is Role.DECODE for w in ready), slo.min_decode_replicas),
                             slo.max_decode_replicas),
                     )  # fmt: skip
                 prefill, decode = sizes
@@ -137,8 +135,8 @@ class PlannerService:
             if (decision.prefill_replicas, decision.decode_replicas) != (prefill, decode):
                 await connector.scale(decision.prefill_replicas, decision.decode_replicas)
             if decision.knobs != knobs and connector.applies_knobs:
-                client = await self._etcd.client()
-                await put_knobs(client, decision.model, decision.knobs, MAX_CALL_TIMEOUT_S)
+                async with self._etcd.use() as client:
+                    await put_knobs(client, decision.model, decision.knobs, MAX_CALL_TIMEOUT_S)
                 await connector.set_knobs(decision.knobs)
         except Exception:  # the service outlives a connector (or etcd) failure
             logger.exception("%s: could not apply %s", decision.model, decision)
@@ -147,9 +145,7 @@ class PlannerService:
 
     async def _publish(self, decision: Decision) -> None:
         try:
-            client = await self._etcd.client()
-            async with asyncio.timeout(MAX_CALL_TIMEOUT_S):
+            async with self._etcd.use() as client, asyncio.timeout(MAX_CALL_TIMEOUT_S):
                 await client.put(planner_key(decision.model).encode(), decision.encode())
-        except (*ETCD_ERRORS, RegistryUnavailable) as exc:
+        except UNAVAILABLE as exc:
             logger.warning("%s: decision not published: %s", decision.model, exc)
-            await self._etcd.reset()

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import msgspec
 
+from pdserve.discovery.registry import Role
 from pdserve.engine.engine_config import EngineConfig
-
-ROLES = ("prefill", "decode")
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
-    role: "prefill" or "decode".
+    role: prefill or decode (a str is taken as its Role).
     model: the Hugging Face model directory.
     etcd: the registry's URL.
     model_name: the served name (default: the directory's name).
@@ -32,7 +31,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     engine: how its engine runs the model.
     """
 
-    role: str
+    role: Role
     model: str
     etcd: str
     model_name: str | None = None
@@ -49,8 +48,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     engine: EngineConfig = EngineConfig()
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        msgspec.structs.force_setattr(self, "role", Role.parse(self.role))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s"):

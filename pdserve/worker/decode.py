@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import msgspec
 
+from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.engine import RequestOutput
@@ -37,7 +39,7 @@ class DecodeService(WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         super().__init__(runtime)
         self.puller = KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s)
-        self.view = RegistryView(runtime.config.etcd)
+        self.view = RegistryView(runtime.etcd)
         self._removals: set[asyncio.Task[None]] = set()  # peer removals under way (owned here)
 
     async def start(self) -> None:
@@ -47,6 +49,10 @@ class DecodeService(WorkerServicer):
     async def close(self) -> None:
         await self.view.close()
         await asyncio.gather(*self._removals, return_exceptions=True)
+
+    def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
+        # The view polls every model's knobs already: one read serves both.
+        return KnobsFollower.from_view(self.view, self.runtime.config.served_model_name, apply)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
         agent = self.runtime.agent

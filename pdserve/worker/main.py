@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from pdserve.discovery.registry import Role
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeService
@@ -14,7 +15,7 @@ from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
-SERVICES = {"prefill": PrefillService, "decode": DecodeService}
+SERVICES = {Role.PREFILL: PrefillService, Role.DECODE: DecodeService}
 
 
 async def serve(config: WorkerConfig) -> None:

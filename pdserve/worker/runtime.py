@@ -5,7 +5,8 @@ pool → the role's gRPC service → the model's live knobs, read once and then 
 etcd registration (last, so that nothing is routed here before it can serve, with the knobs
 in force). Shutdown is the reverse, after a drain: the worker reports itself draining
 (registry and health), refuses new requests, lets in-flight ones finish — bounded by
-``drain_timeout_s`` — then revokes its lease and closes everything it owns.
+``drain_timeout_s`` — then revokes its lease and closes everything it owns. Everything that
+talks to etcd shares the runtime's one connection, closed last.
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
+from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.load import EngineLoad
 from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.lifecycle import install_stack_dump
-from pdserve.observability.metrics import Occupancy, WorkerMetrics, serve_metrics
+from pdserve.observability.metrics import WorkerMetrics, serve_metrics
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -52,6 +55,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def close(self) -> None:
         """Release what ``start`` acquired (called after the drain)."""
 
+    def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
+        """What follows the model's live knobs for this role: a poll of the model's key."""
+        return KnobsFollower.from_etcd(self.runtime.etcd, self.runtime.config.served_model_name, apply)
+
     async def Drain(
         self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DrainResponse:
@@ -65,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 class WorkerRuntime:
-    """Owns a worker's engine loop, NIXL agent, gRPC server and registration."""
+    """Owns a worker's engine loop, NIXL agent, gRPC server, etcd connection and registration."""
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
         self.config = config
@@ -74,11 +81,12 @@ class WorkerRuntime:
         self.engine_loop = EngineLoop(engine)
         self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name)
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
-        self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._occupancy)
+        self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
         self.server = RpcServer()
+        self.etcd = EtcdConnection(config.etcd, min(MAX_CALL_TIMEOUT_S, config.lease_ttl_s / 2))
         self.registration: WorkerRegistration | None = None
-        self.knobs = KnobsFollower(config.etcd, config.served_model_name, self.apply_knobs)
+        self.knobs: KnobsFollower | None = None
         self.servicer: WorkerServicer | None = None
         self.draining = False
         self.endpoint: str | None = None
@@ -96,10 +104,11 @@ class WorkerRuntime:
         self.endpoint = f"{self.config.reachable_host}:{port}"
         if self.config.metrics_port is not None:
             self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
+        self.knobs = self.servicer.knobs_follower(self.apply_knobs)
         await self.knobs.poll()
         self.knobs.start()
         self.registration = WorkerRegistration(
-            self.config.etcd, self._entry(), self.load, ttl_s=self.config.lease_ttl_s
+            self.etcd, self._entry(), self._load, draining=self._draining, ttl_s=self.config.lease_ttl_s
         )
         await self.registration.start()
         logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
@@ -122,24 +131,15 @@ class WorkerRuntime:
             max_num_batched_tokens=engine.config.max_num_batched_tokens,
             started_at=time.time(),
             metrics_port=self.metrics_port,
-            load=self.load(),
+            load=self._load(),
+            draining=self.draining,
         )
 
-    def load(self) -> WorkerLoad:
-        """The load summary published in the registry (refreshed about every second)."""
-        load = self.engine_loop.load
-        return WorkerLoad(
-            running=load.running + load.awaiting_kv,
-            waiting=load.waiting,
-            kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_total=load.kv_blocks_total,
-            held_requests=load.held_requests,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            draining=self.draining,
-            max_num_seqs=load.max_num_seqs,
-            max_num_batched_tokens=load.max_num_batched_tokens,
-            updated_at=time.time(),
-        )
+    def _load(self) -> EngineLoad:
+        return self.engine_loop.load
+
+    def _draining(self) -> bool:
+        return self.draining
 
     async def apply_knobs(self, knobs: Knobs | None) -> None:
         """Set the scheduler's limits from the model's live knobs (None: the start-up ones).
@@ -149,7 +149,7 @@ class WorkerRuntime:
         """
         start = self.engine.config
         seqs, tokens = start.max_num_seqs, start.max_num_batched_tokens
-        if knobs is not None and self.config.role == "decode":
+        if knobs is not None and self.config.role is Role.DECODE:
             seqs = min(knobs.decode_max_num_seqs, seqs)
             tokens = min(knobs.decode_max_num_batched_tokens, tokens)
         elif knobs is not None:
@@ -158,14 +158,6 @@ class WorkerRuntime:
         await self.engine_loop.retune(seqs, tokens)
         logger.info("%s: scheduler limits now %d sequences, %d tokens a step%s", self.worker_id, seqs, tokens,
                     "" if knobs is not None else " (start-up settings)")  # fmt: skip
-
-    def _occupancy(self) -> Occupancy:
-        load = self.engine_loop.load
-        return Occupancy(
-            running=load.running + load.awaiting_kv, waiting=load.waiting, kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_total=load.kv_blocks_total, held_requests=load.held_requests,
-            num_preemptions=load.num_preemptions,
-        )  # fmt: skip
 
     def request_stop(self, reason: str) -> None:
         """Begin the drain (idempotent); ``run`` then finishes the work and exits."""
@@ -200,7 +192,8 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         """Leave the registry, stop serving, free the agent and the engine thread."""
-        await self.knobs.close()
+        if self.knobs is not None:
+            await self.knobs.close()
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(grace_s=1.0)
@@ -208,3 +201,4 @@ class WorkerRuntime:
             await self.servicer.close()
         await self.agent.close()
         await self.engine_loop.stop()
+        await self.etcd.close()  # last: the knobs, the registration and a decode worker's view use it

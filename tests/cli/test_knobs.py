@@ -8,7 +8,6 @@ import msgspec
 
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.knobs import LOCAL_PREFILL_THRESHOLD_TOKENS, delete_knobs
-from pdserve.discovery.registry import WorkerLoad
 from tests.cli.test_operate import make_entry, pdserve, pdserve_async, registered
 from tests.utils.aio import run_scenario
 
@@ -30,7 +29,7 @@ def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_
     prefill = msgspec.structs.replace(make_entry(model, f"p-{model}", "prefill"), max_num_batched_tokens=1024)
 
     async def scenario():
-        async with registered(etcd_url, (decode, WorkerLoad()), (prefill, WorkerLoad())):
+        async with registered(etcd_url, decode, prefill):
             before = await pdserve_async("knobs", "show", "--model", model, "--json", etcd=etcd_url)
             stored = await pdserve_async("knobs", "set", "--model", model, "--decode-max-num-seqs", "64",
                                          "--local-prefill-threshold", "128", etcd=etcd_url)  # fmt: skip

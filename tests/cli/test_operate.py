@@ -22,9 +22,10 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
-from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.etcd import EtcdConnection, close_quietly, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, frontend_key, list_workers, planner_key
+from pdserve.discovery.registry import WorkerEntry, frontend_key, list_workers, planner_key
+from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import RollingWindow
 from tests.utils.aio import run_scenario
 
@@ -50,8 +51,13 @@ def make_entry(model: str, worker_id: str, role: str, endpoint: str = "127.0.0.1
 
 
 @asynccontextmanager
-async def registered(etcd_url: str, *workers: tuple[WorkerEntry, WorkerLoad]) -> AsyncIterator[None]:
-    registrations = [WorkerRegistration(etcd_url, entry, lambda load=load: load, ttl_s=5) for entry, load in workers]
+async def registered(etcd_url: str, *entries: WorkerEntry) -> AsyncIterator[None]:
+    """The entries registered, each with the load and draining state it carries."""
+    etcd = EtcdConnection(etcd_url)
+    registrations = [
+        WorkerRegistration(etcd, entry, lambda e=entry: e.load, draining=lambda e=entry: e.draining, ttl_s=5)
+        for entry in entries
+    ]
     try:
         for registration in registrations:
             await registration.start()
@@ -59,6 +65,7 @@ async def registered(etcd_url: str, *workers: tuple[WorkerEntry, WorkerLoad]) ->
     finally:
         for registration in registrations:
             await registration.close()
+        await etcd.close()
 
 
 def free_port() -> int:
@@ -118,10 +125,11 @@ def test_slo_set_refuses_bad_input_with_a_clear_line(etcd_url: str, model: str) 
 def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> None:
     prefill = make_entry(model, f"prefill-{model[-8:]}", "prefill", "10.0.0.1:7001")
     decode = make_entry(model, f"decode-{model[-8:]}", "decode", "10.0.0.2:7002")
-    busy = WorkerLoad(running=3, waiting=2, kv_blocks_used=25, kv_blocks_total=100, held_requests=4)
+    busy = EngineLoad(running=3, waiting=2, kv_blocks_used=25, kv_blocks_total=100, held_requests=4)
 
     async def scenario() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-        async with registered(etcd_url, (prefill, busy), (decode, WorkerLoad(draining=True))):
+        workers = [msgspec.structs.replace(prefill, load=busy), msgspec.structs.replace(decode, draining=True)]
+        async with registered(etcd_url, *workers):
             as_json = await pdserve_async("workers", "--model", model, "--json", etcd=etcd_url)
             as_table = await pdserve_async("workers", "--model", model, etcd=etcd_url)
         return as_json, as_table
@@ -139,7 +147,7 @@ def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> No
     assert first["load"]["kv_usage"] == pytest.approx(0.25)
     assert 0 < first["lease_ttl_s"] <= first["lease_granted_ttl_s"] == 5
     assert first["uptime_s"] == pytest.approx(75, abs=30)
-    assert workers[1]["load"]["draining"] is True
+    assert workers[1]["draining"] is True
 
     lines = as_table.stdout.splitlines()
     assert lines[0].split() == [
@@ -176,14 +184,15 @@ def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etc
     })  # fmt: skip
     prefill = make_entry(model, f"prefill-{model[-8:]}", "prefill")
     decodes = [make_entry(model, f"decode-{i}-{model[-8:]}", "decode") for i in range(2)]
-    load = WorkerLoad(running=5, waiting=1, kv_blocks_used=50, kv_blocks_total=100)
+    load = EngineLoad(running=5, waiting=1, kv_blocks_used=50, kv_blocks_total=100)
 
     async def scenario() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
         client = await connect(etcd_url)
         try:
             await client.put(frontend_key(frontend_id).encode(), window.snapshot(frontend_id).encode())
             await client.put(planner_key(model).encode(), decision)
-            workers = [(prefill, load), (decodes[0], load), (decodes[1], WorkerLoad(draining=True))]
+            workers = [msgspec.structs.replace(e, load=load) for e in (prefill, decodes[0])]
+            workers.append(msgspec.structs.replace(decodes[1], draining=True))
             async with registered(etcd_url, *workers):
                 as_json = await pdserve_async("status", "--model", model, "--json", etcd=etcd_url)
                 as_table = await pdserve_async("status", "--model", model, etcd=etcd_url)
@@ -235,7 +244,7 @@ def test_drain_of_an_unknown_worker_names_the_known_ones(etcd_url: str, model: s
     worker = make_entry(model, f"decode-{model[-8:]}", "decode")
 
     async def scenario() -> subprocess.CompletedProcess:
-        async with registered(etcd_url, (worker, WorkerLoad())):
+        async with registered(etcd_url, worker):
             return await pdserve_async("drain", "no-such-worker", etcd=etcd_url)
 
     result = run_scenario(scenario())

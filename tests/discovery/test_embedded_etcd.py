@@ -15,9 +15,9 @@ import aetcd
 import pytest
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
-from pdserve.discovery.etcd import RegistryUnavailable, connect
+from pdserve.discovery.etcd import EtcdConnection, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerLoad
+from pdserve.engine.load import EngineLoad
 from pdserve.discovery.registry_view import RegistryView
 from tests.discovery.test_registry import eventually, make_entry
 from tests.utils.aio import run_scenario
@@ -163,26 +163,27 @@ def test_what_it_does_not_implement_says_so() -> None:
 
 def test_registry_in_process_as_pdserve_up_runs_it() -> None:
     async def body() -> None:
-        etcd = EmbeddedEtcd()
-        url = await etcd.start()
-        loads = [WorkerLoad(running=1)]
-        registration = WorkerRegistration(url, make_entry("tiny", "p0"), lambda: loads[-1], ttl_s=2, refresh_s=0.2)
-        view = RegistryView(url, poll_s=0.05, stale_after_s=0.5)
+        embedded = EmbeddedEtcd()
+        etcd = EtcdConnection(await embedded.start(), 1.0)
+        loads = [EngineLoad(running=1)]
+        registration = WorkerRegistration(etcd, make_entry("tiny", "p0"), lambda: loads[-1], ttl_s=2, refresh_s=0.2)
+        view = RegistryView(etcd, poll_s=0.05, stale_after_s=0.5)
         await registration.start()
         await view.start()
         try:
             assert view.get("p0").load.running == 1
-            loads.append(WorkerLoad(running=2))
+            loads.append(EngineLoad(running=2))
             await eventually(lambda: view.get("p0").load.running == 2, 1.0, "fresh load")
             await registration.close()
             await eventually(lambda: view.get("p0") is None, 0.5, "revoked")
 
-            await etcd.stop()  # the registry gone: the view keeps what it knew, and says so
+            await embedded.stop()  # the registry gone: the view keeps what it knew, and says so
             await eventually(lambda: view.is_stale, 2.0, "stale")
         finally:
             await view.close()
             await registration.close()
-            await etcd.stop()
+            await etcd.close()
+            await embedded.stop()
 
     run_scenario(body())
 

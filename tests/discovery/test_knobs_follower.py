@@ -1,14 +1,18 @@
-"""KnobsFollower against a real etcd: each change applied once, deletion, bad values, failures."""
+"""KnobsFollower against a real etcd, reading the model's key itself or through a RegistryView:
+each change applied once, deletion, bad values, failures."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 
-from pdserve.discovery.etcd import close_quietly, connect
+import pytest
+
+from pdserve.discovery.etcd import EtcdConnection, close_quietly, connect
 from pdserve.discovery.knobs import Knobs, delete_knobs, put_knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registry import knobs_key
+from pdserve.discovery.registry_view import RegistryView
 from tests.discovery.test_registry import eventually
 from tests.utils.aio import run_scenario
 
@@ -17,7 +21,8 @@ def _model() -> str:
     return f"org/follow-{uuid.uuid4().hex[:8]}"
 
 
-def test_the_follower_applies_each_change_once_and_none_when_deleted(etcd_url: str) -> None:
+@pytest.mark.parametrize("source", ["etcd", "view"])
+def test_the_follower_applies_each_change_once_and_none_when_deleted(etcd_url: str, source: str) -> None:
     model = _model()
     applied: list[Knobs | None] = []
 
@@ -26,7 +31,13 @@ def test_the_follower_applies_each_change_once_and_none_when_deleted(etcd_url: s
 
     async def scenario():
         client = await connect(etcd_url)
-        follower = KnobsFollower(etcd_url, model, apply, poll_s=0.1)
+        etcd = EtcdConnection(etcd_url)
+        view = RegistryView(etcd, poll_s=0.1)  # a decode worker's: its polls serve the follower too
+        if source == "view":
+            await view.start()
+            follower = KnobsFollower.from_view(view, model, apply)
+        else:
+            follower = KnobsFollower.from_etcd(etcd, model, apply, poll_s=0.1)
         follower.start()
         try:
             first, second = Knobs(decode_max_num_seqs=4), Knobs(decode_max_num_seqs=2)
@@ -41,6 +52,8 @@ def test_the_follower_applies_each_change_once_and_none_when_deleted(etcd_url: s
             await asyncio.sleep(0.3)  # no change: nothing more applied
         finally:
             await follower.close()
+            await view.close()
+            await etcd.close()
             await delete_knobs(client, model)
             await close_quietly(client)
 
@@ -59,10 +72,11 @@ def test_the_follower_outlives_an_apply_that_fails_and_an_unreachable_etcd(etcd_
 
     async def scenario():
         client = await connect(etcd_url)
-        unreachable = KnobsFollower("http://127.0.0.1:9", model, apply)
+        unreachable = KnobsFollower.from_etcd(EtcdConnection("http://127.0.0.1:9"), model, apply)
         await unreachable.poll()  # logs, keeps what it has, raises nothing
         await unreachable.close()
-        follower = KnobsFollower(etcd_url, model, apply, poll_s=0.1)
+        etcd = EtcdConnection(etcd_url)
+        follower = KnobsFollower.from_etcd(etcd, model, apply, poll_s=0.1)
         follower.start()
         try:
             await put_knobs(client, model, Knobs(decode_max_num_seqs=4))
@@ -71,6 +85,7 @@ def test_the_follower_outlives_an_apply_that_fails_and_an_unreachable_etcd(etcd_
             await eventually(lambda: len(calls) == 2, 5, "the next change applied after a failure")
         finally:
             await follower.close()
+            await etcd.close()
             await delete_knobs(client, model)
             await close_quietly(client)
 

@@ -20,10 +20,18 @@ from collections.abc import Callable, Iterator
 import msgspec
 import pytest
 
-from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
+from pdserve.discovery.etcd import EtcdConnection, EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad, encode_entry, list_workers, worker_key
+from pdserve.discovery.registry import (
+    Role,
+    WorkerEntry,
+    decode_entry,
+    encode_entry,
+    list_workers,
+    worker_key,
+)
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.engine.load import EngineLoad
 from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
 
@@ -127,6 +135,24 @@ def test_model_names_with_slashes_stay_one_key_segment() -> None:
     assert worker_key("org/name", "decode", "w 1") == "/pdserve/v1/workers/org%2Fname/decode/w%201"
 
 
+def test_roles_are_typed_in_code_and_plain_strings_in_etcd() -> None:
+    entry = make_entry("m", "w", "decode")  # a str given in code becomes its Role
+    assert entry.role is Role.DECODE
+    assert b'"role":"decode"' in encode_entry(entry)
+    assert decode_entry(encode_entry(entry)).role is Role.DECODE
+    assert entry.key == worker_key("m", Role.DECODE, "w") == "/pdserve/v1/workers/m/decode/w"
+    with pytest.raises(ValueError, match="role must be one of prefill, decode, got 'chef'"):
+        make_entry("m", "w", "chef")
+    with pytest.raises(msgspec.ValidationError):
+        decode_entry(encode_entry(entry).replace(b'"decode"', b'"chef"'))
+
+
+def test_the_registry_and_the_metrics_read_the_engine_load_without_torch() -> None:
+    code = "import sys, pdserve.discovery.registry, pdserve.observability.metrics; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "False"
+
+
 def test_connect_to_a_dead_port_fails_fast_naming_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
@@ -150,8 +176,9 @@ def test_registration_and_view_give_up_at_their_start_timeout() -> None:
     url = f"http://127.0.0.1:{free_port()}"
 
     async def body() -> None:
-        registration = WorkerRegistration(url, make_entry("m", "w"), WorkerLoad, start_timeout_s=1.0)
-        view = RegistryView(url, start_timeout_s=1.0)
+        etcd = EtcdConnection(url)
+        registration = WorkerRegistration(etcd, make_entry("m", "w"), EngineLoad, start_timeout_s=1.0)
+        view = RegistryView(etcd, start_timeout_s=1.0)
         for start in (registration.start, view.start):
             began = time.monotonic()
             with pytest.raises(RegistryUnavailable, match=f"etcd at {url} is unreachable"):
@@ -162,35 +189,40 @@ def test_registration_and_view_give_up_at_their_start_timeout() -> None:
 
 
 def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: str, model: str) -> None:
-    loads = [WorkerLoad(running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512)]
+    loads = [EngineLoad(running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512)]
     entry = make_entry(model, "prefill-0")
 
     async def body() -> None:
-        registration = WorkerRegistration(registry_url, entry, lambda: loads[-1], ttl_s=3, refresh_s=0.5)
-        view = RegistryView(registry_url, poll_s=0.1)
+        etcd = EtcdConnection(registry_url)
+        registration = WorkerRegistration(
+            etcd, entry, lambda: loads[-1], draining=lambda: len(loads) > 1, ttl_s=3, refresh_s=0.5
+        )
+        view = RegistryView(etcd, poll_s=0.1)
         await registration.start()
         await view.start()
         try:
             seen = view.get("prefill-0")
             assert seen is not None
-            assert msgspec.structs.replace(seen, load=entry.load) == entry  # every field survives the trip
+            # Every field survives the trip.
+            assert msgspec.structs.replace(seen, load=entry.load, updated_at=entry.updated_at) == entry
             assert (seen.load.running, seen.load.waiting, seen.load.kv_usage) == (
                 3,
                 1,
                 0.25,
             )
-            assert abs(seen.load.updated_at - time.time()) < 2
+            assert abs(seen.updated_at - time.time()) < 2 and not seen.draining
             assert view.workers(role="prefill", model=model) == [seen]
             assert view.workers(role="decode", model=model) == []
             assert not view.is_stale
 
-            loads.append(WorkerLoad(running=7, draining=True))
+            loads.append(EngineLoad(running=7))
             took = await eventually(lambda: view.get("prefill-0").load.running == 7, 2.0, "fresh load seen")
-            assert view.get("prefill-0").load.draining
+            assert view.get("prefill-0").draining
             assert took < 2.0
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
 
     run_scenario(body())
 
@@ -206,20 +238,21 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
             events.append((mine(added), mine(removed)))
 
     async def body() -> None:
-        view = RegistryView(registry_url, poll_s=0.1)
+        etcd = EtcdConnection(registry_url)
+        view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         view.add_listener(listener)
         first = WorkerRegistration(
-            registry_url,
+            etcd,
             make_entry(model, "d0", "decode"),
-            WorkerLoad,
+            EngineLoad,
             ttl_s=3,
             refresh_s=1,
         )
         second = WorkerRegistration(
-            registry_url,
+            etcd,
             make_entry(model, "d1", "decode"),
-            WorkerLoad,
+            EngineLoad,
             ttl_s=3,
             refresh_s=1,
         )
@@ -240,13 +273,14 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
         )
 
         # The same worker id back after a restart: its old self removed, its new self added.
-        restarted = WorkerRegistration(registry_url, make_entry(model, "d1", "decode", started_at=2.0), WorkerLoad)
+        restarted = WorkerRegistration(etcd, make_entry(model, "d1", "decode", started_at=2.0), EngineLoad)
         await restarted.start()
         await eventually(lambda: view.get("d1").started_at == 2.0, 2.0, "restarted d1 seen")
         await second.close()  # revokes the old lease; the restarted worker's key is its own now
         await restarted.close()
         await eventually(lambda: view.workers(model=model) == [], 2.0, "all gone")
         await view.close()
+        await etcd.close()
 
     run_scenario(body())
     flat = [(tuple(a), tuple(r)) for a, r in events]
@@ -272,7 +306,8 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
     )
 
     async def body() -> float:
-        view = RegistryView(registry_url, poll_s=0.1)
+        etcd = EtcdConnection(registry_url)
+        view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         try:
             assert child.stdout.readline().strip() == "registered"
@@ -284,6 +319,7 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
             return time.monotonic() - killed_at
         finally:
             await view.close()
+            await etcd.close()
 
     try:
         gone_after = run_scenario(body())
@@ -297,11 +333,14 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
 # A worker in its own process: registers, says so, and refreshes until killed.
 CHILD_WORKER = """
 import asyncio, sys
-from pdserve.discovery.registry import WorkerLoad, decode_entry
+from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.registry import decode_entry
+from pdserve.engine.load import EngineLoad
 from pdserve.discovery.registration import WorkerRegistration
 
 async def main():
-    registration = WorkerRegistration(sys.argv[1], decode_entry(sys.argv[2].encode()), WorkerLoad, ttl_s=2, refresh_s=0.5)
+    etcd = EtcdConnection(sys.argv[1])
+    registration = WorkerRegistration(etcd, decode_entry(sys.argv[2].encode()), EngineLoad, ttl_s=2, refresh_s=0.5)
     await registration.start()
     print("registered", flush=True)
     await asyncio.Event().wait()
@@ -317,14 +356,15 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
 
     async def body() -> None:
         client = await connect(registry_url)
-        registration = WorkerRegistration(registry_url, make_entry(model, "good"), WorkerLoad, ttl_s=3)
+        etcd = EtcdConnection(registry_url)
+        registration = WorkerRegistration(etcd, make_entry(model, "good"), EngineLoad, ttl_s=3)
         await registration.start()
         await client.put(garbage_key, b"{not json")
         await client.put(
             worker_key(model, "decode", "bad-role").encode(),
             b'{"worker_id": "x", "role": "chef"}',
         )
-        view = RegistryView(registry_url, poll_s=0.05)
+        view = RegistryView(etcd, poll_s=0.05)
         try:
             await view.start()
             await asyncio.sleep(0.3)  # several polls over the same bad values
@@ -333,6 +373,7 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
             await client.delete(garbage_key)
             await client.delete(worker_key(model, "decode", "bad-role").encode())
             await client.close()
@@ -349,8 +390,9 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
 @pytest.mark.parametrize("wipe", [False, True], ids=["same-data-dir", "wiped-data-dir"])
 def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wipe: bool) -> None:
     async def body() -> None:
-        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), WorkerLoad, ttl_s=2, refresh_s=0.5)
-        view = RegistryView(etcd_server.url, poll_s=0.1, stale_after_s=1.0)
+        etcd = EtcdConnection(etcd_server.url, 1.0)  # one client for both, as in a decode worker
+        registration = WorkerRegistration(etcd, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
+        view = RegistryView(etcd, poll_s=0.1, stale_after_s=1.0)
         await registration.start()
         await view.start()
         first_lease = registration.lease_id
@@ -383,18 +425,21 @@ def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wi
         finally:
             await view.close()
             await registration.close()
+            await etcd.close()
 
     run_scenario(body())
 
 
 def test_close_with_etcd_down_gives_up_quickly(etcd_server: EtcdServer, model: str) -> None:
     async def body() -> None:
-        registration = WorkerRegistration(etcd_server.url, make_entry(model, "w0"), WorkerLoad, ttl_s=2, refresh_s=0.5)
+        etcd = EtcdConnection(etcd_server.url, 1.0)
+        registration = WorkerRegistration(etcd, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
         await registration.start()
         etcd_server.stop()
         start = time.monotonic()
         await registration.close()
         assert time.monotonic() - start < 2.5
         assert registration.lease_id is None
+        await etcd.close()
 
     run_scenario(body())

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import msgspec
 
+from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
@@ -99,12 +100,14 @@ class Deployment:
         """The workers etcd lists for this deployment's model, read now."""
 
         async def read() -> list[WorkerEntry]:
-            view = RegistryView(self.etcd)
-            await view.start()
+            etcd = EtcdConnection(self.etcd)
+            view = RegistryView(etcd)
             try:
+                await view.start()
                 return view.workers(model=self.model_name)
             finally:
                 await view.close()
+                await etcd.close()
 
         return self.run(read())
 

@@ -101,7 +101,7 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
     started.wait(20)
     deployment.kill(decode, signal.SIGTERM)
     deployment.wait_registered(
-        lambda ws: any(w.role == "decode" and w.load.draining for w in ws), 3, "the decode worker to report draining"
+        lambda ws: any(w.role == "decode" and w.draining for w in ws), 3, "the decode worker to report draining"
     )
     for t in threads:
         t.join(DEADLINE_S)

@@ -77,6 +77,7 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
         held = loop.load.held_requests
         consumer = await loop.add("c", prompt, GREEDY, KVRole.CONSUMER)
         awaited = await asyncio.wait_for(consumer.next(), 10)
+        awaiting = loop.load  # a request awaiting its KV holds blocks: it counts as running
         # Same engine, so "pulling" is copying the producer's blocks into the consumer's.
         kv = engine.kv_cache.data
         for src, dst in zip(produced[-1].held_block_ids, awaited.block_ids):
@@ -85,10 +86,11 @@ def test_producer_holds_blocks_and_consumer_waits_for_kv(engine):
         await loop.kv_received("c", produced[-1].token_ids[0])
         rest = await asyncio.wait_for(_collect(consumer), 30)
         await loop.stop()
-        return produced, held, awaited, rest
+        return produced, held, awaited, awaiting, rest
 
-    produced, held, awaited, rest = run_scenario(main())
+    produced, held, awaited, awaiting, rest = run_scenario(main())
     assert produced[-1].finish_reason == "kv_transfer" and held == 1
+    assert (awaiting.running, awaiting.awaiting_kv, awaiting.held_requests) == (1, 1, 1)
     assert isinstance(awaited, KVAwaited) and len(awaited.block_ids) >= len(produced[-1].held_block_ids)
     engine.add_request("ref", prompt, GREEDY)
     final = None

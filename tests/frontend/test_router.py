@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.engine.load import EngineLoad
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.router import NoWorker, Router
 
 
-def entry(worker_id: str, role: str, **load: int | bool) -> WorkerEntry:
+def entry(worker_id: str, role: str, draining: bool = False, **load: int) -> WorkerEntry:
     return WorkerEntry(
         worker_id=worker_id, role=role, model="m", model_path="/m", endpoint=f"{worker_id}:1", nixl=b"",
         block_size=4, num_kv_blocks=100, max_model_len=1024, vocab_size=100, max_num_seqs=8, started_at=0.0,
-        load=WorkerLoad(kv_blocks_total=100, **load),
+        load=EngineLoad(kv_blocks_total=100, **load), draining=draining,
     )  # fmt: skip
 
 

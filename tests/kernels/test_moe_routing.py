@@ -9,20 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.backend import RouterConfig
+from pdserve.kernels.backend import MoERouting
 from pdserve.kernels.moe_routing import route
 from pdserve.kernels.torch_backend import TorchBackend
 from tests.kernels.helpers import DTYPES, assert_close
 
 CONFIGS = {
-    "mixtral": (RouterConfig(top_k=2), 8, False),
-    "qwen-60-no-renorm": (RouterConfig(top_k=4, renormalize=False), 60, False),
+    "mixtral": (MoERouting(top_k=2), 8, False),
+    "qwen-60-no-renorm": (MoERouting(top_k=4, renormalize=False), 60, False),
     "v3-top2-sum-bias": (
-        RouterConfig(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5),
+        MoERouting(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5),
         32, True,
     ),
-    "v2-group-max": (RouterConfig(top_k=3, num_groups=4, topk_groups=3, scaling_factor=16.0), 24, False),
-    "sigmoid-ungrouped": (RouterConfig(top_k=2, scoring="sigmoid"), 16, True),
+    "v2-group-max": (MoERouting(top_k=3, num_groups=4, topk_groups=3, scaling_factor=16.0), 24, False),
+    "sigmoid-ungrouped": (MoERouting(top_k=2, scoring="sigmoid"), 16, True),
 }
 
 
@@ -52,4 +52,4 @@ def test_route_matches_reference(dtype, name, num_tokens):
 
 def test_route_rejects_unknown_scoring():
     with pytest.raises(ValueError):
-        route(torch.randn(2, 8), RouterConfig(top_k=2, scoring="relu"), None)
+        route(torch.randn(2, 8), MoERouting(top_k=2, scoring="relu"), None)

@@ -42,10 +42,16 @@ def test_extend_with_other_block_sizes(block_size):
     _run(torch.float32, 4, 2, 64, [(20, 20), (50, 3), (49, 49)], block_size)
 
 
-def test_extend_of_no_sequences_writes_nothing():
-    out = poisoned((0, 2, 64), torch.float32)
-    meta = make_metadata([], [], 16, 1)
+# A step of decodes only (no extends at all), and one whose extends have empty queries.
+@pytest.mark.parametrize("query_lens,num_extends", [([1, 1], 0), ([1, 1, 0], 1)])
+def test_extend_of_no_queries_writes_nothing(query_lens, num_extends):
+    seq_lens = [5, 9, 7][: len(query_lens)]
+    meta = make_metadata(seq_lens, query_lens, 16, 4)
+    num_decodes = meta.num_seqs - num_extends
+    q = torch.randn(sum(query_lens), 2, 64)
+    out = poisoned(q.shape, torch.float32)
     paged_extend_attention(
-        torch.empty(0, 2, 64), gqa_cache(1, 1, 16, 64, torch.float32), meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, 0, 0, 0, 1.0, out,
+        q, gqa_cache(4, 1, 16, 64, torch.float32), meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        num_decodes, num_extends, max(query_lens[num_decodes:], default=0), 1.0, out,
     )
+    assert out.numel() and out.isnan().all(), "the decodes' rows were written"

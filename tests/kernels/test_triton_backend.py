@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels.backend import Backend, RouterConfig
+from pdserve.kernels.backend import Backend, MoERouting
 from pdserve.kernels.torch_backend import TorchBackend
 from pdserve.kernels.triton_backend import TritonBackend
 from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata, mla_cache
@@ -64,7 +64,7 @@ def test_mla_layer_step_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_layer_matches_reference(dtype):
     num_tokens, num_experts, hidden, inter = 11, 16, 64, 48
-    config = RouterConfig(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5)
+    config = MoERouting(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5)
     x = torch.randn(num_tokens, hidden).to(dtype)
     logits = distinct_logits(num_tokens, num_experts)  # float32, as DeepSeek's gate computes
     bias = torch.randn(num_experts) / 4

@@ -48,7 +48,7 @@ class Peer:
         self.agent = KVAgent(cfg.name, self.kv, layout)
         self.pins = BlockPins(self.manager.free)
         self.reporter = SentReporter(self.agent, self.pins.sent, is_wanted=lambda: len(self.pins) > 0)
-        self.puller = KVPuller(self.agent, free_on_failure=self.manager.free)
+        self.puller = KVPuller(self.agent)
 
     def send(self, reply: p.Reply) -> None:
         self.out.write(msgspec.json.encode(reply) + b"\n")
@@ -65,8 +65,8 @@ class Peer:
                 cmd.request_id, cmd.peers, cmd.remote_block_ids, local,
                 num_cached_blocks=cmd.num_cached_blocks, deadline_s=cmd.deadline_s,
             )  # fmt: skip
-        except TransferFailed as exc:  # the puller already gave the blocks back
-            assert not self.manager.holds(cmd.request_id)
+        except TransferFailed as exc:  # the blocks are ours to give back
+            self.manager.free(cmd.request_id)
             return p.PullResult(cmd.request_id, False, local, error=exc.reason)
         if not cmd.keep:
             self.manager.free(cmd.request_id)

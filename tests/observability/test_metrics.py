@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from pdserve.observability.metrics import FrontendMetrics, Occupancy, WorkerMetrics, serve_metrics
+from pdserve.engine.load import EngineLoad
+from pdserve.observability.metrics import FrontendMetrics, WorkerMetrics, serve_metrics
 
 
 def _scrape(port: int) -> str:
@@ -13,8 +14,8 @@ def _scrape(port: int) -> str:
 
 
 def test_worker_metrics_read_occupancy_at_scrape_time_and_count_requests():
-    occupancy = Occupancy(running=3, waiting=1, kv_blocks_used=10, kv_blocks_total=64, held_requests=2, num_preemptions=5)
-    metrics = WorkerMetrics("decode", "decode-x", "tiny", lambda: occupancy)
+    load = EngineLoad(running=3, waiting=1, kv_blocks_used=10, kv_blocks_total=64, held_requests=2, num_preemptions=5)
+    metrics = WorkerMetrics("decode", "decode-x", "tiny", lambda: load)
     metrics.prompt_admitted(100, 25)
     metrics.kv_transfer_bytes.inc(4096)
     metrics.kv_transfer_seconds.observe(0.004)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.discovery.registry import WorkerLoad
+from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.planner.observer import observe
 from tests.discovery.test_registry import make_entry
@@ -16,8 +16,8 @@ def stats(**fields) -> ModelStats:
     return ModelStats(window_s=10, num_requests=fields.pop("num_requests", 10), arrival_rate=1.0, **fields)
 
 
-def worker(worker_id: str, role: str, **load):
-    return msgspec.structs.replace(make_entry("m", worker_id, role), load=WorkerLoad(**load))
+def worker(worker_id: str, role: str, draining: bool = False, **load):
+    return msgspec.structs.replace(make_entry("m", worker_id, role), load=EngineLoad(**load), draining=draining)
 
 
 def test_arrivals_are_summed_by_second_over_the_complete_seconds_of_the_interval() -> None:
@@ -52,7 +52,7 @@ def test_pools_count_ready_workers_of_the_model_only() -> None:
         worker("p2", "prefill", waiting=2, draining=True),  # leaving: not ready, its queue is not ours
         worker("d1", "decode", running=4, kv_blocks_used=50, kv_blocks_total=100),
         worker("d2", "decode", running=2, kv_blocks_used=0, kv_blocks_total=100),
-        msgspec.structs.replace(make_entry("other", "x", "decode"), load=WorkerLoad(running=9)),
+        msgspec.structs.replace(make_entry("other", "x", "decode"), load=EngineLoad(running=9)),
     ]
     obs = observe("m", [], workers, Knobs(decode_max_num_seqs=8), now=10.0, interval_s=10)
     assert (obs.num_prefill_ready, obs.num_decode_ready, obs.prefill_waiting) == (1, 2, 3)

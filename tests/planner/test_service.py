@@ -10,9 +10,10 @@ import pytest
 
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.knobs import Knobs, delete_knobs, get_knobs, put_knobs
-from pdserve.discovery.registry import WorkerLoad, encode_entry, frontend_key, planner_key
+from pdserve.discovery.registry import encode_entry, frontend_key, planner_key
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import delete_slo, put_slo
+from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.scaling import AdviseOnly
@@ -34,7 +35,7 @@ def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(et
         try:
             await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
             for worker_id, role in (("p", "prefill"), ("d", "decode")):
-                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=WorkerLoad())
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad())
                 await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
             # Light traffic whose observed ITL p90 (200 ms) is far over the 50 ms target.
             stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
@@ -98,7 +99,7 @@ def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides
             await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
             await put_knobs(client, model, left)  # left by an earlier planner
             for worker_id, role in (("p", "prefill"), ("d", "decode")):
-                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=WorkerLoad(),
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad(),
                                                 max_num_seqs=32, max_num_batched_tokens=1024)  # fmt: skip
                 await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
             # Light traffic far inside both targets: the knobs go back to the workers' start-up settings.

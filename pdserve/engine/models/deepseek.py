@@ -16,7 +16,7 @@ from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
-from pdserve.kernels.backend import AttentionMetadata, Backend, RouterConfig
+from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
 
 
 class MLAttention:
@@ -117,7 +117,7 @@ class DeepseekModel(DecoderModel):
             router_name=f"{prefix}.gate.weight",
             expert_names=tuple(f"{prefix}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
             num_experts=c.require("n_routed_experts"), hidden=c.hidden_size, intermediate=moe_intermediate,
-            router=self._router_config(),
+            router=self._moe_routing(),
             correction_bias_name=f"{prefix}.gate.e_score_correction_bias" if self._is_v3 else None,
             shared=shared,
         )
@@ -126,7 +126,7 @@ class DeepseekModel(DecoderModel):
     def _is_v3(self) -> bool:
         return self.config.architecture == "DeepseekV3ForCausalLM"
 
-    def _router_config(self) -> RouterConfig:
+    def _moe_routing(self) -> MoERouting:
         c = self.config
         common = dict(
             top_k=c.require("num_experts_per_tok"),
@@ -134,13 +134,13 @@ class DeepseekModel(DecoderModel):
             scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
         )
         if self._is_v3:
-            return RouterConfig(
+            return MoERouting(
                 scoring="sigmoid", num_groups=c.get("n_group", 1), topk_groups=c.get("topk_group", 1),
                 group_score="top2_sum", **common,
             )
         if c.get("topk_method", "greedy") == "group_limited_greedy":
-            return RouterConfig(
+            return MoERouting(
                 scoring="softmax", num_groups=c.require("n_group"), topk_groups=c.require("topk_group"),
                 group_score="max", **common,
             )
-        return RouterConfig(scoring="softmax", **common)
+        return MoERouting(scoring="softmax", **common)

@@ -17,7 +17,7 @@ from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
-from pdserve.kernels.backend import AttentionMetadata, Backend, RouterConfig
+from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
 
 
 class GQAttention:
@@ -82,7 +82,7 @@ class LlamaModel(DecoderModel):
                 router_name=f"{layer}.block_sparse_moe.gate.weight",
                 expert_names=tuple(f"{layer}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
                 num_experts=c.require("num_local_experts"), hidden=c.hidden_size, intermediate=c.intermediate_size,
-                router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=True),
+                router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=True),
             )
         if c.architecture == "Qwen3MoeForCausalLM" and self._is_sparse_qwen3_layer(index):
             return MoE(
@@ -91,7 +91,7 @@ class LlamaModel(DecoderModel):
                 expert_names=tuple(f"{prefix}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
                 num_experts=self._num_qwen3_experts, hidden=c.hidden_size,
                 intermediate=c.require("moe_intermediate_size"),
-                router=RouterConfig(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
+                router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
             )
         return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, bias=bool(c.get("mlp_bias", False)))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.models.layers import DenseMLP
 from pdserve.engine.weights import Checkpoint
-from pdserve.kernels.backend import Backend, RouterConfig
+from pdserve.kernels.backend import Backend, MoERouting
 
 
 class MoE:
@@ -28,7 +28,7 @@ class MoE:
         num_experts: int,
         hidden: int,
         intermediate: int,
-        router: RouterConfig,
+        router: MoERouting,
         correction_bias_name: str | None = None,
         shared: DenseMLP | None = None,
     ) -> None:
