@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.engine.load import EngineLoad
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -62,7 +64,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     ``load`` is what its registry entry reports (the router prefers the less loaded).
     """
 
-    def __init__(self, worker_id: str, role: str, script: Script = Script(), load: WorkerLoad = WorkerLoad()) -> None:
+    def __init__(self, worker_id: str, role: str, script: Script = Script(), load: EngineLoad = EngineLoad()) -> None:
         self.worker_id = worker_id
         self.role = role
         self.script = script
@@ -73,6 +75,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.num_in_flight = 0  # calls being handled now
         self._server: RpcServer | None = None
         self._registration: WorkerRegistration | None = None
+        self._etcd: EtcdConnection | None = None
 
     async def start(self, etcd_url: str, model: str) -> None:
         self._server = RpcServer()
@@ -84,13 +87,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
             started_at=time.time(),
         )  # fmt: skip
-        self._registration = WorkerRegistration(etcd_url, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)
+        self._etcd = EtcdConnection(etcd_url)
+        self._registration = WorkerRegistration(self._etcd, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)
         await self._registration.start()
 
     async def stop(self) -> None:
         if self._registration is not None:
             await self._registration.close()
             self._registration = None
+        if self._etcd is not None:
+            await self._etcd.close()
+            self._etcd = None
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_S)
             self._server = None

@@ -26,7 +26,8 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from pdserve.discovery.registry import WorkerLoad
+from pdserve.discovery.etcd import EtcdConnection
+from pdserve.engine.load import EngineLoad
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.channels import WorkerChannels
@@ -42,8 +43,8 @@ PROMPT = list(range(1, 41))  # long enough that conditional disaggregation sends
 DEADLINE_S = 10.0  # each request's deadline unless a test sets a shorter one
 SCENARIO_TIMEOUT_S = 60.0
 # Reported load that makes the router try a worker after the idle ones.
-BUSY_PREFILL = WorkerLoad(queued_prefill_tokens=1000)
-BUSY_DECODE = WorkerLoad(running=4)
+BUSY_PREFILL = EngineLoad(queued_prefill_tokens=1000)
+BUSY_DECODE = EngineLoad(running=4)
 
 
 @pytest.fixture
@@ -60,7 +61,8 @@ async def serving(
     On the way out the channels are closed first, which waits for the flow's background
     Releases, so the workers' records are complete once the block is left.
     """
-    view = RegistryView(etcd_url, poll_s=0.2)
+    etcd = EtcdConnection(etcd_url)
+    view = RegistryView(etcd, poll_s=0.2)
     config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
     routing = Routing(view, Router(config, seed=0), WorkerChannels())
     try:
@@ -72,6 +74,7 @@ async def serving(
     finally:
         await routing.channels.close_all()
         await view.close()
+        await etcd.close()
         for worker in workers:
             await worker.stop()
 

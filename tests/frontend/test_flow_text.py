@@ -16,7 +16,9 @@ import grpc
 import pytest
 
 from pdserve.discovery.registration import WorkerRegistration
-from pdserve.discovery.registry import WorkerEntry, WorkerLoad
+from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.engine.load import EngineLoad
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.catalog import ModelCatalog
@@ -84,6 +86,8 @@ async def cluster(etcd_url: str, tokenizer_dir: str, workers: dict[str, tuple[st
     """Serve and register each worker (id -> (role, servicer, running)); yield a routing over them."""
     model = f"flow-{uuid.uuid4().hex[:8]}"
     async with AsyncExitStack() as stack:
+        etcd = EtcdConnection(etcd_url)
+        stack.push_async_callback(etcd.close)
         for worker_id, (role, servicer, running) in workers.items():
             server = grpc.aio.server()
             worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -95,10 +99,10 @@ async def cluster(etcd_url: str, tokenizer_dir: str, workers: dict[str, tuple[st
                 nixl=b"", block_size=16, num_kv_blocks=100, max_model_len=1024, vocab_size=1000, max_num_seqs=8,
                 started_at=time.time(),
             )  # fmt: skip
-            registration = WorkerRegistration(etcd_url, entry, lambda running=running: WorkerLoad(running=running))
+            registration = WorkerRegistration(etcd, entry, lambda running=running: EngineLoad(running=running))
             await registration.start()
             stack.push_async_callback(registration.close)
-        view = RegistryView(etcd_url)
+        view = RegistryView(etcd)
         await view.start()
         stack.push_async_callback(view.close)
         channels = WorkerChannels()
