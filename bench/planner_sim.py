@@ -159,7 +159,9 @@ def make_scenario(profile: EngineProfile, args: argparse.Namespace) -> Scenario:
     cap = LatencyModel(profile).largest_batch_within(0.85 * slo.itl_p90_s, mean_context)
     return Scenario(
         slo=slo,
-        knobs=Knobs(decode_max_num_seqs=min(cap, Knobs().decode_max_num_seqs)),
+        # Every prompt starts in the prefill pool (threshold 0), as in the runs RESULTS.md records;
+        # the planner turns local prefill on where it pays.
+        knobs=Knobs(decode_max_num_seqs=min(cap, Knobs().decode_max_num_seqs), local_prefill_threshold_tokens=0),
         base_rate=round(1.5 / mean_prefill_s, 2),
         duration_s=args.duration_s,
         interval_s=args.interval_s,
