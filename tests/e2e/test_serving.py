@@ -115,7 +115,10 @@ def test_a_stop_string_straddling_the_first_token_streams_each_character_once(ll
     prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
     want = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop]))[0]
     result = deployment.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
-    assert result["final"].breakdown.disaggregated
+    breakdown = result["final"].breakdown
+    assert breakdown.disaggregated
+    # The decode worker reported its pull (DecodeStarted) before the frontend ended the call.
+    assert breakdown.decode_worker and breakdown.kv_transfer_bytes > 0 and breakdown.kv_transfer_ms > 0
     assert (result["text"], result["final"].text, result["final"].finish_reason) == (want.text, want.text, want.finish_reason)
     assert result["token_ids"] == want.token_ids and result["final"].usage.completion_tokens == len(want.token_ids)
     deployment.wait_registered(_idle, 10, "every block free after the stop")
