@@ -1,4 +1,5 @@
-"""A scripted ``pdserve.v1.Worker`` on a real grpc.aio server, registered in a real etcd.
+"""Scripted ``pdserve.v1.Worker``s on real grpc.aio servers, registered in a real etcd, and the
+frontend's routing over them (``serving``).
 
 No model, no engine, no NIXL: each call is answered the way its ``Script`` says, and every
 call it receives is recorded, so a test can check what a worker was really sent.
@@ -8,20 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
 
-from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.load import EngineLoad
+from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.flow import Routing
+from pdserve.frontend.router import Router
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-FIRST_TOKEN_ID = 7  # what every fake prefill worker answers
+FIRST_TOKEN_ID = 7  # what a fake prefill worker answers unless its script says otherwise
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 1024
 _STOP_GRACE_S = 1.0
@@ -35,6 +42,11 @@ async def refuse_as_draining(context: grpc.aio.ServicerContext, worker_id: str) 
     await refuse(context, DRAINING, f"worker {worker_id} takes no new requests")
 
 
+async def refuse_untyped(context: grpc.aio.ServicerContext, worker_id: str) -> None:
+    """The same status and details as ``refuse_as_draining``, but no typed refusal."""
+    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} takes no new requests")
+
+
 @dataclass(frozen=True)
 class Script:
     """How a fake worker answers; the defaults answer every call at once.
@@ -42,7 +54,10 @@ class Script:
     Attributes:
         prefill_error: fail every Prefill with this code.
         draining: refuse every Prefill and Decode as a draining worker does.
+        untyped_refusal: with ``draining``, refuse without saying why (``refuse_untyped``).
+        first_token_id: what Prefill answers.
         tokens: Decode streams these, one a message, then its final message.
+        token_gap_s: Decode waits this long before each token after the first.
         decode_error: Decode fails with this code after ``tokens`` instead of finishing.
         stall: answer no Prefill, and send nothing after ``tokens`` in Decode, until the
             caller cancels the call or its deadline passes.
@@ -52,7 +67,10 @@ class Script:
 
     prefill_error: grpc.StatusCode | None = None
     draining: bool = False
+    untyped_refusal: bool = False
+    first_token_id: int = FIRST_TOKEN_ID
     tokens: tuple[int, ...] = (11, 12, 13)
+    token_gap_s: float = 0.0
     decode_error: grpc.StatusCode | None = None
     stall: bool = False
     pull_stalls: bool = False
@@ -73,16 +91,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.decodes: list[worker_pb2.DecodeRequest] = []
         self.releases: list[str] = []  # request ids, in the order their Release calls came
         self.num_in_flight = 0  # calls being handled now
+        self.decode_cancelled = asyncio.Event()  # a Decode call was cancelled while it streamed
         self._server: RpcServer | None = None
         self._registration: WorkerRegistration | None = None
         self._etcd: EtcdConnection | None = None
 
-    async def start(self, etcd_url: str, model: str) -> None:
+    async def start(self, etcd_url: str, model: str, model_path: str = "/nonexistent/fake-model") -> None:
         self._server = RpcServer()
         self._server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(self, s), "pdserve.v1.Worker")
         port = await self._server.start("127.0.0.1", 0)
         entry = WorkerEntry(
-            worker_id=self.worker_id, role=self.role, model=model, model_path="/nonexistent/fake-model",
+            worker_id=self.worker_id, role=self.role, model=model, model_path=model_path,
             endpoint=f"127.0.0.1:{port}", nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
             num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
             started_at=time.time(),
@@ -109,13 +128,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.num_in_flight += 1
         try:
             if self.script.draining:
-                await refuse_as_draining(context, self.worker_id)
+                await self._refuse(context)
             if self.script.prefill_error is not None:
                 await context.abort(self.script.prefill_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
             return worker_pb2.PrefillResponse(
-                worker_id=self.worker_id, first_token_id=FIRST_TOKEN_ID, block_ids=[0, 1], hold_seconds=30.0
+                worker_id=self.worker_id, first_token_id=self.script.first_token_id, block_ids=[0, 1], hold_seconds=30.0
             )
         finally:
             self.num_in_flight -= 1
@@ -134,18 +153,60 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.num_in_flight += 1
         try:
             if self.script.draining:
-                await refuse_as_draining(context, self.worker_id)
+                await self._refuse(context)
             if request.HasField("kv_source"):
                 if self.script.pull_stalls:
                     await asyncio.Event().wait()
                 # A real decode worker reports the pull as soon as it is done.
                 yield worker_pb2.DecodeResponse(started=worker_pb2.DecodeStarted(kv_transfer_ms=1.0))
-            for token_id in self.script.tokens:
+            for index, token_id in enumerate(self.script.tokens):
+                if index and self.script.token_gap_s:
+                    await asyncio.sleep(self.script.token_gap_s)
                 yield worker_pb2.DecodeResponse(token_ids=[token_id])
             if self.script.decode_error is not None:
                 await context.abort(self.script.decode_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
             yield worker_pb2.DecodeResponse(final=worker_pb2.DecodeFinal(finish_reason="length"))
+        except asyncio.CancelledError:
+            self.decode_cancelled.set()
+            raise
         finally:
             self.num_in_flight -= 1
+
+    async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
+        if self.script.untyped_refusal:
+            await refuse_untyped(context, self.worker_id)
+        await refuse_as_draining(context, self.worker_id)
+
+
+@asynccontextmanager
+async def serving(
+    etcd_url: str,
+    model: str,
+    workers: Sequence[FakeWorker],
+    disaggregation: str = "always",
+    model_path: str = "/nonexistent/fake-model",
+) -> AsyncIterator[Routing]:
+    """Start and register ``workers`` (serving ``model`` from ``model_path``, where the frontend
+    looks for its tokenizer); yield the frontend's routing over them.
+
+    On the way out the channels are closed first, which waits for the flow's background
+    Releases, so the workers' records are complete once the block is left.
+    """
+    etcd = EtcdConnection(etcd_url)
+    view = RegistryView(etcd, poll_s=0.2)
+    config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
+    routing = Routing(view, Router(config, seed=0), WorkerChannels())
+    try:
+        for worker in workers:
+            await worker.start(etcd_url, model, model_path)
+        await view.start()
+        assert sorted(w.worker_id for w in view.workers(model=model)) == sorted(w.worker_id for w in workers)
+        yield routing
+    finally:
+        await routing.channels.close_all()
+        await view.close()
+        await etcd.close()
+        for worker in workers:
+            await worker.stop()

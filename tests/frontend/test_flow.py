@@ -20,23 +20,17 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 
 import grpc
 import pytest
 
-from pdserve.discovery.etcd import EtcdConnection
 from pdserve.engine.load import EngineLoad
-from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ModelCatalog
-from pdserve.frontend.channels import WorkerChannels
-from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
-from pdserve.frontend.router import Router
 from pdserve.lifecycle import cancel_and_wait
 from pdserve.v1 import inference_pb2
-from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script
+from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script, serving
 from tests.utils.aio import run_scenario
 
 PROMPT = list(range(1, 41))  # long enough that conditional disaggregation sends it to a prefill worker
@@ -45,38 +39,6 @@ SCENARIO_TIMEOUT_S = 60.0
 # Reported load that makes the router try a worker after the idle ones.
 BUSY_PREFILL = EngineLoad(queued_prefill_tokens=1000)
 BUSY_DECODE = EngineLoad(running=4)
-
-
-@pytest.fixture
-def model() -> str:
-    return f"org/flow-{uuid.uuid4().hex[:8]}"
-
-
-@asynccontextmanager
-async def serving(
-    etcd_url: str, model: str, workers: Sequence[FakeWorker], disaggregation: str = "always"
-) -> AsyncIterator[Routing]:
-    """Start and register ``workers``; yield the frontend's routing over them.
-
-    On the way out the channels are closed first, which waits for the flow's background
-    Releases, so the workers' records are complete once the block is left.
-    """
-    etcd = EtcdConnection(etcd_url)
-    view = RegistryView(etcd, poll_s=0.2)
-    config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
-    routing = Routing(view, Router(config, seed=0), WorkerChannels())
-    try:
-        for worker in workers:
-            await worker.start(etcd_url, model)
-        await view.start()
-        assert sorted(w.worker_id for w in view.workers(model=model)) == sorted(w.worker_id for w in workers)
-        yield routing
-    finally:
-        await routing.channels.close_all()
-        await view.close()
-        await etcd.close()
-        for worker in workers:
-            await worker.stop()
 
 
 def new_flow(routing: Routing, model: str, deadline_s: float = DEADLINE_S) -> RequestFlow:
