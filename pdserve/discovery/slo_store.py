@@ -2,8 +2,8 @@
 
 Written by the CLI (``pdserve slo set``) and the operator, read by the planner and
 ``pdserve status``. Every call runs under a deadline and raises one of ``etcd.ETCD_ERRORS``
-when etcd fails. Writes are plain puts: the last writer wins (the embedded etcd of
-``pdserve up`` has no transactions, and targets change by hand, rarely).
+when etcd fails. Writes are plain puts: the last writer wins (targets change by hand,
+rarely).
 """
 
 from __future__ import annotations

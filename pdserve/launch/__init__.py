@@ -1,7 +1,7 @@
 """``pdserve up``: start and supervise a whole deployment on one machine.
 
 - ``up``: what ``pdserve up`` runs: checks, the cluster, the optional planner, supervision.
-- ``local_cluster``: the registry (a given etcd or the embedded one), the frontend and the
+- ``local_cluster``: the registry (a given etcd, or its own ``etcd_process``), the frontend and the
   worker processes, started together and stopped together.
 - ``local_connector``: the planner's scaling connector that resizes those local pools.
 """

@@ -1,13 +1,14 @@
 """A whole pdserve deployment on one machine, as child processes (``pdserve up``).
 
-``LocalCluster`` starts the registry (the given etcd, or an ``EmbeddedEtcd`` in this process),
-the frontend, and the prefill and decode workers, each a ``python -m pdserve ...`` child with
+``LocalCluster`` starts the registry (the given etcd, or a real etcd server process of its own,
+``EtcdProcess``, with its data under the deployment's state directory), the frontend, and the prefill and decode workers, each a ``python -m pdserve ...`` child with
 its own engine and NIXL agent. A child gets its whole configuration, a ``WorkerConfig`` or
 ``FrontendConfig`` written as JSON, with ``--config FILE``, so a new option reaches it without
 an edit here. A child is ready when it prints its "listening on" line; one that exits or stays
 silent past the start-up deadline fails the start with its last output. ``scale`` adds
 workers or drains the newest ones (SIGTERM); ``stop`` drains every child and kills any still
-alive after the grace period. Nothing outlives the cluster, its configuration files included.
+alive after the grace period, then the registry. Nothing outlives the cluster, its state
+directory (configuration files, etcd's data) included.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.discovery.embedded_etcd import EmbeddedEtcd
 from pdserve.frontend.config import FrontendConfig
 from pdserve.discovery.registry import Role
+from pdserve.launch.etcd_process import EtcdFailed, EtcdProcess
 from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
 from pdserve.worker.config import WorkerConfig
 
@@ -57,7 +58,7 @@ class ClusterSpec:
     """Attributes:
     prefill / decode: the configuration of each worker of the pool.
     frontend: the frontend's configuration.
-    etcd: an etcd URL, or None for the embedded registry. The registry is the cluster's: each
+    etcd: an etcd URL, or None for an etcd server of the cluster's own (``EtcdProcess``). The registry is the cluster's: each
         child gets its URL as its configuration's ``etcd``, whatever that held.
     """
 
@@ -78,18 +79,22 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.etcd_url: str | None = spec.etcd
-        self._embedded: EmbeddedEtcd | None = None
+        self.registry: EtcdProcess | None = None  # the cluster's own etcd, when it runs one
         self.frontend: Child | None = None
         self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
         self._count = 0
-        self._config_dir: Path | None = None
+        self._state_dir: Path | None = None  # configuration files, the registry's data
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
         """Start the registry, the workers and the frontend; all ready, or ChildFailed."""
         try:
+            self._state_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
             if self.etcd_url is None:
-                self._embedded = EmbeddedEtcd()
-                self.etcd_url = await self._embedded.start()
+                self.registry = EtcdProcess(self._state_dir / "etcd")
+                try:
+                    self.etcd_url = await self.registry.start()
+                except EtcdFailed as exc:
+                    raise ChildFailed(f"the registry did not start: {exc}") from None
             self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
             self.frontend = await self._spawn("frontend", ["frontend", "--config", str(self._config_file("frontend"))])
@@ -108,15 +113,14 @@ class LocalCluster:
         await asyncio.gather(*starts)
 
     def _write_configs(self, etcd_url: str) -> None:
-        """Each kind of child's configuration, as JSON in a directory of this user's only."""
-        self._config_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        """Each kind of child's configuration, as JSON in the state directory (this user's only)."""
         spec = self.spec
         for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
             self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
 
     def _config_file(self, name: str) -> Path:
-        assert self._config_dir is not None
-        return self._config_dir / f"{name}.json"
+        assert self._state_dir is not None
+        return self._state_dir / f"{name}.json"
 
     async def _start_worker(self, role: Role) -> None:
         self._count += 1
@@ -193,9 +197,9 @@ class LocalCluster:
         children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE]]
         self.workers = {role: [] for role in Role}
         await asyncio.gather(*(self._terminate(c) for c in children))
-        if self._embedded is not None:
-            await self._embedded.stop()
-            self._embedded = None
-        if self._config_dir is not None:
-            shutil.rmtree(self._config_dir, ignore_errors=True)
-            self._config_dir = None
+        if self.registry is not None:
+            await self.registry.stop()
+            self.registry = None
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+            self._state_dir = None

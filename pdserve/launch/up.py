@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdserve.launch.etcd_process import EtcdNotFound, find_etcd
 from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 
 if TYPE_CHECKING:
@@ -57,13 +58,18 @@ class UpSpec:
 def up(spec: UpSpec) -> int:
     """Serve until SIGINT or SIGTERM (0), or until a child dies or fails to start (1).
 
-    Raises ValueError, before anything starts, when the model directory has no config.json
-    or the frontend's port is taken.
+    Raises ValueError, before anything starts, when the model directory has no config.json,
+    the frontend's port is taken, or no etcd is given and none is installed to run.
     """
     model = spec.cluster.decode.model
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
     _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
+    if spec.cluster.etcd is None:
+        try:
+            find_etcd()
+        except EtcdNotFound as exc:
+            raise ValueError(str(exc)) from None
     return asyncio.run(_serve(_with_thread_share(spec)))
 
 

