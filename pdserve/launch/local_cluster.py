@@ -1,56 +1,43 @@
-"""A whole pdserve deployment on one machine, as child processes (``pdserve up``).
+"""A whole pdserve deployment on one machine, as supervised child processes (``pdserve up``).
 
 ``LocalCluster`` starts the registry (the given etcd, or a real etcd server process of its own,
-``EtcdProcess``, with its data under the deployment's state directory), the frontend, and the prefill and decode workers, each a ``python -m pdserve ...`` child with
-its own engine and NIXL agent. A child gets its whole configuration, a ``WorkerConfig`` or
+``EtcdProcess``, with its data under the deployment's state directory), the frontend, and the
+prefill and decode workers, each a ``python -m pdserve ...`` child (``Child``) with its own
+engine and NIXL agent. A child gets its whole configuration, a ``WorkerConfig`` or
 ``FrontendConfig`` written as JSON, with ``--config FILE``, so a new option reaches it without
-an edit here. A child is ready when it prints its "listening on" line; one that exits or stays
-silent past the start-up deadline fails the start with its last output. ``scale`` adds
-workers or drains the newest ones (SIGTERM); ``stop`` drains every child and kills any still
-alive after the grace period, then the registry. Nothing outlives the cluster, its state
+an edit here.
+
+Once started, every child is supervised (``Supervisor``): one that dies is restarted with
+back-off, the frontend on the port it first bound, the registry on its ports with its data.
+A worker given up on (a crash loop), or one that exited cleanly after a drain it was asked for,
+leaves its pool; the frontend or the registry given up on sets ``failed``. ``scale`` adds
+workers or drains the newest ones (SIGTERM); ``stop`` drains every child, kills any still alive
+after the grace period, then stops the registry. Nothing outlives the cluster, its state
 directory (configuration files, etcd's data) included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
-import os
 import shutil
-import signal
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
-from pdserve.frontend.config import FrontendConfig
 from pdserve.discovery.registry import Role
+from pdserve.frontend.config import FrontendConfig
+from pdserve.launch.child import Child, ChildFailed
 from pdserve.launch.etcd_process import EtcdFailed, EtcdProcess
-from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
+from pdserve.launch.supervisor import RestartPolicy, Supervised, Supervisor
+from pdserve.observability.metrics import SupervisorMetrics
 from pdserve.worker.config import WorkerConfig
 
+__all__ = ["Child", "ChildFailed", "ClusterSpec", "LocalCluster"]
+
 logger = logging.getLogger(__name__)
-
-_READY = "listening on "
-# How long a child that did not stop gets to print its stacks before it is killed.
-_DUMP_WAIT_S = 2.0
-
-
-class ChildFailed(RuntimeError):
-    """A child process exited or never became ready."""
-
-
-@dataclass
-class Child:
-    name: str
-    process: asyncio.subprocess.Process
-    address: str = ""  # what it printed after "listening on"
-    output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
-    reader: asyncio.Task[None] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +45,10 @@ class ClusterSpec:
     """Attributes:
     prefill / decode: the configuration of each worker of the pool.
     frontend: the frontend's configuration.
-    etcd: an etcd URL, or None for an etcd server of the cluster's own (``EtcdProcess``). The registry is the cluster's: each
-        child gets its URL as its configuration's ``etcd``, whatever that held.
+    etcd: an etcd URL, or None for an etcd server of the cluster's own (``EtcdProcess``). The
+        registry is the cluster's: each child gets its URL as its configuration's ``etcd``,
+        whatever that held.
+    restart: how children that die are restarted.
     """
 
     prefill: WorkerConfig
@@ -68,6 +57,7 @@ class ClusterSpec:
     etcd: str | None = None
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         if (self.prefill.role, self.decode.role) != (Role.PREFILL, Role.DECODE):
@@ -76,12 +66,27 @@ class ClusterSpec:
 
 
 class LocalCluster:
+    """Attributes:
+    etcd_url: the registry's URL, once started.
+    registry: the cluster's own etcd, when it runs one.
+    frontend: the frontend child, once started.
+    workers: each pool's children, oldest first.
+    gave_up: children given up on (or that exited cleanly), no longer in a pool.
+    failed: set, with ``failure`` saying why, when the frontend or the registry was given up on.
+    metrics: restarts and give-ups, for ``pdserve up``'s /metrics.
+    """
+
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.etcd_url: str | None = spec.etcd
-        self.registry: EtcdProcess | None = None  # the cluster's own etcd, when it runs one
+        self.registry: EtcdProcess | None = None
         self.frontend: Child | None = None
         self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
+        self.gave_up: list[Supervised] = []
+        self.failed = asyncio.Event()
+        self.failure = ""
+        self.metrics = SupervisorMetrics()
+        self._supervisor = Supervisor(spec.restart, self.metrics, self._on_give_up, self._is_done)
         self._count = 0
         self._state_dir: Path | None = None  # configuration files, the registry's data
 
@@ -95,9 +100,14 @@ class LocalCluster:
                     self.etcd_url = await self.registry.start()
                 except EtcdFailed as exc:
                     raise ChildFailed(f"the registry did not start: {exc}") from None
+                self._supervisor.watch(self.registry)
             self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
-            self.frontend = await self._spawn("frontend", ["frontend", "--config", str(self._config_file("frontend"))])
+            frontend = self._child("frontend", "frontend", ["frontend", "--config", str(self._config_file("frontend"))])
+            await frontend.start()
+            self.frontend = frontend
+            self._pin_frontend_port(frontend.address)
+            self._supervisor.watch(frontend)
         except BaseException:
             await self.stop()
             raise
@@ -108,9 +118,34 @@ class LocalCluster:
         for role, want in ((Role.PREFILL, num_prefill), (Role.DECODE, num_decode)):
             pool = self.workers[role]
             while len(pool) > want:
-                await self._terminate(pool.pop())
+                child = pool.pop()
+                await self._supervisor.release(child)
+                await child.stop()
             starts += [self._start_worker(role) for _ in range(want - len(pool))]
         await asyncio.gather(*starts)
+
+    def exited(self) -> list[Child]:
+        """Children that are dead now: died and not (yet) restarted, or given up on."""
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE], *([self.frontend] if self.frontend else [])]
+        given_up = [c for c in self.gave_up if isinstance(c, Child)]
+        return [c for c in children if not c.is_alive] + given_up
+
+    async def stop(self) -> None:
+        """Stop supervising; stop the frontend first (no new requests), then drain every
+        worker, then the registry."""
+        await self._supervisor.close()
+        if self.frontend is not None:
+            await self.frontend.stop()
+            self.frontend = None
+        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE]]
+        self.workers = {role: [] for role in Role}
+        await asyncio.gather(*(c.stop() for c in children))
+        if self.registry is not None:
+            await self.registry.stop()
+            self.registry = None
+        if self._state_dir is not None:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+            self._state_dir = None
 
     def _write_configs(self, etcd_url: str) -> None:
         """Each kind of child's configuration, as JSON in the state directory (this user's only)."""
@@ -118,88 +153,36 @@ class LocalCluster:
         for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
             self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
 
+    def _pin_frontend_port(self, address: str) -> None:
+        """A restarted frontend listens where the first one did (clients keep their target)."""
+        port = int(address.rsplit(":", 1)[1])
+        config = msgspec.structs.replace(self.spec.frontend, etcd=self.etcd_url, port=port)
+        self._config_file("frontend").write_bytes(msgspec.json.encode(config))
+
     def _config_file(self, name: str) -> Path:
         assert self._state_dir is not None
         return self._state_dir / f"{name}.json"
 
+    def _child(self, name: str, role: str, argv: list[str]) -> Child:
+        return Child(name, role, argv, start_timeout_s=self.spec.start_timeout_s,
+                     stop_timeout_s=self.spec.stop_timeout_s)  # fmt: skip
+
     async def _start_worker(self, role: Role) -> None:
         self._count += 1
-        child = await self._spawn(f"{role}-{self._count}", [role, "--config", str(self._config_file(role))])
+        child = self._child(f"{role}-{self._count}", str(role), [role, "--config", str(self._config_file(role))])
+        await child.start()
         self.workers[role].append(child)
+        self._supervisor.watch(child)
 
-    async def _spawn(self, name: str, argv: list[str]) -> Child:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve", *argv,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},  # a killed `up` takes its children with it
-        )  # fmt: skip
-        child = Child(name, process)
-        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        child.reader = asyncio.get_running_loop().create_task(self._read(child, ready))
-        try:
-            async with asyncio.timeout(self.spec.start_timeout_s):
-                child.address = await ready
-        except (TimeoutError, ChildFailed) as exc:
-            await self._terminate(child)
-            last = "\n  ".join(child.output) or "(no output)"
-            why = "did not start in time" if isinstance(exc, TimeoutError) else "exited"
-            raise ChildFailed(f"{name} {why}; its last output:\n  {last}") from None
-        return child
+    def _is_done(self, child: Supervised, code: int) -> bool:
+        # A worker that exits cleanly drained on request (`pdserve drain`, SIGTERM): let it go.
+        return code == 0 and child.role in (Role.PREFILL, Role.DECODE)
 
-    async def _read(self, child: Child, ready: asyncio.Future[str]) -> None:
-        """Forward the child's output (prefixed) and resolve ``ready`` at its listening line."""
-        assert child.process.stdout is not None
-        async for raw in child.process.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            child.output.append(line)
-            print(f"[{child.name}] {line}", file=sys.stderr, flush=True)
-            if not ready.done() and _READY in line:
-                ready.set_result(line.split(_READY, 1)[1].strip())
-        if not ready.done():
-            ready.set_exception(ChildFailed(child.name))
-
-    async def _terminate(self, child: Child) -> None:
-        """SIGTERM (the child drains), then SIGKILL after the stop timeout."""
-        process = child.process
-        if process.returncode is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                async with asyncio.timeout(self.spec.stop_timeout_s):
-                    await process.wait()
-            except TimeoutError:
-                logger.warning(
-                    "%s did not stop in %.0fs: dumping its stacks, then killing it", child.name, self.spec.stop_timeout_s
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, DUMP_SIGNAL)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_DUMP_WAIT_S):
-                        await process.wait()
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-        if child.reader is not None:
-            await asyncio.gather(child.reader, return_exceptions=True)
-
-    def exited(self) -> list[Child]:
-        """Children that died on their own."""
-        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE], *([self.frontend] if self.frontend else [])]
-        return [c for c in children if c.process.returncode is not None]
-
-    async def stop(self) -> None:
-        """Stop the frontend first (no new requests), then drain every worker, then the registry."""
-        if self.frontend is not None:
-            await self._terminate(self.frontend)
-            self.frontend = None
-        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE]]
-        self.workers = {role: [] for role in Role}
-        await asyncio.gather(*(self._terminate(c) for c in children))
-        if self.registry is not None:
-            await self.registry.stop()
-            self.registry = None
-        if self._state_dir is not None:
-            shutil.rmtree(self._state_dir, ignore_errors=True)
-            self._state_dir = None
+    def _on_give_up(self, child: Supervised, why: str) -> None:
+        self.gave_up.append(child)
+        for pool in self.workers.values():
+            if any(c is child for c in pool):
+                pool[:] = [c for c in pool if c is not child]
+                return
+        self.failure = f"{child.name} {why}, and was given up on"
+        self.failed.set()

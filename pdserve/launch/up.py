@@ -3,7 +3,8 @@
 ``up`` first checks what would otherwise fail only after every worker has loaded its model
 (the model directory, the frontend's port), then starts a ``LocalCluster``, and with
 ``autoscale`` the SLO planner over its pools; it prints where the API listens and serves until
-SIGINT or SIGTERM, or until a child dies, and then stops everything.
+SIGINT or SIGTERM, and then stops everything. Meanwhile the cluster restarts children that die
+(``supervisor``); only a frontend or registry that keeps dying ends the deployment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import msgspec
 
 from pdserve.launch.etcd_process import EtcdNotFound, find_etcd
 from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
+from pdserve.observability.metrics import serve_metrics
 
 if TYPE_CHECKING:
     from pdserve.discovery.slo import SLOTargets
@@ -47,16 +49,20 @@ class UpSpec:
         share of this machine's CPUs.
     num_prefill / num_decode: the workers to start with.
     autoscale: the planner to run over them, or None for fixed pools.
+    metrics_port: where ``up`` serves its own Prometheus metrics (the children's restarts;
+        0: a free port; None: off).
     """
 
     cluster: ClusterSpec
     num_prefill: int
     num_decode: int
     autoscale: Autoscale | None = None
+    metrics_port: int | None = 0
 
 
 def up(spec: UpSpec) -> int:
-    """Serve until SIGINT or SIGTERM (0), or until a child dies or fails to start (1).
+    """Serve until SIGINT or SIGTERM (0), or until a child fails to start, or the frontend or
+    the registry dies past its restarts (1); workers that die are restarted meanwhile.
 
     Raises ValueError, before anything starts, when the model directory has no config.json,
     the frontend's port is taken, or no etcd is given and none is installed to run.
@@ -115,23 +121,24 @@ async def _serve(spec: UpSpec) -> int:
     except ChildFailed as exc:  # the cluster already stopped what it had started
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 1
+    if spec.metrics_port is not None:
+        host = spec.cluster.frontend.host
+        metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
+        print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
     assert cluster.frontend is not None
     registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
     print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
           f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
     autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
+    failed = loop.create_task(cluster.failed.wait())
     try:
-        while not stop.is_set():
-            dead = cluster.exited()
-            if dead:
-                print(f"pdserve up: {', '.join(c.name for c in dead)} exited; stopping", flush=True)
-                break
-            try:
-                async with asyncio.timeout(1.0):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            print(f"pdserve up: {cluster.failure}; stopping", flush=True)
     finally:
+        for task in (stopped, failed):
+            task.cancel()
+        await asyncio.gather(stopped, failed, return_exceptions=True)
         if autoscaler is not None:
             await autoscaler()
         await cluster.stop()

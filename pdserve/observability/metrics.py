@@ -1,4 +1,5 @@
-"""Prometheus metrics of the workers and the frontend, each on its own ``/metrics`` port.
+"""Prometheus metrics of the workers, the frontend and ``pdserve up``'s supervisor, each on its
+own ``/metrics`` port.
 
 Every process owns its registry (no module-level singletons): ``WorkerMetrics`` and
 ``FrontendMetrics`` hold the counters and histograms the request paths update, and read
@@ -145,6 +146,29 @@ class FrontendMetrics:
                                            ["model"], buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)  # fmt: skip
         queue = Gauge("pdserve_queue_length", "Requests in flight at the frontend", registry=r)
         queue.set_function(in_flight)
+
+
+class SupervisorMetrics:
+    """``pdserve up``'s children: crashes, restarts and give-ups, by child and role."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["child", "role"]
+        r = self.registry
+        self._crashes = Counter("pdserve_child_crashes", "Children that died on their own, or failed to restart",
+                                labels, registry=r)  # fmt: skip
+        self._restarts = Counter("pdserve_child_restarts", "Restarts of a child that died", labels, registry=r)
+        self._gave_up = Counter("pdserve_child_gave_up", "Children given up on after too many restarts in a row",
+                                labels, registry=r)  # fmt: skip
+
+    def crashed(self, child: str, role: str) -> None:
+        self._crashes.labels(child, role).inc()
+
+    def restarted(self, child: str, role: str) -> None:
+        self._restarts.labels(child, role).inc()
+
+    def gave_up(self, child: str, role: str) -> None:
+        self._gave_up.labels(child, role).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:

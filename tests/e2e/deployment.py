@@ -25,6 +25,7 @@ from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
+from pdserve.launch.supervisor import RestartPolicy
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 
@@ -61,7 +62,10 @@ class Deployment:
         decode: int,
         model_name: str,
         disaggregation: Disaggregation,
+        restart: RestartPolicy = RestartPolicy(max_restarts=0),
     ) -> None:
+        """``restart``: by default a child that dies stays dead (tests kill workers to see the
+        rest cope); pass a policy to have them restarted as ``pdserve up`` does."""
         self.etcd = etcd
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
@@ -69,7 +73,7 @@ class Deployment:
         self.cluster = LocalCluster(ClusterSpec(
             prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
             frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
-            start_timeout_s=120, stop_timeout_s=30,
+            start_timeout_s=120, stop_timeout_s=30, restart=restart,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
