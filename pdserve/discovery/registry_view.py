@@ -1,60 +1,56 @@
-"""A local, eventually consistent copy of the worker registry and the models' live knobs
-(what routers read)."""
+"""A local copy of the worker registry and the models' live knobs (what routers read), kept
+current by etcd watches."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 
-from pdserve.discovery.etcd import MAX_BACKOFF_S, MAX_CALL_TIMEOUT_S, EtcdConnection
+from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.knobs import Knobs, parse_knobs
 from pdserve.discovery.registry import KNOBS_PREFIX, WORKERS_PREFIX, Role, WorkerEntry, decode_entries
-from pdserve.discovery.retry import Outage, retry_until
-from pdserve.lifecycle import cancel_and_wait
+from pdserve.discovery.watch import Follower, WatchedRange
 
 logger = logging.getLogger(__name__)
 
 
 class RegistryView:
-    """A local, eventually consistent copy of the worker registry and the models' knobs,
-    refreshed by polling.
+    """A local copy of the worker registry and the models' knobs, kept current by watches.
 
-    Polling (``get_prefix`` every ``poll_s``) rather than a watch is deliberate: a poll is a
-    plain read under a deadline, so the view survives etcd restarts, data loss and network
-    cuts with no reconnect or resync logic. While etcd is unreachable the view keeps the last
-    workers it saw and, after ``stale_after_s`` without a successful read, reports
-    ``is_stale``; it keeps retrying meanwhile. It reads through ``etcd``, which its owner
-    closes after it.
+    A worker that registers is seen as soon as etcd tells its watchers (milliseconds); one
+    whose lease expires as soon as etcd deletes its key. The view follows etcd through
+    ``etcd`` (its owner closes that after it) with a ``watch.Follower``: after a disconnect it
+    resumes from the last revision it applied, and lists afresh when that was compacted away
+    or etcd lost its data. While etcd is unreachable the view keeps the last workers it saw
+    and, after ``stale_after_s`` without an answer, reports ``is_stale``.
     """
 
     def __init__(
         self,
         etcd: EtcdConnection,
         *,
-        poll_s: float = 0.5,
+        probe_s: float = 1.0,
         stale_after_s: float = 3.0,
         start_timeout_s: float = 10.0,
     ) -> None:
-        self.poll_s = poll_s
-        self._etcd = etcd
         self._stale_after_s = stale_after_s
-        self._start_timeout_s = start_timeout_s
-        self._call_timeout_s = min(MAX_CALL_TIMEOUT_S, max(poll_s, 0.5))
-        self._outage = Outage(logger)
+        self._workers_range = WatchedRange.prefix(WORKERS_PREFIX)
+        self._knobs_range = WatchedRange.prefix(KNOBS_PREFIX)
+        self._follower = Follower(etcd, [self._workers_range, self._knobs_range], self._on_change,
+                                  name="registry view", logger=logger, probe_s=probe_s,
+                                  start_timeout_s=start_timeout_s)  # fmt: skip
         self._workers: dict[str, WorkerEntry] = {}
+        self._entries: dict[bytes, WorkerEntry] = {}  # by key, decoded once per value
         self._knobs: dict[str, Knobs] = {}
         self._listeners: list[Callable[[list[WorkerEntry], list[WorkerEntry]], None]] = []
+        self._knobs_listeners: list[Callable[[], None]] = []
         self._warned: set[tuple[bytes, int]] = set()
-        self._last_read = -math.inf  # time.monotonic() of the last successful read
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def is_stale(self) -> bool:
-        """Whether the view has not been refreshed for more than ``stale_after_s``."""
-        return time.monotonic() - self._last_read > self._stale_after_s
+        """Whether etcd has not answered for more than ``stale_after_s``."""
+        return time.monotonic() - self._follower.last_contact > self._stale_after_s
 
     def workers(self, role: Role | None = None, model: str | None = None) -> list[WorkerEntry]:
         """Registered workers, optionally of one role and model, sorted by worker id."""
@@ -74,50 +70,49 @@ class RegistryView:
         return self._workers.get(worker_id)
 
     def add_listener(self, fn: Callable[[list[WorkerEntry], list[WorkerEntry]], None]) -> None:
-        """Call ``fn(added, removed)`` after each poll that changed membership.
+        """Call ``fn(added, removed)`` after each change of membership.
 
         A worker that restarted under the same id (a new ``started_at``) is reported as its
         old entry removed and its new one added. ``fn`` runs on the event loop; it must not block.
         """
         self._listeners.append(fn)
 
+    def add_knobs_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after each change under the knobs prefix (``knobs`` has the new values)."""
+        self._knobs_listeners.append(fn)
+
     async def start(self) -> None:
-        """Read the registry once, retrying until ``start_timeout_s``; then poll in the background.
+        """Read the registry once, retrying until ``start_timeout_s``; then watch it.
 
         Raises RegistryUnavailable naming the URL if no read succeeded in time.
         """
-        await retry_until(self._etcd, self._poll, self._start_timeout_s, min_backoff_s=MAX_BACKOFF_S)
-        self._task = asyncio.create_task(self._poll_forever(), name="registry view")
+        await self._follower.start()
 
     async def close(self) -> None:
-        """Stop polling."""
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+        """Stop watching."""
+        await self._follower.close()
 
-    async def _poll_forever(self) -> None:
-        url = self._etcd.url
-        while True:
-            await asyncio.sleep(self.poll_s)
-            try:
-                await self._poll()
-            except Exception as exc:  # the task must outlive any one failure
-                self._outage.failed(exc, "registry at %s unreachable; keeping the %d last known workers", url,
-                                    len(self._workers))  # fmt: skip
-                continue
-            self._outage.answered("registry at %s answers again: %d workers", url, len(self._workers))
+    def _on_change(self, watched: WatchedRange, keys: list[bytes] | None) -> None:
+        if watched is self._knobs_range:
+            self._forget_warnings()
+            self._knobs = parse_knobs(watched.kvs.values(), self._warned, self._knobs)
+            self._notify(self._knobs_listeners)
+            return
+        if keys is None:
+            self._forget_warnings()
+            self._entries = {}
+            keys = list(watched.kvs)
+        for key in keys:
+            kv = watched.kvs.get(key)
+            self._entries.pop(key, None)
+            if kv is not None:
+                self._entries.update((key, entry) for entry in decode_entries([kv], self._warned))
+        self._apply({entry.worker_id: entry for entry in self._entries.values()})
 
-    async def _poll(self) -> None:
-        async with self._etcd.use() as client, asyncio.timeout(self._call_timeout_s):
-            workers, knobs = await asyncio.gather(
-                client.get_prefix(WORKERS_PREFIX.encode()), client.get_prefix(KNOBS_PREFIX.encode())
-            )
-        workers, knobs = list(workers), list(knobs)
-        kvs = [*workers, *knobs]
-        self._warned &= {(kv.key, kv.mod_revision) for kv in kvs}  # forget values since replaced
-        self._last_read = time.monotonic()
-        self._knobs = parse_knobs(knobs, self._warned, self._knobs)
-        self._apply({entry.worker_id: entry for entry in decode_entries(workers, self._warned)})
+    def _forget_warnings(self) -> None:
+        """Forget the bad values since replaced, so that the set stays small."""
+        live = {(kv.key, kv.mod_revision) for r in (self._workers_range, self._knobs_range) for kv in r.kvs.values()}
+        self._warned &= live
 
     def _apply(self, workers: dict[str, WorkerEntry]) -> None:
         def identity(entry: WorkerEntry) -> tuple[str, float]:
@@ -128,10 +123,13 @@ class RegistryView:
         self._workers = workers
         added = [e for k, e in after.items() if k not in before]
         removed = [e for k, e in before.items() if k not in after]
-        if not (added or removed):
-            return
-        for fn in self._listeners:
+        if added or removed:
+            self._notify(self._listeners, added, removed)
+
+    @staticmethod
+    def _notify(listeners: list[Callable[..., None]], *args: object) -> None:
+        for fn in listeners:
             try:
-                fn(added, removed)
+                fn(*args)
             except Exception:  # one broken listener must not stop the others
                 logger.exception("registry listener %r failed", fn)

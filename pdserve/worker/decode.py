@@ -51,7 +51,7 @@ class DecodeService(WorkerServicer):
         await asyncio.gather(*self._removals, return_exceptions=True)
 
     def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
-        # The view polls every model's knobs already: one read serves both.
+        # The view watches every model's knobs already: one watch serves both.
         return KnobsFollower.from_view(self.view, self.runtime.config.served_model_name, apply)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:

@@ -56,7 +56,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Release what ``start`` acquired (called after the drain)."""
 
     def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
-        """What follows the model's live knobs for this role: a poll of the model's key."""
+        """What follows the model's live knobs for this role: a watch of the model's key."""
         return KnobsFollower.from_etcd(self.runtime.etcd, self.runtime.config.served_model_name, apply)
 
     async def Drain(
@@ -105,8 +105,7 @@ class WorkerRuntime:
         if self.config.metrics_port is not None:
             self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
         self.knobs = self.servicer.knobs_follower(self.apply_knobs)
-        await self.knobs.poll()
-        self.knobs.start()
+        await self.knobs.start()
         self.registration = WorkerRegistration(
             self.etcd, self._entry(), self._load, draining=self._draining, ttl_s=self.config.lease_ttl_s
         )

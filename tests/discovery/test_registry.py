@@ -175,7 +175,7 @@ def test_registered_worker_is_visible_with_its_load_and_refreshed(etcd_url: str,
         registration = WorkerRegistration(
             etcd, entry, lambda: loads[-1], draining=lambda: len(loads) > 1, ttl_s=3, refresh_s=0.5
         )
-        view = RegistryView(etcd, poll_s=0.1)
+        view = RegistryView(etcd)
         await registration.start()
         await view.start()
         try:
@@ -217,7 +217,7 @@ def test_close_revokes_at_once_and_listeners_see_membership(etcd_url: str, model
 
     async def body() -> None:
         etcd = EtcdConnection(etcd_url)
-        view = RegistryView(etcd, poll_s=0.1)
+        view = RegistryView(etcd)
         await view.start()
         view.add_listener(listener)
         first = WorkerRegistration(
@@ -285,7 +285,7 @@ def test_killed_worker_disappears_within_its_ttl(etcd_url: str, model: str) -> N
 
     async def body() -> float:
         etcd = EtcdConnection(etcd_url)
-        view = RegistryView(etcd, poll_s=0.1)
+        view = RegistryView(etcd)
         await view.start()
         try:
             assert child.stdout.readline().strip() == "registered"
@@ -342,10 +342,11 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
             worker_key(model, "decode", "bad-role").encode(),
             b'{"worker_id": "x", "role": "chef"}',
         )
-        view = RegistryView(etcd, poll_s=0.05)
+        view = RegistryView(etcd)
         try:
             await view.start()
-            await asyncio.sleep(0.3)  # several polls over the same bad values
+            await client.put(garbage_key, b"{not json")  # a new bad value: one more warning
+            await asyncio.sleep(0.3)
             assert [e.worker_id for e in view.workers(model=model)] == ["good"]
             assert [e.worker_id for e in await list_workers(client) if e.model == model] == ["good"]
         finally:
@@ -359,9 +360,9 @@ def test_garbage_under_the_prefix_is_skipped_with_one_warning(
     with caplog.at_level(logging.WARNING, logger="pdserve.discovery.registry"):
         run_scenario(body())
     warnings = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
-    # The view warns once per bad value however often it polls; list_workers once more each.
-    assert sum(garbage_key.decode() in w for w in warnings) == 2
-    assert len(warnings) == 4
+    # The view warns once per bad value (each of its revisions); list_workers once more each.
+    assert sum(garbage_key.decode() in w for w in warnings) == 3
+    assert len(warnings) == 5
 
 
 @pytest.mark.slow
@@ -370,7 +371,7 @@ def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wi
     async def body() -> None:
         etcd = EtcdConnection(etcd_server.url, 1.0)  # one client for both, as in a decode worker
         registration = WorkerRegistration(etcd, make_entry(model, "w0"), EngineLoad, ttl_s=2, refresh_s=0.5)
-        view = RegistryView(etcd, poll_s=0.1, stale_after_s=1.0)
+        view = RegistryView(etcd, probe_s=0.2, stale_after_s=1.0)
         await registration.start()
         await view.start()
         first_lease = registration.lease_id
@@ -388,7 +389,7 @@ def test_worker_survives_an_etcd_restart(etcd_server: EtcdServer, model: str, wi
             assert [e.worker_id for e in view.workers(model=model)] == ["w0"]  # the last known view
 
             await asyncio.to_thread(etcd_server.restart, wipe=wipe)
-            # Bounded by the backoff cap plus a poll; generous, for loaded CI machines.
+            # Bounded by the backoff cap plus a probe; generous, for loaded CI machines.
             await eventually(
                 lambda: registration.is_registered and not view.is_stale and view.get("w0") is not None,
                 8.0,

@@ -195,7 +195,7 @@ async def serving(
     Releases, so the workers' records are complete once the block is left.
     """
     etcd = EtcdConnection(etcd_url)
-    view = RegistryView(etcd, poll_s=0.2)
+    view = RegistryView(etcd)
     config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
     routing = Routing(view, Router(config, seed=0), WorkerChannels())
     try:
