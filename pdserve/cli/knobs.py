@@ -16,7 +16,7 @@ from pdserve.observability.frontend_stats import list_frontend_stats
 from pdserve.planner.deployed_knobs import deployed_knobs
 
 DESCRIPTION = """A model's knobs: settings that trade TTFT against ITL without new hardware,
-applied live (within about a second, no restart) by its workers and every frontend:
+applied live (within milliseconds, by etcd watch, no restart) by its workers and every frontend:
 
   decode_max_num_seqs            most requests a decode worker runs at once
   decode_max_num_batched_tokens  a decode worker's token budget per step

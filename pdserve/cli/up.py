@@ -80,7 +80,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     supervision.add_argument("--restart-backoff", type=duration, default=RestartPolicy.min_backoff_s,
                              metavar="DURATION",
                              help="wait before the first restart; it doubles with each crash in a row, up to "
-                                  f"{RestartPolicy.max_backoff_s:g}s (default: {RestartPolicy.min_backoff_s:g}s)")  # fmt: skip
+                                  f"{RestartPolicy.max_backoff_s:g}s "
+                                  f"(default: {RestartPolicy.min_backoff_s:g}s)")  # fmt: skip
     supervision.add_argument("--up-metrics-port", type=port_or_off, default=0, metavar="PORT",
                              help="Prometheus /metrics of this process: restarts, crashes and give-ups per child "
                                   "(default: 0, a free port, printed; -1: off)")  # fmt: skip

@@ -2,7 +2,8 @@
 
 Every process runs this, data plane and control plane alike.
 - ``registry``: the key layout and the worker entries; ``registration`` is the worker's side
-  of it (a lease-kept entry) and ``registry_view`` the readers' (a refreshed view).
+  of it (a lease-kept entry) and ``registry_view`` the readers' (a view kept current by
+  ``watch``, which follows key ranges by etcd watch).
 - ``knobs`` and ``knobs_follower``: a model's live knobs and the loop that applies them.
 - ``slo`` and ``slo_store``: a model's latency targets.
 - ``etcd`` reaches a real etcd through one connection a process shares; ``retry`` outlives

@@ -2,7 +2,7 @@
 
 Written by the planner (each decision that retunes) and by operators (``pdserve knobs
 set``); followed by the model's workers (their scheduler's budgets) and by every frontend
-(the router's local-prefill threshold), which apply a change within about a second, without
+(the router's local-prefill threshold), which apply a change as their etcd watch brings it, without
 a restart. No key means every component runs with its start-up settings.
 
 A worker never goes above what it was started with: the engine reserved its memory for the

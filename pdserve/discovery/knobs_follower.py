@@ -83,7 +83,7 @@ class KnobsFollower:
         apply them, and follow their changes."""
         if self._follower is not None:
             await self._follower.start()
-        await self.poll()
+        await self.apply_current()
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"knobs of {self.model}")
 
     async def close(self) -> None:
@@ -93,7 +93,7 @@ class KnobsFollower:
         if self._follower is not None:
             await self._follower.close()
 
-    async def poll(self) -> None:
+    async def apply_current(self) -> None:
         """Apply the stored knobs if they changed."""
         self._changed.clear()
         try:
@@ -112,4 +112,4 @@ class KnobsFollower:
     async def _follow(self) -> None:
         while True:
             await self._changed.wait()
-            await self.poll()
+            await self.apply_current()
