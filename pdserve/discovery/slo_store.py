@@ -1,7 +1,7 @@
 """Models' SLO targets in etcd: ``SLOTargets`` as JSON at ``registry.slo_key(model)``.
 
-Written by the CLI (``pdserve slo set``) and the operator, read by the planner and
-``pdserve status``. Every call runs under a deadline and raises one of ``etcd.ETCD_ERRORS``
+Written by the CLI (``pdserve slo set``) and the operator, followed by the planner (by watch)
+and read by ``pdserve status``. Every call runs under a deadline and raises one of ``etcd.ETCD_ERRORS``
 when etcd fails. Writes are plain puts: the last writer wins (targets change by hand,
 rarely).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 import aetcd
 
@@ -52,8 +53,14 @@ async def list_slos(client: aetcd.Client, timeout_s: float = 3.0) -> list[SLOTar
     with a warning."""
     async with asyncio.timeout(timeout_s):
         response = await client.get_prefix(SLO_PREFIX.encode())
+    return decode_slos(response)
+
+
+def decode_slos(kvs: Iterable[aetcd.rtypes.KeyValue]) -> list[SLOTargets]:
+    """The targets stored in ``kvs`` (key-values under ``SLO_PREFIX``), sorted by model; values
+    that do not decode are skipped with a warning."""
     targets = []
-    for kv in response:
+    for kv in kvs:
         try:
             targets.append(SLOTargets.decode(kv.value))
         except ValueError as error:

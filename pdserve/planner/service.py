@@ -8,8 +8,10 @@ where ``pdserve status`` shows it. New knobs are stored at ``registry.knobs_key(
 (unless the connector only advises), where the model's workers and the frontends pick them
 up (``knobs_store``); a model's
 planner starts from the knobs stored there, or else from what the workers were started with.
-SLO changes are picked up at the next step, without a restart. An etcd outage skips steps
-(logged once); it never ends the service.
+The SLO targets are followed by etcd watch (listed at the first step, then kept current), so
+a change is in force at the next step, without a restart; the interval's stats, workers and
+knobs are read afresh at each step, one consistent look at what the interval observed. An etcd
+outage skips steps (logged once); it never ends the service.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
 from pdserve.discovery.registry import Role, list_workers, planner_key
 from pdserve.discovery.retry import UNAVAILABLE, Outage
-from pdserve.discovery.slo_store import list_slos
+from pdserve.discovery.slo import SLOTargets
+from pdserve.discovery.slo_store import SLO_PREFIX, decode_slos
+from pdserve.discovery.watch import Follower, WatchedRange
 from pdserve.observability.frontend_stats import list_frontend_stats
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.deployed_knobs import deployed_knobs
@@ -53,6 +57,10 @@ class PlannerService:
         self.profile = profile
         self._connector_for = connector_for
         self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S)
+        self._slos = WatchedRange.prefix(SLO_PREFIX)
+        self._slo_follower = Follower(self._etcd, [self._slos], lambda *_: None, name="planner's SLO targets",
+                                      logger=logger, start_timeout_s=MAX_CALL_TIMEOUT_S)  # fmt: skip
+        self._is_following = False
         self._planners: dict[str, Planner] = {}
         self._outage = Outage(logger)
 
@@ -69,14 +77,26 @@ class PlannerService:
                 except TimeoutError:
                     pass
         finally:
-            await self._etcd.close()
+            await self.close()
+
+    def slo(self, model: str) -> SLOTargets | None:
+        """The model's targets as the service's watch last saw them (None: none stored)."""
+        return next((t for t in decode_slos(self._slos.kvs.values()) if t.model == model), None)
+
+    async def close(self) -> None:
+        """Stop following the SLO targets and close the connection to etcd."""
+        await self._slo_follower.close()
+        self._is_following = False
+        await self._etcd.close()
 
     async def step(self) -> list[Decision]:
         """One interval: the decisions made (and applied), or none if etcd could not be read."""
         try:
+            if not self._is_following:
+                await self._slo_follower.start()
+                self._is_following = True
             async with self._etcd.use() as client:
-                slos, frontends, workers, stored_knobs = await asyncio.gather(
-                    list_slos(client, MAX_CALL_TIMEOUT_S),
+                frontends, workers, stored_knobs = await asyncio.gather(
                     list_frontend_stats(client, MAX_CALL_TIMEOUT_S),
                     list_workers(client, MAX_CALL_TIMEOUT_S),
                     list_knobs(client, MAX_CALL_TIMEOUT_S),
@@ -86,6 +106,7 @@ class PlannerService:
                                 self._etcd.url)  # fmt: skip
             return []
         self._outage.answered()
+        slos = decode_slos(self._slos.kvs.values())
         now = time.time()
         decisions = []
         planned = set()

@@ -18,7 +18,7 @@ from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.scaling import AdviseOnly
 from pdserve.planner.service import PlannerService
-from tests.discovery.test_registry import make_entry
+from tests.discovery.test_registry import eventually, make_entry
 from tests.planner.profiles import synthetic_profile
 from tests.utils.aio import run_scenario
 
@@ -50,6 +50,7 @@ def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(et
                 frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats})
                 await client.put(key, frontend.encode(), lease=lease.id)
                 decisions += [d for d in await service.step() if d.model == model]
+            await service.close()
             published = await client.get(planner_key(model).encode())
             return decisions, published
         finally:
@@ -115,6 +116,7 @@ def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides
                                          local_prefill_tokens=64)  # fmt: skip
                 await client.put(frontend_key(f"fe-{model}").encode(), frontend.encode(), lease=lease.id)
                 decisions += [d for d in await service.step() if d.model == model]
+            await service.close()
             return decisions, await get_knobs(client, model)
         finally:
             await client.revoke_lease(lease.id)
@@ -132,3 +134,28 @@ def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides
         assert stored == deployed and connector.mirrored == [deployed]
     else:  # advice changes nothing
         assert stored == left
+
+
+def test_the_planner_follows_slo_changes_by_watch(etcd_url: str) -> None:
+    model = f"org/slo-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> list[float]:
+        client = await connect(etcd_url)
+        service = PlannerService(etcd_url, synthetic_profile(), lambda m: None)
+        try:
+            await service.step()  # lists the targets, then watches them
+            seen = []
+            for itl in (0.05, 0.03):
+                await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=itl))
+                await eventually(lambda: service.slo(model) is not None and service.slo(model).itl_p90_s == itl,
+                                 2.0, f"the ITL target {itl}")  # fmt: skip
+                seen.append(service.slo(model).itl_p90_s)
+            await delete_slo(client, model)
+            await eventually(lambda: service.slo(model) is None, 2.0, "the targets removed")
+            return seen
+        finally:
+            await service.close()
+            await delete_slo(client, model)
+            await close_quietly(client)
+
+    assert run_scenario(scenario()) == [0.05, 0.03]
