@@ -7,7 +7,8 @@ For each kernel at Llama-3.1-8B and DeepSeek-V3 shapes: the median time
 traffic, not what the kernel happens to read), the achieved GB/s and TFLOP/s, and both as a
 fraction of ceilings measured here first: a large device-to-device copy (bandwidth) and a
 large bf16 matmul (compute). Targets (issue 3): GQA and MLA decode >= 0.70 of bandwidth at
-batch 64 x 4k context; fused MoE >= 0.50 of matmul throughput at 8k tokens.
+batch 64 x 4k context; fused MoE >= 0.50 of matmul throughput at 8k tokens. The block-scaled
+FP8 GEMM (issue 13) runs at a decode batch (bandwidth-bound) and at 8k tokens (compute-bound).
 
 Needs a CUDA GPU and exits with status 2 without one. ``--smoke`` runs tiny shapes on CPU in
 Triton's interpreter with a wall-clock timer: only to check this script, its numbers mean
@@ -55,10 +56,11 @@ class Sizes:
     v3_hidden: int
     v3_experts: int
     v3_inter: int
+    v3_attn_out: int  # o_proj's input: heads x v_head_dim
 
 
-FULL = Sizes(64, 4096, 4, 2048, 2048, 8192, 8192, 32, 8, 4096, 128, 7168, 256, 2048)
-SMOKE = Sizes(2, 40, 2, 8, 9, 16, 16, 4, 2, 64, 4, 64, 16, 32)
+FULL = Sizes(64, 4096, 4, 2048, 2048, 8192, 8192, 32, 8, 4096, 128, 7168, 256, 2048, 16384)
+SMOKE = Sizes(2, 40, 2, 8, 9, 16, 16, 4, 2, 64, 4, 64, 16, 32, 96)
 
 
 def _time_ms(fn: Callable[[], object], device: str) -> float:
@@ -205,6 +207,29 @@ def moe_cases(z: Sizes, device: str, backend) -> list[Case]:
     ]
 
 
+def fp8_gemm_cases(z: Sizes, device: str, backend) -> list[Case]:
+    """DeepSeek-V3's o_proj in its checkpoint's FP8 with 128 x 128 block scales, at a decode
+    batch and a prefill chunk. The FLOP fraction is against the bf16 matmul ceiling: FP8
+    tensor cores peak at twice that."""
+    from pdserve.kernels.block_fp8 import BlockFP8Weight
+
+    num_out, num_in, block = z.v3_hidden, z.v3_attn_out, (128, 128)
+    weight = BlockFP8Weight(
+        (torch.randn(num_out, num_in, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
+        torch.rand(-(-num_out // 128), -(-num_in // 128), device=device) / 1e3, block,
+    )
+    cases = []
+    for label, tokens in (("decode", z.batch), ("prefill", z.tokens)):
+        x = torch.randn(tokens, num_in, device=device).to(torch.bfloat16)
+        # The weight and its scales once, the activations in and quantized, the output out.
+        moved = weight.weight.numel() + weight.scale_inv.numel() * 4 + x.numel() * (2 + 1) + tokens * num_out * 2
+        cases.append(Case(
+            f"block_fp8_gemm_{label}", "DeepSeek-V3", f"{tokens} x {num_in} -> {num_out}, 128x128 blocks",
+            lambda x=x: backend.linear(x, weight), moved, 2 * tokens * num_out * num_in,
+        ))
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -225,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     ceilings = measure_ceilings(device, args.smoke)
     results = []
-    for build in (attention_cases, moe_cases, small_op_cases):
+    for build in (attention_cases, moe_cases, fp8_gemm_cases, small_op_cases):
         for case in build(sizes, device, backend):
             if args.only not in case.kernel:
                 continue

@@ -51,6 +51,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "kv_transfer"
     logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
+    new_logprobs: list[Logprobs | None] = field(default_factory=list)  # one per new token
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # Producer role, on the finishing output: the prompt's blocks, pinned for the peer.
@@ -309,6 +310,8 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.finish_reason,
             logprobs=request.output_logprobs,
+            # A copy taken now: the cumulative lists grow on the engine thread while a server reads this.
+            new_logprobs=request.output_logprobs[len(request.output_logprobs) - len(new) :] if new else [],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             arrival_time=request.arrival_time,

@@ -43,6 +43,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class BlockFP8Quantization:
+    """``quantization_config`` of a DeepSeek-V3-style FP8 checkpoint: linear weights stored as
+    float8_e4m3fn with one float32 ``weight_scale_inv`` per ``weight_block_size`` block."""
+
+    weight_block_size: tuple[int, int]  # (rows of out, columns of in) a block
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Path
     architecture: str
@@ -60,6 +68,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     dtype: torch.dtype
     hf: dict[str, Any] = field(repr=False)
+    quantization: BlockFP8Quantization | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.hf.get(key)
@@ -96,6 +105,7 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         rope_theta, rope_scaling = _read_rope(hf)
         config_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        quantization = _read_quantization(hf.get("quantization_config"), config_file)
         return cls(
             path=path,
             architecture=architecture,
@@ -113,7 +123,33 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             dtype=parse_dtype(dtype if dtype is not None else config_dtype),
             hf=hf,
+            quantization=quantization,
         )
+
+
+def _read_quantization(spec: Any, config_file: Path) -> BlockFP8Quantization | None:
+    """``quantization_config``: absent, or block FP8 (``quant_method`` "fp8", ``fmt`` "e4m3",
+    dynamic activations, any ``weight_block_size`` [bo, bi]); anything else is refused by name."""
+    if spec is None:
+        return None
+    where = f"{config_file}: quantization_config"
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where} must be an object, got {spec!r}")
+    method = spec.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"{where}.quant_method {method!r} is not supported (pdserve reads \"fp8\")")
+    if spec.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{where}.fmt {spec.get('fmt')!r} is not supported (pdserve reads \"e4m3\")")
+    if spec.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"{where}.activation_scheme {spec.get('activation_scheme')!r} is not supported (pdserve reads \"dynamic\")"
+        )
+    block = spec.get("weight_block_size")
+    if not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(f"{where}.weight_block_size must be two positive ints [rows, columns], got {block!r}")
+    return BlockFP8Quantization(weight_block_size=(block[0], block[1]))
 
 
 def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -115,7 +115,9 @@ class RequestFlow:
             if prefilled is not None:
                 self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 self._token_times.append((time.monotonic(), 1))
-                first = self.output.add([prefilled.response.first_token_id])
+                pr = prefilled.response
+                first_logprobs = [pr.first_token_logprobs] if pr.HasField("first_token_logprobs") else []
+                first = self.output.add([pr.first_token_id], first_logprobs)
                 if self.output.stopped:  # the first token's text holds a stop string: no decode
                     yield self._final(first, "stop")
                     return
@@ -244,7 +246,7 @@ class RequestFlow:
             async for response in call:
                 if response.HasField("started"):
                     self._started(response.started, sent_at)
-                out = self.output.add(response.token_ids)
+                out = self.output.add(response.token_ids, response.logprobs)
                 if out.token_ids:
                     self._token_times.append((time.monotonic(), len(out.token_ids)))
                 if response.HasField("final") or self.output.stopped:

@@ -33,15 +33,18 @@ class TextStream:
         """Whether a stop string ended the request (the token that completed it was the last)."""
         return self._detokenizer is not None and self._detokenizer.stopped
 
-    def add(self, token_ids: Sequence[int]) -> inference_pb2.GenerateResponse:
+    def add(
+        self, token_ids: Sequence[int], logprobs: Sequence[inference_pb2.TokenLogprobs] = ()
+    ) -> inference_pb2.GenerateResponse:
         """The message for the workers' next tokens: those up to the one that completes a stop
-        string, and the text now safe to send (never a broken UTF-8 sequence)."""
+        string, and the text now safe to send (never a broken UTF-8 sequence). ``logprobs``,
+        one per token when the request asked for them, are cut with the tokens."""
         text = ""
         if self._detokenizer is not None:
             num_taken, text = self._detokenizer.add_until_stop(token_ids)
             token_ids = token_ids[:num_taken]
         self.num_tokens += len(token_ids)
-        return inference_pb2.GenerateResponse(token_ids=token_ids, text=text)
+        return inference_pb2.GenerateResponse(token_ids=token_ids, text=text, logprobs=logprobs[: len(token_ids)])
 
     def finish(self, message: inference_pb2.GenerateResponse, finish_reason: str) -> inference_pb2.GenerateResponse:
         """Make ``message`` (the last ``add``'s) the last one: with the text held back at a possible

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.block_fp8 import BlockFP8Weight
+
 
 @dataclass
 class AttentionMetadata:
@@ -78,11 +80,18 @@ class Backend(ABC):
     """The ops models need. Shapes are given per method; all return new tensors."""
 
     name: str
+    # Whether ``linear`` runs block-FP8 weights (``BlockFP8Weight``) as they are stored. If
+    # not, the loader gives ``prepare_weight`` such weights dequantized into the model dtype.
+    runs_block_fp8: bool = False
+    # Whether the attention ops read a float8_e4m3fn cache (upcasting what they read); the
+    # writes get values already scaled and cast by the model (engine/models/kv_quant.py).
+    reads_fp8_kv: bool = False
 
-    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare_weight(self, weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor | BlockFP8Weight:
         """A linear layer's weight [out, in] in the form ``linear`` reads; by default itself.
 
         Called once per weight at load time, so a backend may repack it (a copy) for its GEMM.
+        A ``BlockFP8Weight`` comes only to a backend that ``runs_block_fp8``.
         """
         return weight
 

@@ -14,6 +14,8 @@ import torch
 
 from pdserve.kernels import kv_write, moe_align, moe_combine, moe_gemm, moe_routing, rms_norm, rotary
 from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, MoERouting
+from pdserve.kernels.block_fp8 import BlockFP8Weight
+from pdserve.kernels.block_fp8_gemm import block_fp8_linear
 from pdserve.kernels.mla_decode import mla_decode_attention
 from pdserve.kernels.mla_extend import mla_extend_attention
 from pdserve.kernels.paged_decode import paged_decode_attention
@@ -24,6 +26,12 @@ class TritonBackend(Backend):
     """Every ``Backend`` op as Triton kernels; results match ``TorchBackend`` within dtype tolerance."""
 
     name = "triton"
+    runs_block_fp8 = True  # FP8 checkpoints' linears stay FP8 and run the block-scaled GEMM
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, BlockFP8Weight):
+            return block_fp8_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return rms_norm.rms_norm(x, weight, eps, residual)

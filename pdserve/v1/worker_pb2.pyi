@@ -19,7 +19,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("worker_id", "first_token_id", "block_ids", "num_cached_tokens", "queue_ms", "prefill_ms", "hold_seconds")
+    __slots__ = ("worker_id", "first_token_id", "block_ids", "num_cached_tokens", "queue_ms", "prefill_ms", "hold_seconds", "first_token_logprobs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class PrefillResponse(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     first_token_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -34,7 +35,8 @@ class PrefillResponse(_message.Message):
     queue_ms: float
     prefill_ms: float
     hold_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
+    first_token_logprobs: _inference_pb2.TokenLogprobs
+    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., hold_seconds: _Optional[float] = ..., first_token_logprobs: _Optional[_Union[_inference_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -75,14 +77,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "final", "started")
+    __slots__ = ("token_ids", "final", "started", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     final: DecodeFinal
     started: DecodeStarted
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ..., started: _Optional[_Union[DecodeStarted, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., final: _Optional[_Union[DecodeFinal, _Mapping]] = ..., started: _Optional[_Union[DecodeStarted, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeStarted(_message.Message):
     __slots__ = ("num_cached_tokens", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")

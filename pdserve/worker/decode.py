@@ -28,6 +28,7 @@ from pdserve.engine.engine import RequestOutput
 from pdserve.engine.engine_loop import KVAwaited, RequestStream
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats
+from pdserve.rpc.logprobs import tokens_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
@@ -179,10 +180,11 @@ class DecodeService(WorkerServicer):
     def _response(
         self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
     ) -> worker_pb2.DecodeResponse:
-        new_tokens = output.new_token_ids
+        new_tokens, new_logprobs = output.new_token_ids, output.new_logprobs
         if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
-            new_tokens = new_tokens[1:]  # the first token came from the prefill worker; never send it twice
-        response = worker_pb2.DecodeResponse(token_ids=new_tokens)
+            # The first token (and its logprobs) came from the prefill worker; never send it twice.
+            new_tokens, new_logprobs = new_tokens[1:], new_logprobs[1:]
+        response = worker_pb2.DecodeResponse(token_ids=new_tokens, logprobs=tokens_logprobs(new_logprobs))
         if output.finished:
             scheduled = output.first_scheduled_time or output.arrival_time
             local_prefill_ms = ((output.first_token_time or scheduled) - scheduled) * 1e3 if source is None else 0.0

@@ -15,6 +15,7 @@ import grpc
 
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import SentReporter
+from pdserve.rpc.logprobs import token_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
@@ -79,6 +80,9 @@ class PrefillService(WorkerServicer):
             prefill_ms=(first_token - scheduled) * 1e3,
             hold_seconds=self.runtime.config.hold_s,
         )
+        if final.new_logprobs and final.new_logprobs[0] is not None:
+            response.first_token_logprobs.CopyFrom(token_logprobs(final.new_logprobs[0]))
+        return response
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +134,23 @@ class Deployment:
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
-        tokens: list[int] = []
-        text = ""
-        final = None
-        for response in self.stub.Generate(request, timeout=timeout):
-            tokens += response.token_ids
-            text += response.text
-            if response.HasField("final"):
-                final = response.final
-        assert final is not None, "the stream ended without a final message"
-        return {"token_ids": tokens, "text": text, "final": final}
+        return collect(self.stub.Generate(request, timeout=timeout))
+
+
+def collect(responses: Iterable[inference_pb2.GenerateResponse]) -> dict[str, Any]:
+    """A stream's tokens, the text its messages streamed, their logprobs, and its final message."""
+    tokens: list[int] = []
+    text = ""
+    logprobs: list[inference_pb2.TokenLogprobs] = []
+    final = None
+    for response in responses:
+        tokens += response.token_ids
+        text += response.text
+        logprobs += response.logprobs
+        if response.HasField("final"):
+            final = response.final
+    assert final is not None, "the stream ended without a final message"
+    return {"token_ids": tokens, "text": text, "logprobs": logprobs, "final": final}
 
 
 class Frontend:

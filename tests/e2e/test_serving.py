@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve import LLM, SamplingParams
 from pdserve.v1 import inference_pb2
-from tests.e2e.deployment import Deployment, Frontend, long_context_copy
+from tests.e2e.deployment import Deployment, Frontend, collect, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
 from tests.utils.checkpoints import reference_greedy
 from tests.utils.stop_strings import stop_after_the_first_token
@@ -208,6 +208,47 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
         assert results["long"].disaggregated and results["long"].kv_transfer_bytes > 0
     finally:
         frontend.close()
+
+
+def _assert_logprobs_equal(served, offline, n: int) -> None:
+    """Served logprobs (wire) equal the offline engine's: the token's own and the top-n's ids
+    exactly; values to float32 rounding (the batch the rows ran in may differ)."""
+    assert len(served) == len(offline)
+    for wire, want in zip(served, offline):
+        assert wire.logprob == pytest.approx(want.token_logprob, abs=1e-4)
+        assert len(wire.top) == n and [t.token_id for t in wire.top] == [t for t, _ in want.top]
+        assert [t.logprob for t in wire.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
+
+
+@pytest.mark.parametrize("disaggregation", ["always", "off"])
+def test_logprobs_over_grpc_equal_the_offline_engines(llama, etcd_url, disaggregation):
+    """The first token's logprobs come from the prefill worker (always) or the decode worker
+    (off: colocated), the rest from the decode worker; greedy and seeded sampling alike."""
+    deployment, path, _ = llama
+    frontend = Frontend(etcd_url, "--disaggregation", disaggregation) if disaggregation == "off" else None
+    stub = frontend.stub if frontend is not None else deployment.stub
+    offline = LLM(str(path))
+    try:
+        for prompt, options in (
+            (list(range(40, 75)), dict(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)),
+            (list(range(7, 30)), dict(max_tokens=5, temperature=0.9, seed=11, ignore_eos=True, logprobs=5)),
+            (list(range(90, 110)), dict(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)),
+        ):
+            request = inference_pb2.GenerateRequest(
+                model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+                sampling=inference_pb2.SamplingOptions(**options),
+            )  # fmt: skip
+            result = collect(stub.Generate(request, timeout=60))
+            want = offline.generate([prompt], SamplingParams(**options))[0]
+            assert result["token_ids"] == want.token_ids
+            assert result["final"].breakdown.disaggregated == (disaggregation == "always")
+            _assert_logprobs_equal(result["logprobs"], want.logprobs, options["logprobs"])
+        plain = deployment.generate([5, 6, 7], max_tokens=3, temperature=0)
+        assert plain["logprobs"] == []  # not asked for: none sent
+    finally:
+        if frontend is not None:
+            frontend.close()
+    deployment.wait_registered(_idle, 10, "every block free")
 
 
 def _pdserve(*args: str, etcd: str) -> subprocess.CompletedProcess:

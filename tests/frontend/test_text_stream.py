@@ -54,6 +54,17 @@ def test_a_stop_string_spanning_the_hand_off_is_cut_and_later_tokens_are_not_sen
     assert last.text == ""  # what the stop cut is never sent
 
 
+def test_logprobs_are_cut_with_the_tokens_at_a_stop_string(tokenizer):
+    tokens = ids(tokenizer, "Hello world, and more")
+    logprobs = [inference_pb2.TokenLogprobs(logprob=-float(i), top=[inference_pb2.TopLogprob(token_id=t, logprob=-0.5)])
+                for i, t in enumerate(tokens)]  # fmt: skip
+    stream = TextStream(tokenizer, PROMPT, ["lo wor"])
+    first = stream.add(tokens[:1], logprobs[:1])
+    last = stream.add(tokens[1:], logprobs[1:])
+    assert stream.stopped and list(first.logprobs) == logprobs[:1] and list(last.logprobs) == logprobs[1:2]
+    assert not TextStream(tokenizer, PROMPT, None).add(tokens).logprobs  # none asked for, none sent
+
+
 def test_text_held_back_at_a_possible_stop_is_sent_once_at_the_end(tokenizer):
     tokens = ids(tokenizer, "Hello")
     stream = TextStream(tokenizer, PROMPT, ["lo!"])

@@ -32,5 +32,6 @@ def test_bench_smoke_run_reports_every_kernel():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     kernels = {r["kernel"] for r in report["results"]}
-    assert {"paged_attention_decode", "mla_attention_decode", "moe_expert_mlp", "rms_norm_residual", "write_latent"} <= kernels
+    assert {"paged_attention_decode", "mla_attention_decode", "moe_expert_mlp", "rms_norm_residual", "write_latent",
+            "block_fp8_gemm_decode", "block_fp8_gemm_prefill"} <= kernels
     assert all(r["median_ms"] > 0 for r in report["results"])

@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pdserve.engine.engine as engine_module
 from pdserve import LLM, SamplingParams
+from pdserve.kernels import block_fp8
+from pdserve.kernels.block_fp8 import BlockFP8Weight
+from pdserve.kernels.torch_backend import TorchBackend
 from tests.utils.checkpoints import VOCAB
+from tests.utils.fp8_checkpoint import write_fp8_deepseek_v3
 
 
 @pytest.mark.slow
@@ -24,3 +29,36 @@ def test_triton_kernels_give_the_torch_backends_greedy_tokens(checkpoints, arch)
     got = triton_llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     triton_llm.engine.check_idle_integrity()
+
+
+class _ReferenceFP8Backend(TorchBackend):
+    """The torch reference, keeping FP8 linears FP8 and running them as the Triton GEMM does
+    (activations quantized per token and group): the arithmetic the Triton engine must equal."""
+
+    runs_block_fp8 = True
+
+    def linear(self, x, weight, bias=None):
+        if isinstance(weight, BlockFP8Weight):
+            return block_fp8.block_fp8_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
+
+
+@pytest.mark.slow
+def test_fp8_checkpoints_keep_fp8_linears_on_triton_and_equal_the_reference_arithmetic(tmp_path, monkeypatch):
+    """On the Triton backend an FP8 checkpoint's linears stay FP8 and run the block-scaled
+    GEMM. Its activation quantization moves the logits a little, so the tokens are compared
+    with the torch reference of the same arithmetic, not with the dequantized model."""
+    path = tmp_path / "fp8"
+    write_fp8_deepseek_v3(path, tmp_path / "reference", (24, 40))
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (17, 5)]
+    # Six tokens: the sixth of the first prompt differs from the dequantized model's (the
+    # activations' quantization decides it), so equality here shows the same arithmetic.
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    triton_llm = LLM(str(path), kernels="triton")
+    attention = triton_llm.engine.model.layers[1].attention
+    assert isinstance(attention.o_proj.weight, BlockFP8Weight) and isinstance(attention.q_b_proj.weight, BlockFP8Weight)
+    got = triton_llm.generate(prompts, params)
+    monkeypatch.setattr(engine_module, "select_backend", lambda kernels, device: _ReferenceFP8Backend())
+    expected = LLM(str(path), kernels="torch").generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]

@@ -24,7 +24,8 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
 
 def load_model(config: ModelConfig, device: torch.device, backend: Backend) -> DecoderModel:
     """Build the model for ``config`` with weights mapped from its directory."""
-    ckpt = Checkpoint(config.path, device=device, dtype=config.dtype)
+    block_size = config.quantization.weight_block_size if config.quantization else None
+    ckpt = Checkpoint(config.path, device=device, dtype=config.dtype, weight_block_size=block_size)
     try:
         return MODEL_CLASSES[config.architecture](config, ckpt, backend)
     finally:

@@ -14,6 +14,15 @@ import torch.nn.functional as F
 
 from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import Backend
+from pdserve.kernels.block_fp8 import BlockFP8Weight
+
+
+def linear_weight(ckpt: Checkpoint, name: str, shape: tuple[int, int], backend: Backend) -> torch.Tensor | BlockFP8Weight:
+    """Weight ``name`` [out, in] of a linear: kept block-FP8 when it is stored so and the backend
+    runs it so, else in the model dtype (an FP8 weight dequantized)."""
+    if backend.runs_block_fp8 and ckpt.is_block_fp8(name):
+        return ckpt.get_block_fp8(name, shape)
+    return ckpt.get(name, shape)
 
 
 class Linear:
@@ -22,7 +31,7 @@ class Linear:
     def __init__(
         self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, backend: Backend, bias: bool = False
     ) -> None:
-        self.weight = backend.prepare_weight(ckpt.get(f"{name}.weight", (out_features, in_features)))
+        self.weight = backend.prepare_weight(linear_weight(ckpt, f"{name}.weight", (out_features, in_features), backend))
         self.bias = ckpt.get(f"{name}.bias", (out_features,)) if bias else None
         self.backend = backend
 
@@ -49,13 +58,24 @@ class MergedLinear:
         bias: bool = False,
     ) -> None:
         self.out_features = list(out_features)
-        weight = torch.cat([ckpt.get(f"{name}.weight", (size, in_features)) for name, size in zip(names, out_features)])
+        parts = [linear_weight(ckpt, f"{name}.weight", (size, in_features), backend) for name, size in zip(names, out_features)]
+        weight = _concatenate(parts, ckpt.dtype)
         self.weight = backend.prepare_weight(weight)
         self.bias = torch.cat([ckpt.get(f"{n}.bias", (size,)) for n, size in zip(names, out_features)]) if bias else None
         self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.backend.linear(x, self.weight, self.bias).split(self.out_features, dim=-1)
+
+
+def _concatenate(parts: list[torch.Tensor | BlockFP8Weight], dtype: torch.dtype) -> torch.Tensor | BlockFP8Weight:
+    """The parts stacked along ``out``: still block-FP8 when all are and their blocks line up
+    (each part but the last a whole number of blocks tall), else in ``dtype``."""
+    if all(isinstance(p, BlockFP8Weight) for p in parts):
+        merged = BlockFP8Weight.cat(parts)
+        if merged is not None:
+            return merged
+    return torch.cat([p.dequantize(dtype) if isinstance(p, BlockFP8Weight) else p for p in parts])
 
 
 class RMSNorm:
