@@ -33,10 +33,15 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-k8s.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 python="${PYTHON:-python3}"
 
-if ! command -v rsync >/dev/null; then
-    # Kubernetes' make rules copy with rsync.
-    apt-get update
-    apt-get install -y rsync
+missing=()
+command -v rsync >/dev/null || missing+=(rsync)  # Kubernetes' make rules copy with rsync
+command -v dpkg-source >/dev/null || missing+=(dpkg-dev)
+command -v unzip >/dev/null || missing+=(unzip)
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update
+    $sudo apt-get install -y "${missing[@]}"
 fi
 
 build_kube() {

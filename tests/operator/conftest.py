@@ -53,9 +53,10 @@ def kube(kube_server: KubeServer) -> Iterator[Kube]:
     client.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(kube_server: KubeServer) -> Iterator[handlers.Reconciler]:
-    """The operator, cluster-wide, as the admin (the chart's RBAC is tested on its own)."""
+    """The operator, cluster-wide, as the admin, for one test module (test_chart runs its own
+    under the chart's RBAC, which must be alone to show what that RBAC allows)."""
     assert kube_server.etcd is not None
     reconciler = handlers.Reconciler(kube_server.configuration(), None, Settings(default_etcd=kube_server.etcd.url))
     handlers.configure(reconciler)
