@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pdserve.cli import generate, knobs, operate, planner, profile, serve, slo, status, up
+from pdserve.cli import generate, knobs, kube_operator, operate, planner, profile, serve, slo, status, up
 from pdserve.lifecycle import die_with_parent
 
 EPILOG = """examples:
@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="pdserve: disaggregated prefill/decode LLM serving.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # `pdserve @FILE` reads arguments from FILE, one a line: how the operator's pods get theirs.
+        fromfile_prefix_chars="@",
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(commands)
     operate.add_parser(commands)
     planner.add_parser(commands)
+    kube_operator.add_parser(commands)
     profile.add_parser(commands)
     return parser
 

@@ -49,6 +49,7 @@ started; LEASE seconds left of its etcd lease / its TTL (a live worker renews it
 DRAIN_EXAMPLES = f"""examples:
   pdserve drain decode-node3-4711
   pdserve drain prefill-node1-1234 --wait --timeout 120s
+  pdserve drain --endpoint 127.0.0.1:50051 --wait --timeout 90s   # from inside the worker's pod (preStop)
 
 The worker stops taking requests, finishes those in flight (bounded by its --drain-timeout),
 leaves the registry and exits. Routers stop sending it work as soon as it reports draining.
@@ -202,8 +203,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                 "is in flight, leave the registry and exit.", epilog=DRAIN_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_etcd_arg(drain)
-    drain.add_argument("worker", metavar="WORKER", help="worker id, as `pdserve workers` lists it")
-    drain.add_argument("--wait", action="store_true", help="wait until the worker has left the registry")
+    target = drain.add_mutually_exclusive_group(required=True)
+    target.add_argument("worker", metavar="WORKER", nargs="?", help="worker id, as `pdserve workers` lists it")
+    target.add_argument("--endpoint", metavar="HOST:PORT",
+                        help="the worker's gRPC address instead of its id (no etcd needed): a pod's preStop hook "
+                             "drains its own worker at 127.0.0.1:PORT")  # fmt: skip
+    drain.add_argument("--wait", action="store_true",
+                       help="wait until the worker has left the registry (with --endpoint: until it has no "
+                            "request in flight, or has stopped serving)")  # fmt: skip
     drain.add_argument("--timeout", type=duration, default=60.0,
                        help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
@@ -238,6 +245,9 @@ def run_workers(args: argparse.Namespace) -> int:
 
 
 def run_drain(args: argparse.Namespace) -> int:
+    if args.endpoint:
+        return _drain_endpoint(args)
+
     async def body(client: aetcd.Client) -> int:
         workers = [e for e, _ in await read_workers(client)]
         matches = [e for e in workers if e.worker_id == args.worker]
@@ -269,6 +279,40 @@ def run_drain(args: argparse.Namespace) -> int:
         return 0
 
     return run_with_etcd(args, body)
+
+
+def _drain_endpoint(args: argparse.Namespace) -> int:
+    """Drain the worker at ``args.endpoint``; with ``--wait``, ask again until nothing is in
+    flight (Drain is idempotent and answers the count) or the worker has stopped serving."""
+
+    async def main() -> int:
+        deadline = time.monotonic() + args.timeout
+        async with grpc.aio.insecure_channel(args.endpoint) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            try:
+                reply = await stub.Drain(worker_pb2.DrainRequest(), timeout=5.0)
+            except grpc.aio.AioRpcError as error:
+                raise OperationFailed(f"Drain RPC to {args.endpoint} failed: {error.code().name}: {error.details()}")
+            first, in_flight = reply.in_flight, reply.in_flight
+            while args.wait and in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                try:
+                    in_flight = (await stub.Drain(worker_pb2.DrainRequest(), timeout=5.0)).in_flight
+                except grpc.aio.AioRpcError:
+                    in_flight = 0  # the worker finished its drain and closed its server
+        if args.json:
+            print_json({"endpoint": args.endpoint, "in_flight": first, "remaining": in_flight if args.wait else None})
+        else:
+            print(f"draining the worker at {args.endpoint}: {first} request(s) in flight to finish")
+        if args.wait and in_flight:
+            raise OperationFailed(f"the worker at {args.endpoint} still has {in_flight} request(s) in flight "
+                                  f"after {fmt_seconds(args.timeout)}")  # fmt: skip
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except OperationFailed as error:
+        return fail(args, str(error))
 
 
 async def _wait_gone(client: aetcd.Client, entry: WorkerEntry, timeout_s: float) -> bool:

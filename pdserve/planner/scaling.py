@@ -117,7 +117,7 @@ class KubernetesConnector(ScalingConnector):
 
     ``api`` is a ``kubernetes.client.CustomObjectsApi``; None creates one on first use from
     the in-cluster service account, else the local kubeconfig. The ``kubernetes`` package is
-    not a dependency of pdserve: install it where this connector runs.
+    a dependency of pdserve (the operator uses it too).
     """
 
     def __init__(self, name: str, namespace: str = "default", api: Any = None) -> None:

@@ -1,0 +1,11 @@
+"""The Kubernetes operator: PDServeDeployment (pdserve.io/v1alpha1) → pods and status.
+
+- ``spec``: the resource's spec as structs, with the checks its schema cannot express;
+- ``args``: the one mapping from spec fields to the components' command lines;
+- ``children``: the desired children, computed from the spec alone;
+- ``status``: the status rebuilt from what was observed; ``registry``: what etcd says;
+- ``kube``: JSON calls to the API server; ``reconcile``: one reconcile, end to end;
+- ``handlers``: the thin kopf layer (``pdserve operator`` runs it); ``metrics``.
+
+The CRD lives in ``charts/pdserve/crds/pdservedeployments.yaml``.
+"""

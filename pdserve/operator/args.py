@@ -1,0 +1,145 @@
+"""The one place where a PDServeDeployment's fields become command lines.
+
+Each component's arguments go into the deployment's ConfigMap as one file per component (one
+argument a line), and the pod runs ``pdserve @/etc/pdserve/config/ROLE.args`` plus the few
+arguments only the pod knows (its name and IP). A field that a worker or frontend option
+grows later is mapped here and nowhere else.
+
+Engine arguments are camelCase keys turned into the worker's options: ``maxNumSeqs: 64`` is
+``--max-num-seqs 64``; ``true`` gives the bare flag, ``false`` leaves it out.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from pdserve.discovery.slo import parse_duration
+from pdserve.operator.spec import DeploymentSpec, EngineArg, PoolSpec
+from pdserve.worker.config import WorkerConfig
+
+CONFIG_DIR = "/etc/pdserve/config"
+TLS_DIR = "/etc/pdserve/tls"
+API_KEY_DIR = "/etc/pdserve/api-key"
+PROFILE_DIR = "/etc/pdserve/profile"
+WORKER_PORT = 50051
+METRICS_PORT = 9090
+# Beyond the drain: closing the server, the NIXL agent and the lease, and the preStop's own start.
+SHUTDOWN_MARGIN_S = 15
+
+
+def flag(key: str) -> str:
+    """``maxNumSeqs`` → ``--max-num-seqs``."""
+    return "--" + re.sub(r"(?<!^)(?=[A-Z])", "-", key).lower()
+
+
+def options(values: dict[str, EngineArg]) -> list[str]:
+    """camelCase keys and scalar values as command-line options, in the order given."""
+    argv: list[str] = []
+    for key, value in values.items():
+        if value is True:
+            argv.append(flag(key))
+        elif value is not False:
+            argv += [flag(key), str(value)]
+    return argv
+
+
+def etcd_url(spec: DeploymentSpec, default: str | None) -> str:
+    """The registry the deployment's processes use: its own endpoint, else the operator's default."""
+    if spec.etcd.endpoints:
+        return spec.etcd.endpoints[0]
+    if default:
+        return default
+    raise ValueError("spec.etcd.endpoints is empty and the operator has no default etcd (pdserve operator --etcd)")
+
+
+def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
+    """``pdserve prefill|decode`` arguments shared by every pod of the pool."""
+    pool: PoolSpec = getattr(spec, role)
+    argv = [role, "--model", spec.model.path, "--model-name", spec.model.served_name, "--etcd", etcd,
+            "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--metrics-port", str(METRICS_PORT)]  # fmt: skip
+    # Parallelism options only where they differ from one rank: a single-GPU pool's command
+    # line then runs on every worker build.
+    if pool.tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(pool.tensor_parallel_size)]
+    if pool.data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(pool.data_parallel_size)]
+    if pool.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    return argv + options(pool.engine_args)
+
+
+def pod_worker_args() -> list[str]:
+    """What only the pod knows; Kubernetes expands ``$(VAR)`` from the container's env."""
+    return ["--worker-id", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+
+
+def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
+    fe, router = spec.frontend, spec.router
+    argv = ["frontend", "--etcd", etcd, "--host", "0.0.0.0", "--port", str(fe.grpc_port),
+            "--http-port", str(fe.http_port), "--metrics-port", str(METRICS_PORT)]  # fmt: skip
+    if router.disaggregation is not None:
+        argv += ["--disaggregation", router.disaggregation]
+    if router.local_prefill_threshold_tokens is not None:
+        argv += ["--local-prefill-threshold", str(router.local_prefill_threshold_tokens)]
+    if router.prefill_saturation_tokens is not None:
+        argv += ["--prefill-saturation-tokens", str(router.prefill_saturation_tokens)]
+    if spec.tls is not None:
+        argv += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
+    if spec.api_keys is not None:
+        argv += ["--api-key-file", f"{API_KEY_DIR}/{spec.api_keys.key}"]
+    return argv + options(fe.args)
+
+
+def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> list[str]:
+    argv = ["planner", "--etcd", etcd, "--connector", "kubernetes", "--namespace", namespace,
+            "--deployment", f"{spec.model.served_name}={name}", "--profile", f"{PROFILE_DIR}/profile.json"]  # fmt: skip
+    if spec.planner.interval:
+        argv += ["--planner-interval", spec.planner.interval]
+    return argv
+
+
+def _worker_default(name: str) -> float:
+    return next(f.default for f in msgspec.structs.fields(WorkerConfig) if f.name == name)
+
+
+def _seconds(pool: PoolSpec, key: str, default: float, role: str) -> float:
+    value = pool.engine_args.get(key)
+    if value is None:
+        return default
+    try:
+        return parse_duration(str(value)) if isinstance(value, str) else float(value)
+    except ValueError as error:
+        raise ValueError(f"spec.{role}.engineArgs.{key}: {error}") from None
+
+
+def drain_seconds(pool: PoolSpec, role: str) -> float:
+    """The worker's drain deadline (its ``--drain-timeout``)."""
+    return _seconds(pool, "drainTimeout", _worker_default("drain_timeout_s"), role)
+
+
+def grace_seconds(pool: PoolSpec, role: str) -> int:
+    """``terminationGracePeriodSeconds`` of a worker pod: the drain deadline, plus the KV
+    deadline of a request admitted just before it (a prefill pin's hold, a decode pull's
+    transfer timeout), plus the shutdown itself, so Kubernetes never kills a worker that is
+    still within its own deadlines."""
+    if role == "prefill":
+        kv = _seconds(pool, "hold", _worker_default("hold_s"), role)
+    else:
+        kv = _seconds(pool, "transferTimeout", _worker_default("transfer_timeout_s"), role)
+    return int(drain_seconds(pool, role) + kv + SHUTDOWN_MARGIN_S + 0.999)
+
+
+def prestop_command(pool: PoolSpec, role: str) -> list[str]:
+    """The preStop hook: drain the worker in this pod and wait until its work is done."""
+    wait = grace_seconds(pool, role) - SHUTDOWN_MARGIN_S
+    return ["pdserve", "drain", "--endpoint", f"127.0.0.1:{WORKER_PORT}", "--wait", "--timeout", f"{wait:g}s"]
+
+
+def args_file(argv: list[str]) -> str:
+    """One argument a line, as ``pdserve @FILE`` reads it."""
+    for arg in argv:
+        if "\n" in arg:
+            raise ValueError(f"an argument may not contain a newline: {arg!r}")
+    return "\n".join(argv) + "\n"

@@ -1,0 +1,224 @@
+"""The children a PDServeDeployment should have, computed from its spec alone.
+
+Pure functions: the same resource always gives the same objects (deterministic names, owner
+references, labels), so applying them is idempotent. What rolls a pool is its pod template:
+it carries a hash of the pool's arguments file and image, so an ``engineArgs`` change makes a
+new template (a rolling update), while ``replicas`` lives outside the template and only scales.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.operator import args as cmd
+from pdserve.operator.spec import GROUP, KIND, VERSION, DeploymentSpec, PoolSpec
+
+DEPLOYMENT_LABEL = "pdserve.io/deployment"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY = "app.kubernetes.io/managed-by"
+OPERATOR = "pdserve-operator"
+CONFIG_HASH = "pdserve.io/config-hash"
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The custom resource the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"])
+
+
+def child_name(owner: Owner, component: str) -> str:
+    return f"{owner.name}-{component}"
+
+
+def labels(owner: Owner, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": owner.name,
+        COMPONENT_LABEL: component,
+        MANAGED_BY: OPERATOR,
+        DEPLOYMENT_LABEL: owner.name,
+    }
+
+
+def selector(owner: Owner, component: str) -> dict[str, str]:
+    return {DEPLOYMENT_LABEL: owner.name, COMPONENT_LABEL: component}
+
+
+def metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner, component),
+        "ownerReferences": [{
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True,
+        }],
+    }  # fmt: skip
+
+
+def config_files(spec: DeploymentSpec, owner: Owner, etcd: str) -> dict[str, str]:
+    """The ConfigMap's files: each component's arguments (``pdserve @FILE``)."""
+    files = {role: cmd.worker_args(spec, role, etcd) for role in POOLS}
+    files["frontend"] = cmd.frontend_args(spec, etcd)
+    if spec.planner.enabled:
+        files["planner"] = cmd.planner_args(spec, owner.namespace, owner.name, etcd)
+    return {f"{component}.args": cmd.args_file(argv) for component, argv in files.items()}
+
+
+def config_map(owner: Owner, files: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(owner, child_name(owner, "config"), "config"),
+            "data": files}  # fmt: skip
+
+
+def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "config", "configMap": {"name": child_name(owner, "config")}},
+               {"name": "cache", "emptyDir": {}}]  # fmt: skip
+    mounts = [{"name": "config", "mountPath": cmd.CONFIG_DIR, "readOnly": True},
+              {"name": "cache", "mountPath": "/home/pdserve/.cache"}]  # fmt: skip
+    source = spec.model.volume
+    if component in POOLS and source is not None:
+        volume: dict[str, Any] = {"name": "model"}
+        if source.pvc is not None:
+            volume["persistentVolumeClaim"] = {"claimName": source.pvc.claim_name, "readOnly": source.pvc.read_only}
+        else:
+            assert source.host_path is not None  # check_spec: exactly one
+            volume["hostPath"] = {"path": source.host_path.path, "type": "Directory"}
+        volumes.append(volume)
+        mounts.append({"name": "model", "mountPath": source.mount_path, "readOnly": True})
+    if component == "frontend" and spec.tls is not None:
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name}})
+        mounts.append({"name": "tls", "mountPath": cmd.TLS_DIR, "readOnly": True})
+    if component == "frontend" and spec.api_keys is not None:
+        volumes.append({"name": "api-key", "secret": {"secretName": spec.api_keys.secret_name}})
+        mounts.append({"name": "api-key", "mountPath": cmd.API_KEY_DIR, "readOnly": True})
+    if component == "planner":
+        volumes.append({"name": "profile", "configMap": {"name": spec.planner.profile_config_map}})
+        mounts.append({"name": "profile", "mountPath": cmd.PROFILE_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict[str, str]) -> dict[str, Any]:
+    """The pod of one component; its hash annotation covers everything that should roll it."""
+    volumes, mounts = _volumes(spec, owner, component)
+    argv = [f"@{cmd.CONFIG_DIR}/{component}.args"]
+    container: dict[str, Any] = {
+        "name": component,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": argv,
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "volumeMounts": mounts,
+        "ports": [{"name": "metrics", "containerPort": cmd.METRICS_PORT}],
+    }
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
+                           "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}}  # fmt: skip
+    if component in POOLS:
+        pool: PoolSpec = getattr(spec, component)
+        container["args"] = argv + cmd.pod_worker_args()
+        container["ports"].append({"name": "grpc", "containerPort": cmd.WORKER_PORT})
+        container["readinessProbe"] = {"tcpSocket": {"port": cmd.WORKER_PORT}, "periodSeconds": 5}
+        container["lifecycle"] = {"preStop": {"exec": {"command": cmd.prestop_command(pool, component)}}}
+        if pool.resources:
+            container["resources"] = pool.resources
+        pod["terminationGracePeriodSeconds"] = cmd.grace_seconds(pool, component)
+        if pool.node_selector:
+            pod["nodeSelector"] = pool.node_selector
+        if pool.tolerations:
+            pod["tolerations"] = pool.tolerations
+    elif component == "frontend":
+        container["ports"] += [{"name": "grpc", "containerPort": spec.frontend.grpc_port},
+                               {"name": "http", "containerPort": spec.frontend.http_port}]  # fmt: skip
+        container["readinessProbe"] = {"tcpSocket": {"port": spec.frontend.grpc_port}, "periodSeconds": 5}
+    if component == "planner" and spec.planner.service_account_name:
+        pod["serviceAccountName"] = spec.planner.service_account_name
+    digest = hashlib.sha256(f"{spec.image}\n{files.get(f'{component}.args', '')}".encode()).hexdigest()[:16]
+    return {"metadata": {"labels": labels(owner, component), "annotations": {CONFIG_HASH: digest}}, "spec": pod}
+
+
+def deployment(spec: DeploymentSpec, owner: Owner, component: str, replicas: int, files: dict[str, str]) -> dict:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, child_name(owner, component), component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner, component)},
+            # Surge first, remove after: a rolling pool never drops below its size, and each
+            # removed pod drains (preStop) before it goes.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": pod_template(spec, owner, component, files),
+        },
+    }
+
+
+def leader_worker_set(spec: DeploymentSpec, owner: Owner, role: str, files: dict[str, str]) -> dict:
+    """A pool whose group spans nodes: one LeaderWorkerSet group per replica, a pod per node."""
+    pool: PoolSpec = getattr(spec, role)
+    template = pod_template(spec, owner, role, files)
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner, child_name(owner, role), role),
+        "spec": {
+            "replicas": pool.replicas,
+            "leaderWorkerTemplate": {"size": math.ceil(pool.ranks / pool.gpus_per_node), "workerTemplate": template},
+        },
+    }
+
+
+def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any]:
+    """The frontend's Service (the public API); a headless one per pool (metrics scraping)."""
+    if component == "frontend":
+        ports = [{"name": "grpc", "port": spec.frontend.grpc_port, "targetPort": "grpc"},
+                 {"name": "http", "port": spec.frontend.http_port, "targetPort": "http"},
+                 {"name": "metrics", "port": cmd.METRICS_PORT, "targetPort": "metrics"}]  # fmt: skip
+        body: dict[str, Any] = {"type": spec.frontend.service_type, "ports": ports}
+        name = owner.name
+    else:
+        body = {"clusterIP": "None", "ports": [{"name": "metrics", "port": cmd.METRICS_PORT, "targetPort": "metrics"}]}
+        name = child_name(owner, component)
+    body["selector"] = selector(owner, component)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(owner, name, component), "spec": body}
+
+
+@dataclass(frozen=True)
+class Desired:
+    """Every child, plus the pools left out because they need a LeaderWorkerSet that is not installed."""
+
+    objects: list[dict[str, Any]]
+    needs_lws: list[str]
+
+
+def desired_children(spec: DeploymentSpec, owner: Owner, etcd: str, lws_installed: bool) -> Desired:
+    files = config_files(spec, owner, etcd)
+    objects = [config_map(owner, files)]
+    needs_lws = []
+    objects.append(deployment(spec, owner, "frontend", spec.frontend.replicas, files))
+    objects.append(service(spec, owner, "frontend"))
+    for role in POOLS:
+        pool: PoolSpec = getattr(spec, role)
+        if pool.multi_node and not lws_installed:
+            needs_lws.append(role)
+        elif pool.multi_node:
+            objects.append(leader_worker_set(spec, owner, role, files))
+        else:
+            objects.append(deployment(spec, owner, role, pool.replicas, files))
+        objects.append(service(spec, owner, role))
+    if spec.planner.enabled:
+        objects.append(deployment(spec, owner, "planner", 1, files))
+    return Desired(objects, needs_lws)

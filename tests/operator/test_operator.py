@@ -1,0 +1,160 @@
+"""The operator against a real API server and controller-manager: each example deploys, scales,
+rolls and is garbage-collected; invalid resources are refused naming the field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+from pdserve.operator.children import CONFIG_HASH, DEPLOYMENT_LABEL
+from pdserve.operator.kube import Kube, object_path
+from tests.operator.conftest import CHART, make_pods_ready, wait_for
+
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+pytestmark = pytest.mark.slow
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def create(kube: Kube, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    body = copy.deepcopy(body)
+    body["metadata"]["namespace"] = namespace
+    return kube.request("POST", object_path("PDServeDeployment", namespace), body=body)
+
+
+def resource(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    return kube.get(object_path("PDServeDeployment", namespace, name))
+
+
+def condition(body: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    conditions = ((body or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), None)
+
+
+def deployment(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    return kube.get(object_path("Deployment", namespace, name))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_an_example_deploys_owned_children_and_reports_its_conditions(kube, operator, namespace, example) -> None:
+    created = create(kube, namespace, load(example))
+    name, uid = created["metadata"]["name"], created["metadata"]["uid"]
+    wanted = [("Deployment", f"{name}-{c}") for c in ("frontend", "prefill", "decode")]
+    wanted += [("Service", name), ("Service", f"{name}-prefill"), ("Service", f"{name}-decode"),
+               ("ConfigMap", f"{name}-config")]  # fmt: skip
+    for kind, child in wanted:
+        obj = wait_for(lambda: kube.get(object_path(kind, namespace, child)), 30, f"{kind} {child}")
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDServeDeployment", name, uid, True)
+
+    body = wait_for(lambda: condition(resource(kube, namespace, name), "Progressing") and resource(
+        kube, namespace, name), 30, "the status")  # fmt: skip
+    status = body["status"]
+    assert status["observedGeneration"] == body["metadata"]["generation"]
+    assert condition(body, "Available")["status"] == "False"
+    assert condition(body, "Progressing")["status"] == "True"
+    assert condition(body, "Degraded")["status"] == "False", condition(body, "Degraded")
+    spec = body["spec"]
+    assert status["decode"]["desired"] == spec["decode"]["replicas"]
+    assert status["decode"]["registered"] == 0  # no worker registered in etcd
+
+    # No kubelet: the pods stay Pending until the test marks them ready, as one would.
+    wait_for(lambda: len(kube.list(f"/api/v1/namespaces/{namespace}/pods", f"{DEPLOYMENT_LABEL}={name}")) == sum(
+        spec[c]["replicas"] for c in ("prefill", "decode", "frontend")), 30, "the pods")  # fmt: skip
+    make_pods_ready(kube, namespace, f"{DEPLOYMENT_LABEL}={name}")
+    body = wait_for(lambda: (b := resource(kube, namespace, name)) and condition(b, "Available")["status"] == "True"
+                    and condition(b, "Progressing")["status"] == "False" and b, 60, "Available")  # fmt: skip
+    ready = body["status"]["decode"]["readyOfDesired"]
+    assert ready == f"{spec['decode']['replicas']}/{spec['decode']['replicas']}"
+
+
+def test_replicas_scale_the_pool_and_engine_args_roll_it(kube, operator, namespace) -> None:
+    name = create(kube, namespace, load(CHART / "examples" / "llama-small.yaml"))["metadata"]["name"]
+    decode = wait_for(lambda: deployment(kube, namespace, f"{name}-decode"), 30, "the decode Deployment")
+    template = decode["spec"]["template"]
+    path = object_path("PDServeDeployment", namespace, name)
+
+    kube.merge_patch(path, {"spec": {"decode": {"replicas": 5}}})
+    decode = wait_for(lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["replicas"] == 5 and d, 30,
+                      "the decode Deployment to follow replicas: 5")  # fmt: skip
+    assert decode["spec"]["template"] == template  # scaling rolls nothing
+
+    kube.merge_patch(path, {"spec": {"decode": {"engineArgs": {"maxNumSeqs": 32}}}})
+    decode = wait_for(lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["template"] != template
+                      and d, 30, "the decode pod template to change")  # fmt: skip
+    assert decode["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH] != template["metadata"]["annotations"][
+        CONFIG_HASH]  # fmt: skip
+    config = kube.get(object_path("ConfigMap", namespace, f"{name}-config"))
+    assert "--max-num-seqs\n32\n" in config["data"]["decode.args"]
+    # The deployment controller rolls the pool: a second ReplicaSet, for the new template.
+    wait_for(lambda: len(kube.list(f"/apis/apps/v1/namespaces/{namespace}/replicasets",
+                                   f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=decode")) == 2, 30,
+             "the decode pool to roll")  # fmt: skip
+    prefill_sets = kube.list(f"/apis/apps/v1/namespaces/{namespace}/replicasets",
+                             f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=prefill")  # fmt: skip
+    assert len(prefill_sets) == 1  # the other pool did not roll
+
+
+def test_a_deleted_child_comes_back_and_a_deleted_resource_takes_its_children(kube, operator, namespace) -> None:
+    name = create(kube, namespace, load(CHART / "examples" / "llama-small.yaml"))["metadata"]["name"]
+    children = [object_path("Deployment", namespace, f"{name}-{c}") for c in ("frontend", "prefill", "decode")]
+    children += [object_path("ConfigMap", namespace, f"{name}-config"), object_path("Service", namespace, name)]
+    for path in children:
+        wait_for(lambda: kube.get(path), 30, path)
+    uid = kube.get(children[1])["metadata"]["uid"]
+    kube.delete(children[1])
+    wait_for(lambda: (d := kube.get(children[1])) and d["metadata"]["uid"] != uid, 30, "the prefill Deployment again")
+
+    kube.delete(object_path("PDServeDeployment", namespace, name))
+    for path in children:
+        wait_for(lambda: kube.get(path) is None, 60, f"the garbage collector to delete {path}")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda s: s["decode"].update(replicas=-1), "spec.decode.replicas"),
+        (lambda s: s.pop("image"), "spec.image"),
+        (lambda s: s.update(imagePullPolicy="Sometimes"), "spec.imagePullPolicy"),
+        (lambda s: s["router"].update(disaggregation="maybe"), "spec.router.disaggregation"),
+        (lambda s: s["prefill"].update(tensorParallelSize=0), "spec.prefill.tensorParallelSize"),
+        (lambda s: s["frontend"].update(serviceType="Ingress"), "spec.frontend.serviceType"),
+        (lambda s: s["slo"].update(ttftP90="fast"), "spec.slo.ttftP90"),
+        (lambda s: s["frontend"].update(grpcPort=70000), "spec.frontend.grpcPort"),
+    ],
+)
+def test_the_schema_refuses_an_invalid_resource_naming_the_field(kube, namespace, change, field) -> None:
+    body = load(CHART / "examples" / "llama-small.yaml")
+    change(body["spec"])
+    with pytest.raises(ApiException) as refused:
+        create(kube, namespace, body)
+    assert refused.value.status == 422
+    assert field in refused.value.body, refused.value.body
+
+
+def test_a_spec_the_schema_cannot_check_is_degraded_naming_the_field(kube, operator, namespace) -> None:
+    body = load(CHART / "examples" / "llama-small.yaml")
+    body["spec"]["model"]["path"] = "/elsewhere/Llama"  # not under the volume's mountPath
+    name = create(kube, namespace, body)["metadata"]["name"]
+    degraded = wait_for(lambda: condition(resource(kube, namespace, name), "Degraded"), 30, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "spec.model.path" in degraded["message"]
+    assert deployment(kube, namespace, f"{name}-decode") is None
+
+
+def test_a_group_larger_than_a_node_says_it_needs_leader_worker_set(kube, operator, namespace) -> None:
+    body = load(CHART / "examples" / "deepseek-v3.yaml")
+    body["spec"]["decode"]["dataParallelSize"] = 16
+    name = create(kube, namespace, body)["metadata"]["name"]
+    degraded = wait_for(lambda: (c := condition(resource(kube, namespace, name), "Degraded")) and c["status"] == "True"
+                        and c, 30, "Degraded")  # fmt: skip
+    assert degraded["reason"] == "LeaderWorkerSetRequired" and "spec.decode" in degraded["message"]
+    assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node still deploys
+    assert deployment(kube, namespace, f"{name}-decode") is None
