@@ -65,6 +65,21 @@ SHAPES: dict[str, Shape] = {
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
              rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     ),
+    "smollm2-135m": Shape(
+        "the real SmolLM2-135M config (30 layers, hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, "
+        "vocab 49152, tied embeddings)",
+        "LlamaForCausalLM", "LlamaConfig",
+        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    ),
+    "llama-31m": Shape(
+        "a 31M-parameter Llama (8 layers, hidden 512, 8 heads / 4 KV heads of 64, FFN 1376, vocab 8192)",
+        "LlamaForCausalLM", "LlamaConfig",
+        dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    ),
     "llama-3.1-8b": Shape(
         "the real Llama-3.1-8B config (32 layers, hidden 4096, 32 heads / 8 KV heads of 128, vocab 128256, "
         "llama3 rope); 16 GB in bfloat16: a GPU shape, or use --num-layers on CPU",

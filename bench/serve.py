@@ -276,12 +276,49 @@ class Bench:
             model = await _wait_for_model(cluster.frontend.address, name, plan.num_prefill, plan.num_decode)
             deployment["start_s"] = round(time.perf_counter() - started, 1)
             result = await self.measure(cluster.frontend.address, model, plan.num_prefill + plan.num_decode)
+            if plan.num_prefill:
+                result["handoff_ms"] = await _handoff_breakdown(cluster.etcd_url, name)
         except (ChildFailed, RuntimeError, TimeoutError) as exc:
             _log(f"{plan.name} failed: {exc}")
             return {"deployment": deployment, "error": str(exc)}
         finally:
             await cluster.stop()
         return {"deployment": deployment, **result}
+
+
+async def _handoff_breakdown(etcd_url: str, model_name: str) -> dict[str, float | int]:
+    """The decode workers' mean hand-off phases (their Prometheus histograms, every request of
+    the run, warm-up included): admit (queued in the engine until given blocks), pull (the KV
+    read), resume (KV landed -> the next token: the wait for a step, and the step)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdserve.discovery.etcd import close_quietly, connect
+    from pdserve.discovery.registry import Role, list_workers
+
+    client = await connect(etcd_url)
+    try:
+        workers = [w for w in await list_workers(client) if w.role is Role.DECODE and w.model == model_name]
+    finally:
+        await close_quietly(client)
+    phases = {"admit": "pdserve_queue_seconds", "pull": "pdserve_kv_transfer_seconds", "resume": "pdserve_kv_resume_seconds"}
+    sums = {f"{n}_{k}": 0.0 for n in phases.values() for k in ("sum", "count")}
+    for worker in workers:
+        if worker.metrics_port is None:
+            continue
+        host = worker.endpoint.rsplit(":", 1)[0]
+        url = f"http://{host}:{worker.metrics_port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+    out: dict[str, float | int] = {"num_requests": int(sums["pdserve_kv_transfer_seconds_count"])}
+    for phase, metric in phases.items():
+        count = sums[f"{metric}_count"]
+        out[f"{phase}_mean"] = round(sums[f"{metric}_sum"] / count * 1e3, 2) if count else 0.0
+    return out
 
 
 async def _wait_for_model(

@@ -206,6 +206,11 @@ def print_table(report: dict[str, Any]) -> None:
             if gap:
                 line += f"; KV transfer / first ITL: median {gap['median']:.3f}, mean {gap['mean']:.3f}"
             print(line + " (the first token leaves before the KV pull: the pull delays the second token)")
+        handoff = run.get("handoff_ms")
+        if handoff:
+            print(f"  hand-off on the decode workers, means: admit {handoff['admit_mean']} ms, pull "
+                  f"{handoff['pull_mean']} ms, resume (wait for a step + the step) {handoff['resume_mean']} ms "
+                  f"(n={handoff['num_requests']})")  # fmt: skip
     m = report["machine"]
     print(
         f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']}, "

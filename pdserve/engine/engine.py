@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -137,6 +138,13 @@ class LLMEngine:
 
         A PRODUCER gives ``pin_s``: its blocks stay pinned for the peer that long at most.
         """
+        request = self._new_request(request_id, prompt, params, kv_role, pin_s)
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, kv_role: KVRole, pin_s: float | None
+    ) -> Request:
         if request_id in self._requests or request_id in self.scheduler.pins:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if kv_role is KVRole.PRODUCER and not (pin_s is not None and pin_s > 0):
@@ -152,8 +160,20 @@ class LLMEngine:
             pin_s=pin_s,
         )
         self._requests[request_id] = request
-        self.scheduler.add(request)
         return request
+
+    def admit_consumer(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int] | None:
+        """Decode role: queue a CONSUMER and give it blocks at once, outside any step.
+
+        Returns its block ids and the prompt tokens already in this engine's prefix cache when
+        it got them, so its pull can start now; None when it waits for a seat or blocks (a later
+        step lists it in ``StepOutput.awaiting_kv``). Raises ValueError like ``add_request``.
+        """
+        request = self._new_request(request_id, prompt, params, KVRole.CONSUMER, None)
+        if not self.scheduler.admit_consumer(request):
+            return None
+        request.first_scheduled_time = time.monotonic()
+        return list(self.kv.block_table(request_id)), request.num_cached_tokens
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -258,7 +278,10 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def step(self) -> StepOutput:
+    def step(self, while_running: AbstractContextManager[object] | None = None) -> StepOutput:
+        """Schedule, run the model, sample, update; ``while_running`` is entered around the
+        model run alone (``EngineLoop`` releases its lock there, so that consumers are admitted
+        and resumed while the model runs)."""
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r, []) for r in sched.finished]
         now = time.monotonic()
@@ -269,7 +292,8 @@ class LLMEngine:
         if not sched.scheduled:
             return StepOutput(outputs, awaiting)
         inputs = self.runner.prepare(sched.scheduled)
-        logits = self.runner.execute(inputs)
+        with while_running or nullcontext():
+            logits = self.runner.execute(inputs)
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)

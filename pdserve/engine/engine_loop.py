@@ -1,11 +1,17 @@
 """The engine's step loop on its own thread, driven from asyncio.
 
 Servers run on an asyncio event loop; the engine's step blocks for as long as the model runs.
-``EngineLoop`` owns one thread that alone touches the engine: the event loop sends it commands
-(add, abort, KV received, KV sent, release) through a queue, and the thread steps the engine
-whenever something is runnable — and, with nothing runnable, by the earliest pin's deadline,
-so that pins are freed on time on an idle engine — and hands each request's outputs back to
-the event loop, where ``RequestStream`` delivers them to whoever awaits that request.
+``EngineLoop`` owns one thread that steps the engine: the event loop sends it commands (add,
+abort, KV sent, release) through a queue, and the thread steps the engine whenever something
+is runnable — and, with nothing runnable, by the earliest pin's deadline, so that pins are
+freed on time on an idle engine — and hands each request's outputs back to the event loop,
+where ``RequestStream`` delivers them to whoever awaits that request.
+
+The decode hand-off does not wait for step boundaries. A consumer is admitted (given blocks)
+and resumed after its pull (``kv_received``) on a second thread, the admitter, under the
+engine's lock — which the engine thread holds for everything but the model run itself. So a
+consumer's pull starts while a step runs, and the consumer joins the very next step after
+its KV lands; the engine thread never waits on a pull.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +83,15 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._load = EngineLoad(kv_blocks_total=engine.block_pool.num_blocks)
         self._error: BaseException | None = None
+        # Held by the engine thread except while the model runs; the admitter takes it.
+        self._lock = threading.Lock()
+        self._admitter: ThreadPoolExecutor | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # One thread: consumer admissions, resumes and their aborts run in the order sent.
+        self._admitter = ThreadPoolExecutor(1, thread_name_prefix="pdserve-admit")
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -94,6 +105,9 @@ class EngineLoop:
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
         self._thread = None
+        if self._admitter is not None:
+            self._admitter.shutdown(wait=False, cancel_futures=True)
+            self._admitter = None
 
     @property
     def load(self) -> EngineLoad:
@@ -123,17 +137,29 @@ class EngineLoop:
         """Queue a request; raises ValueError (from the engine) for one it cannot serve.
 
         A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes (``LLMEngine.add_request``).
+        A CONSUMER is given blocks at once when a seat and blocks are free, even while a step
+        runs (``LLMEngine.admit_consumer``): its stream then starts with the ``KVAwaited``.
         """
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error!r}")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
+        engine = self.engine
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role, pin_s=pin_s))
+            if kv_role is KVRole.CONSUMER:
+                admitted = await self._admit(lambda: engine.admit_consumer(request_id, prompt, params))
+                if admitted is not None:
+                    stream._put(KVAwaited(*admitted))
+            else:
+                await self._call(lambda: engine.add_request(request_id, prompt, params, kv_role, pin_s=pin_s))
         except BaseException:
-            # Cancelled while queued, the add still runs on the engine thread: the abort queued
-            # behind it ends the request there (a no-op if the add failed).
-            self.abort(request_id)
+            # Cancelled while queued, the add still runs: the abort queued behind it, on the
+            # same thread, ends the request there (a no-op if the add failed).
+            if kv_role is KVRole.CONSUMER:
+                self._streams.pop(request_id, None)
+                self._submit(lambda: engine.abort(request_id))
+            else:
+                self.abort(request_id)
             raise
         return stream
 
@@ -143,14 +169,18 @@ class EngineLoop:
         self._commands.put(lambda: self.engine.abort(request_id))
 
     async def kv_received(self, request_id: str, first_token_id: int) -> None:
-        """Decode role: the KV is in the request's blocks; its outputs continue on its stream."""
+        """Decode role: the KV is in the request's blocks; its outputs continue on its stream.
+
+        Runs at once, even while a step runs; the request joins the next step.
+        """
 
         def received() -> None:
             final = self.engine.kv_received(request_id, first_token_id)
             if final is not None:
                 self._deliver([final], [])
 
-        await self._call(received)
+        await self._admit(received)
+        self._commands.put(_step_again)  # an engine thread asleep with nothing runnable wakes
 
     def kv_sent(self, request_id: str) -> None:
         """Prefill role: the decode side is done with the request's pinned blocks (``LLMEngine.kv_sent``)."""
@@ -163,6 +193,22 @@ class EngineLoop:
     async def retune(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Change the scheduler's limits (``LLMEngine.retune``); raises its ValueError."""
         await self._call(lambda: self.engine.retune(max_num_seqs, max_num_batched_tokens))
+
+    def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the admitter thread under the engine's lock."""
+        assert self._admitter is not None, "start() first"
+
+        def locked() -> Any:
+            with self._lock:
+                result = fn()
+                self._load = self._snapshot()  # an admission counts before the next step ends
+                return result
+
+        return self._admitter.submit(locked)
+
+    async def _admit(self, fn: Callable[[], Any]) -> Any:
+        """``fn``'s result from the admitter thread; it runs even if the caller is cancelled."""
+        return await asyncio.shield(asyncio.wrap_future(self._submit(fn)))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread and return (or raise) its result.
@@ -189,7 +235,8 @@ class EngineLoop:
         try:
             while True:
                 # Block for a command only when a step would have nothing to run.
-                idle = not self.engine.has_unfinished()
+                with self._lock:
+                    idle = not self.engine.has_unfinished()
                 while True:
                     try:
                         command = self._commands.get(timeout=self.idle_wait_s) if idle else self._commands.get_nowait()
@@ -197,17 +244,20 @@ class EngineLoop:
                         break
                     if command is None:
                         return
-                    command()
+                    with self._lock:
+                        command()
                     idle = False
-                step = self.engine.step()
-                # Snapshot first: whoever reads an output must see the load it left behind.
-                self._load = self._snapshot()
+                with self._lock:
+                    step = self.engine.step(while_running=_Released(self._lock))
+                    # Snapshot first: whoever reads an output must see the load it left behind.
+                    self._load = self._snapshot()
                 self._deliver(step.outputs, step.awaiting_kv)
                 if step.num_scheduled_tokens == 0 and not step.outputs:
                     command = self._wait_for_command()
                     if command is None:
                         return
-                    command()
+                    with self._lock:
+                        command()
         except BaseException as exc:
             logger.exception("engine thread stopped")
             self._error = exc
@@ -267,6 +317,19 @@ class EngineLoop:
             max_num_seqs=scheduler.config.max_num_seqs,
             max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         )
+
+
+class _Released:
+    """Releases a held lock for the duration of a ``with`` block (the model run)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.acquire()
 
 
 def _step_again() -> None:

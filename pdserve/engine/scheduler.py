@@ -119,13 +119,9 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv.block_size
             if request.kv_role is KVRole.CONSUMER and not request.output_token_ids:
-                # The prompt's KV comes from a peer: hold blocks for all of it, compute nothing.
-                if not self.kv.allocate(request.request_id, request.num_tokens, cached):
+                if not self._hold_for_kv(request, cached):
                     break
                 self.waiting.popleft()
-                request.num_computed_tokens = request.num_cached_tokens = num_cached
-                request.status = RequestStatus.WAITING_FOR_KV
-                self.awaiting_kv[request.request_id] = request
                 out.awaiting_kv.append(request)
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
@@ -145,6 +141,29 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def admit_consumer(self, request: Request) -> bool:
+        """Decode role: give a new CONSUMER its blocks now, between steps or while one runs.
+
+        True: it awaits its KV (``awaiting_kv``) and its pull may start at once. False: no seat
+        or no blocks now, or requests queue ahead of it (first-come first-served): it waits,
+        and a later ``schedule`` admits it and lists it in ``SchedulerOutput.awaiting_kv``.
+        """
+        assert request.kv_role is KVRole.CONSUMER and not request.output_token_ids
+        if not self.waiting and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
+            if self._hold_for_kv(request, self.kv.find_cached_prefix(request.token_ids)):
+                return True
+        self.waiting.append(request)
+        return False
+
+    def _hold_for_kv(self, request: Request, cached: list[int]) -> bool:
+        """The prompt's KV comes from a peer: hold blocks for all of it, compute nothing."""
+        if not self.kv.allocate(request.request_id, request.num_tokens, cached):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.kv.block_size
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting_kv[request.request_id] = request
+        return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

@@ -83,16 +83,20 @@ class DecodeService(WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         done = False
         stats: TransferStats | None = None
+        resumed_at: float | None = None  # the KV landed: the resume's wait for a step begins
         try:
             if source is not None and peer is not None:
-                deadline = received_at + source.pull_within_s
-                started, stats, ended = await self._pull(request_id, source, peer, stream, deadline, context)
+                started, stats, ended = await self._pull(request_id, source, peer, stream, received_at, context)
                 if ended is not None:  # the engine ended the request before it got blocks
                     yield self._response(ended, source, stats)
                     done = True
                     return
+                resumed_at = time.monotonic()
                 yield worker_pb2.DecodeResponse(started=started)
             async for output in stream.outputs():
+                if resumed_at is not None:
+                    self.runtime.metrics.resume_seconds.observe(time.monotonic() - resumed_at)
+                    resumed_at = None
                 response = self._response(output, source, stats)
                 if source is None and output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
                     response.started.CopyFrom(self._local_start(output))  # with the first token
@@ -121,17 +125,18 @@ class DecodeService(WorkerServicer):
         source: worker_pb2.KVSource,
         peer: PeerInfo,
         stream: RequestStream,
-        deadline: float,
+        received_at: float,
         context: grpc.aio.ServicerContext,
     ) -> tuple[worker_pb2.DecodeStarted, TransferStats | None, RequestOutput | None]:
-        """Wait for blocks, pull the KV into them, resume decoding; or the engine's own end."""
-        queued_from = time.monotonic()
+        """Wait for blocks (there at once unless seats or blocks are short), pull the KV into
+        them, resume decoding; or the engine's own end. ``queue_ms``: the call's receipt to
+        the pull's start, the hand-off's admission."""
         item = await stream.next()
         if isinstance(item, RequestOutput):
             return worker_pb2.DecodeStarted(), None, item
         assert isinstance(item, KVAwaited)
-        queue_s = time.monotonic() - queued_from
-        remaining = deadline - time.monotonic()
+        queue_s = time.monotonic() - received_at
+        remaining = received_at + source.pull_within_s - time.monotonic()
         if remaining <= 0:
             self.runtime.engine_loop.abort(request_id)
             await context.abort(

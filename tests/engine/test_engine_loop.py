@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -181,3 +182,53 @@ def test_an_idle_loop_frees_a_pin_at_its_deadline_and_stop_frees_the_rest(engine
     assert engine.num_held == 0  # stop freed "kept"
     engine.check_idle_integrity()
     assert engine.block_pool.all_free()
+
+
+def test_a_consumer_is_admitted_and_resumed_while_a_step_runs_and_joins_the_next(engine):
+    """The hand-off costs one step: with the model run held open, a consumer gets its blocks
+    and its KV notice, and is resumed; the very next step decodes it."""
+    prompt = list(range(3, 40))
+    in_run, release = threading.Event(), threading.Event()
+    scheduled: list[list[str]] = []
+    execute = engine.runner.execute
+
+    def held_execute(inputs):
+        scheduled.append([r.request_id for r in inputs.sampling_requests])
+        in_run.set()
+        assert release.wait(30), "the test never released the model run"
+        return execute(inputs)
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            produced = await _collect(await loop.add("p", prompt, GREEDY, KVRole.PRODUCER, pin_s=30.0))
+            engine.runner.execute = held_execute
+            local = await loop.add("local", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            await asyncio.get_running_loop().run_in_executor(None, in_run.wait, 30)
+            consumer = await asyncio.wait_for(loop.add("c", prompt, GREEDY, KVRole.CONSUMER), 5)
+            awaited = consumer._items.get_nowait()  # there already: no step has ended yet
+            kv = engine.kv_cache.data
+            for src, dst in zip(produced[-1].held_block_ids, awaited.block_ids):
+                kv[dst] = kv[src]
+            loop.kv_sent("p")
+            await asyncio.wait_for(loop.kv_received("c", produced[-1].token_ids[0]), 5)
+            steps_before = len(scheduled)
+            release.set()
+            rest = await asyncio.wait_for(_collect(consumer), 30)
+            await asyncio.wait_for(_collect(local), 30)
+            return produced, awaited, steps_before, rest
+        finally:
+            release.set()
+            engine.runner.execute = execute
+            await loop.stop()
+
+    produced, awaited, steps_before, rest = run_scenario(main())
+    assert isinstance(awaited, KVAwaited) and steps_before == 1
+    assert "c" in scheduled[1]  # the step right after the one that ran during the hand-off
+    engine.add_request("ref", prompt, GREEDY)
+    final = None
+    while final is None:
+        final = next((o for o in engine.step().outputs if o.finished), None)
+    assert produced[-1].token_ids + [t for o in rest for t in o.new_token_ids] == final.token_ids
+    engine.check_idle_integrity()

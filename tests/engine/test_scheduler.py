@@ -614,3 +614,41 @@ def test_consumers_respect_max_num_seqs():
     sim.step()
     assert len(sim.scheduler.awaiting_kv) + len(sim.scheduler.running) <= 2
     sim.run()  # asserts len(running) <= max_num_seqs after every step and kv_received
+
+
+def _consumer(sim: Sim, tokens: list[int]) -> Request:
+    """A consumer handed to ``admit_consumer`` (the decode hand-off's path) instead of ``add``."""
+    request = Request(
+        request_id=f"r{len(sim.requests)}", prompt_token_ids=tokens, params=SamplingParams(max_tokens=3),
+        eos_token_ids=frozenset(), kv_role=KVRole.CONSUMER,
+    )  # fmt: skip
+    sim.requests.append(request)
+    return request
+
+
+def test_admit_consumer_gives_blocks_at_once_without_a_step():
+    sim = Sim(8, max_num_seqs=2)
+    local = sim.add(prompt(0, 8) + [1], max_tokens=6)
+    sim.step()  # the local request runs; its first block is cached
+    r = _consumer(sim, prompt(0, 8) + [2, 3])
+    assert sim.scheduler.admit_consumer(r)
+    assert r.status is RequestStatus.WAITING_FOR_KV and sim.scheduler.awaiting_kv == {r.request_id: r}
+    assert r.num_cached_tokens == 8 and len(sim.kv.block_table(r.request_id)) == 3
+    sim.pool.check_integrity()
+    out = sim.step()  # the next step does not list it again: its caller already has its blocks
+    assert out.awaiting_kv == [] and [x for x, _ in out.scheduled] == [local]
+    sim.run()  # Sim delivers its KV; it decodes to the end and the pool ends whole
+
+
+def test_admit_consumer_queues_behind_waiting_requests_and_full_seats():
+    sim = Sim(8, max_num_seqs=1)
+    first = _consumer(sim, prompt(0, 5))
+    assert sim.scheduler.admit_consumer(first)
+    second = _consumer(sim, prompt(100, 5))
+    assert not sim.scheduler.admit_consumer(second)  # no seat: waits
+    third = _consumer(sim, prompt(200, 5))
+    assert not sim.scheduler.admit_consumer(third)
+    assert list(sim.scheduler.waiting) == [second, third] and not sim.kv.holds(second.request_id)
+    sim.pool.check_integrity()
+    sim.run()
+    assert all(len(r.output_token_ids) == 3 for r in (first, second, third))
