@@ -115,11 +115,14 @@ async def connect(url: str, timeout_s: float = 3.0, auth: EtcdAuth = EtcdAuth())
     try:
         async with asyncio.timeout(timeout_s):
             await client.get(_PROBE_KEY)
-    except ETCD_ERRORS as exc:
+    except aetcd.exceptions.ClientError as exc:
+        if "permission denied" not in str(exc):
+            await close_quietly(client, timeout_s)
+            raise RegistryUnavailable(describe_etcd_error(url, exc)) from exc
+        # Answered, and the credentials were accepted: what they may read or write is checked per call.
+    except TimeoutError as exc:
         await close_quietly(client, timeout_s)
-        if not str(exc):
-            exc = TimeoutError(f"no answer within {timeout_s:g} s")
-        raise RegistryUnavailable(describe_etcd_error(url, exc)) from exc
+        raise RegistryUnavailable(f"etcd at {url} is unreachable: no answer within {timeout_s:g} s") from exc
     return client
 
 
