@@ -25,8 +25,10 @@ DEFAULT_PORT = 2379
 # asyncio.timeout raises TimeoutError past ours.
 ETCD_ERRORS: tuple[type[Exception], ...] = (aetcd.exceptions.ClientError, TimeoutError)
 
-# Any key does for the probe: a read of a missing key is the cheapest round trip etcd serves.
-_PROBE_KEY = b"/pdserve/probe"
+# A read of a missing key is the cheapest round trip etcd serves. This one lies in the live
+# knobs' range, which every pdserve component may read where etcd's auth is on (README:
+# Security): a refusal of the probe is then a refusal of the credentials.
+_PROBE_KEY = b"/pdserve/v1/knobs/"
 
 
 # Longest wait for one etcd call: short enough that a hung call cannot outlive a lease.
@@ -43,7 +45,7 @@ class RegistryUnavailable(RuntimeError):
 # What etcd says when it refuses a request for its credentials (etcd's own auth), and what a
 # failed TLS handshake looks like from the client.
 _REFUSALS = ("permission denied", "user name", "authentication failed", "invalid auth token", "auth: ")
-_HANDSHAKE = ("ssl", "handshake", "certificate", "tls")
+_HANDSHAKE = ("ssl", "handshake", "certificate", "tls", "tsi_")
 
 
 def describe_etcd_error(url: str, error: Exception) -> str:
@@ -116,10 +118,8 @@ async def connect(url: str, timeout_s: float = 3.0, auth: EtcdAuth = EtcdAuth())
         async with asyncio.timeout(timeout_s):
             await client.get(_PROBE_KEY)
     except aetcd.exceptions.ClientError as exc:
-        if "permission denied" not in str(exc):
-            await close_quietly(client, timeout_s)
-            raise RegistryUnavailable(describe_etcd_error(url, exc)) from exc
-        # Answered, and the credentials were accepted: what they may read or write is checked per call.
+        await close_quietly(client, timeout_s)
+        raise RegistryUnavailable(describe_etcd_error(url, exc)) from exc
     except TimeoutError as exc:
         await close_quietly(client, timeout_s)
         raise RegistryUnavailable(f"etcd at {url} is unreachable: no answer within {timeout_s:g} s") from exc

@@ -1,0 +1,59 @@
+"""The operator commands against an etcd with TLS client certificates and auth (``secure_etcd``):
+they work with the operator's credentials, and fail clearly without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import OPERATOR_PASSWORD, SecureEtcd
+
+
+def pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m pdserve ARGS``, with no $PDSERVE_ETCD* inherited, and ``env`` added."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_ETCD")}
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=60,
+                          env={**base, **(env or {})})  # fmt: skip
+
+
+def tls_options(etcd: SecureEtcd, common_name: str | None = None) -> list[str]:
+    tls = etcd.client if common_name is None else etcd.ca.client_tls(common_name)
+    return ["--etcd", etcd.url, "--etcd-cacert", str(tls.ca), "--etcd-cert", str(tls.cert), "--etcd-key", str(tls.key)]
+
+
+def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, model):
+    operator = [*tls_options(secure_etcd), "--etcd-user", "operator"]
+    password = {"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD}
+    stored = pdserve("slo", "set", "--model", model, "--ttft-p90", "400ms", "--itl-p90", "20ms", *operator, env=password)
+    assert stored.returncode == 0, stored.stderr
+    shown = pdserve("slo", "show", "--model", model, "--json", *operator, env=password)
+    assert shown.returncode == 0 and model in shown.stdout, shown.stderr
+    knobs = pdserve("knobs", "set", "--model", model, "--decode-max-num-seqs", "8", *operator, env=password)
+    assert knobs.returncode == 0, knobs.stderr
+    # The certificate and the user may come from the environment too.
+    by_env = {"PDSERVE_ETCD": secure_etcd.url, "PDSERVE_ETCD_CACERT": secure_etcd.ca.ca,
+              "PDSERVE_ETCD_CERT": secure_etcd.client.cert, "PDSERVE_ETCD_KEY": secure_etcd.client.key,
+              "PDSERVE_ETCD_USER": "operator", **password}  # fmt: skip
+    drained = pdserve("drain", "no-such-worker", env=by_env)
+    assert drained.returncode == 1 and "no worker 'no-such-worker' in the registry" in drained.stderr, drained.stderr
+
+
+def test_without_credentials_the_commands_fail_naming_what_is_missing(secure_etcd, model):
+    slo = ["slo", "set", "--model", model, "--ttft-p90", "400ms", "--itl-p90", "20ms"]
+    no_user = pdserve(*slo, *tls_options(secure_etcd))
+    assert no_user.returncode == 1
+    assert f"error: etcd at {secure_etcd.url} refused the request: etcdserver: permission denied" in no_user.stderr
+    assert "--etcd-user" in no_user.stderr
+    wrong = pdserve(*slo, *tls_options(secure_etcd), "--etcd-user", "operator", env={"PDSERVE_ETCD_PASSWORD": "no"})
+    assert wrong.returncode == 1 and "authentication failed" in wrong.stderr, wrong.stderr
+    no_tls = pdserve(*slo, "--etcd", secure_etcd.url, "--etcd-user", "operator",
+                     env={"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD})  # fmt: skip
+    assert no_tls.returncode == 1 and "TLS failed" in no_tls.stderr and "--etcd-cacert" in no_tls.stderr
+    # A worker's certificate is known to etcd, but its role grants no SLO writes.
+    as_worker = pdserve(*slo, *tls_options(secure_etcd, "pdserve-worker"))
+    assert as_worker.returncode == 1 and "permission denied" in as_worker.stderr, as_worker.stderr
+    missing = pdserve(*slo, "--etcd", secure_etcd.url, "--etcd-cacert", "/nonexistent/ca.pem")
+    assert missing.returncode == 2 and "TLS CA /nonexistent/ca.pem: No such file" in missing.stderr
+    password_only = pdserve(*slo, *tls_options(secure_etcd), "--etcd-password", "x")
+    assert password_only.returncode == 2 and "both a user and a password" in password_only.stderr
