@@ -1,13 +1,19 @@
 """The operator commands against an etcd with TLS client certificates and auth (``secure_etcd``):
-they work with the operator's credentials, and fail clearly without them."""
+they work with the operator's credentials, and fail clearly without them; and ``drain`` of a
+real worker that has an admin key."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.registry import list_workers
 from tests.conftest import OPERATOR_PASSWORD, SecureEtcd
+from tests.utils.aio import run_scenario
 
 
 def pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -57,3 +63,42 @@ def test_without_credentials_the_commands_fail_naming_what_is_missing(secure_etc
     assert missing.returncode == 2 and "TLS CA /nonexistent/ca.pem: No such file" in missing.stderr
     password_only = pdserve(*slo, *tls_options(secure_etcd), "--etcd-password", "x")
     assert password_only.returncode == 2 and "both a user and a password" in password_only.stderr
+
+
+def test_a_worker_with_an_admin_key_drains_only_for_it(etcd_url, model, checkpoints):
+    path, _ = checkpoints("llama")
+    worker_id = f"decode-{model[-8:]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "decode", "--model", str(path), "--model-name", model, "--etcd", etcd_url,
+         "--worker-id", worker_id, "--num-threads", "1", "--kv-cache-memory", "16M"],
+        env={**env, "PDSERVE_ADMIN_KEY": "drain-key"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        run_scenario(wait_registered(etcd_url, worker_id, process))
+        drain = ["drain", worker_id, "--etcd", etcd_url, "--wait", "--timeout", "30s"]
+        anonymous = pdserve(*drain)
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED: Drain needs the admin key" in anonymous.stderr
+        wrong = pdserve(*drain, "--admin-key", "guess")
+        assert wrong.returncode == 1 and "PERMISSION_DENIED: Drain: wrong admin key" in wrong.stderr
+        assert process.poll() is None, "a refused Drain stopped the worker"
+        allowed = pdserve(*drain, env={"PDSERVE_ADMIN_KEY": "drain-key"})
+        assert allowed.returncode == 0, allowed.stderr
+        assert f"{worker_id} has left the registry" in allowed.stdout
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def wait_registered(etcd_url: str, worker_id: str, process: subprocess.Popen) -> None:
+    client = await connect(etcd_url)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(w.worker_id == worker_id for w in await list_workers(client)):
+            assert process.poll() is None, f"the worker exited: {process.stderr.read()}"
+            assert time.monotonic() < deadline, "the worker did not register within 60 s"
+            await asyncio.sleep(0.2)
+    finally:
+        await close_quietly(client)
