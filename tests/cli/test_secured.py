@@ -10,10 +10,19 @@ import subprocess
 import sys
 import time
 
+import msgspec
+
+from pdserve.cli import build_parser
+from pdserve.cli.common import ETCD_AUTH_OPTIONS
+from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import list_workers
+from pdserve.frontend.config import FrontendConfig
+from pdserve.rpc.tls import ClientTLS, ServerTLS
 from tests.conftest import OPERATOR_PASSWORD, SecureEtcd
 from tests.utils.aio import run_scenario
+from tests.utils.certs import CertificateAuthority
 
 
 def pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -102,3 +111,41 @@ async def wait_registered(etcd_url: str, worker_id: str, process: subprocess.Pop
             await asyncio.sleep(0.2)
     finally:
         await close_quietly(client)
+
+
+def test_the_security_options_fill_the_configs_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PDSERVE_ADMIN_KEY", raising=False)
+    for name in ETCD_AUTH_OPTIONS:
+        monkeypatch.delenv(f"PDSERVE_{name.upper()}", raising=False)
+    ca = CertificateAuthority(tmp_path, "c")
+    member = ca.cluster_tls("m")
+    cluster = ["--cluster-ca", "c-ca.pem", "--cluster-cert", "c-m.pem", "--cluster-key", "c-m-key.pem"]
+    etcd = ["--etcd", "https://e:2379", "--etcd-cacert", "c-ca.pem", "--etcd-user", "u", "--etcd-password", "p"]
+    worker = worker_config(build_parser().parse_args(["decode", "--model", "/m", *cluster, *etcd, "--admin-key", "k"]))
+    assert worker.cluster_tls == member and worker.admin_key == "k"
+    assert worker.etcd_auth == EtcdAuth(tls=ClientTLS(ca=ca.ca), user="u", password="p")
+    api = ca.server_tls("api")
+    frontend = frontend_config(build_parser().parse_args(
+        ["frontend", "--tls-cert", "c-api.pem", "--tls-key", "c-api-key.pem", "--tls-client-ca", "c-ca.pem", *cluster]
+    ), "http://e")  # fmt: skip
+    assert frontend.tls == ServerTLS(cert=api.cert, key=api.key, client_ca=ca.ca) and frontend.cluster_tls == member
+
+
+def test_bad_security_options_fail_before_anything_starts(tmp_path):
+    ca = CertificateAuthority(tmp_path, "c")
+    api = ca.server_tls("api")
+    half = pdserve("frontend", "--etcd", "http://e", "--tls-cert", api.cert)
+    assert half.returncode == 2 and "needs both --tls-cert and --tls-key" in half.stderr
+    partial = pdserve("decode", "--model", "/m", "--etcd", "http://e", "--cluster-ca", ca.ca)
+    assert partial.returncode == 2 and "missing --cluster-cert, --cluster-key" in partial.stderr
+    mismatched = pdserve("frontend", "--etcd", "http://e", "--tls-cert", api.cert, "--tls-key", ca.issue("x").key)
+    assert mismatched.returncode == 2 and "are not a certificate and its key" in mismatched.stderr
+    config = tmp_path / "frontend.json"
+    config.write_bytes(msgspec.json.encode(FrontendConfig(etcd="http://e")))
+    beside = pdserve("frontend", "--config", str(config), "--tls-cert", api.cert, "--etcd-user", "u")
+    assert beside.returncode == 2 and "set tls_cert, etcd_user in it" in beside.stderr
+    embedded = pdserve("up", "--model", str(tmp_path), "--etcd-user", "u", "--etcd-password", "p")
+    assert embedded.returncode == 2 and "the embedded registry has no TLS or auth" in embedded.stderr
+    plain_url = pdserve("workers", "--etcd", "http://e:2379", "--etcd-cacert", ca.ca)
+    assert plain_url.returncode == 2 and "need an https:// URL" in plain_url.stderr
