@@ -46,6 +46,8 @@ def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, mode
     assert shown.returncode == 0 and model in shown.stdout, shown.stderr
     knobs = pdserve("knobs", "set", "--model", model, "--decode-max-num-seqs", "8", *operator, env=password)
     assert knobs.returncode == 0, knobs.stderr
+    status = pdserve("status", "--model", model, "--json", *operator, env=password)
+    assert status.returncode == 0 and model in status.stdout, status.stderr
     # The certificate and the user may come from the environment too.
     by_env = {"PDSERVE_ETCD": secure_etcd.url, "PDSERVE_ETCD_CACERT": secure_etcd.ca.ca,
               "PDSERVE_ETCD_CERT": secure_etcd.client.cert, "PDSERVE_ETCD_KEY": secure_etcd.client.key,
