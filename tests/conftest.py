@@ -1,14 +1,21 @@
-"""Shared fixtures: tiny checkpoints of every architecture, written once per session; real etcd servers."""
+"""Shared fixtures: tiny checkpoints of every architecture, written once per session; real etcd servers
+(plain, and with TLS client certificates and auth)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from pdserve.discovery.etcd_auth import EtcdAuth
+from pdserve.rpc.tls import ClientTLS
+from tests.utils.aio import run_scenario
+from tests.utils.certs import CertificateAuthority
 from tests.utils.checkpoints import write_checkpoint
-from tests.utils.etcd_server import EtcdServer
+from tests.utils.etcd_roles import enable_auth
+from tests.utils.etcd_server import EtcdServer, EtcdTLS
 
 
 class CheckpointFactory:
@@ -44,4 +51,43 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
     """A real etcd of the test's own, for tests that stop, restart or wipe it."""
     server = EtcdServer(tmp_path).start()
     yield server
+    server.close()
+
+
+@dataclass(frozen=True)
+class SecureEtcd:
+    """A real etcd that requires TLS client certificates from ``ca`` and runs etcd's auth with
+    the roles of ``tests.utils.etcd_roles`` (README: Security).
+
+    Users: ``operator`` (password ``OPERATOR_PASSWORD``, role pdserve-operator), and, by the
+    common name of their client certificates, ``pdserve-worker`` and ``pdserve-frontend``.
+    """
+
+    url: str
+    ca: CertificateAuthority
+    client: ClientTLS  # CN pdserve-operator-tls: a certificate with no etcd user of its name
+
+    def auth(self, common_name: str | None = None, user: str | None = None, password: str | None = None) -> EtcdAuth:
+        """Credentials: a client certificate (of ``common_name``, else the anonymous one) and a user."""
+        tls = self.client if common_name is None else self.ca.client_tls(common_name)
+        return EtcdAuth(tls=tls, user=user, password=password)
+
+
+OPERATOR_PASSWORD = "operator-pw"
+
+
+@pytest.fixture(scope="session")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
+    directory = tmp_path_factory.mktemp("secure-etcd")
+    ca = CertificateAuthority(directory, "etcd")
+    server_cert = ca.issue("etcd", dns=("localhost",), ips=("127.0.0.1",))
+    probe = ca.issue("root")
+    server = EtcdServer(directory, EtcdTLS(cert=server_cert.cert, key=server_cert.key, ca=ca.ca,
+                                           probe_cert=probe.cert, probe_key=probe.key)).start()  # fmt: skip
+    client = ca.client_tls("pdserve-operator-tls")
+    users = {"operator": (OPERATOR_PASSWORD, "pdserve-operator"), "pdserve-worker": ("unused-w", "pdserve-worker"),
+             "pdserve-frontend": ("unused-f", "pdserve-frontend"), "pdserve-planner": ("unused-p", "pdserve-planner")}
+    host_port = server.url.removeprefix("https://")
+    run_scenario(enable_auth(host_port, ClientTLS(ca=ca.ca, cert=probe.cert, key=probe.key), "root-pw", users), 60)
+    yield SecureEtcd(url=server.url, ca=ca, client=client)
     server.close()

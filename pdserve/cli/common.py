@@ -18,12 +18,15 @@ hands it to each worker inside its ``WorkerConfig``.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.engine.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, EngineConfig
+from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
 
 Config = TypeVar("Config", bound=msgspec.Struct)
 
@@ -137,3 +140,73 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="context window (default: the model's)")  # fmt: skip
     add_field_option(group, "--no-prefix-caching", EngineConfig, "enable_prefix_caching", action="store_false",
                      help="disable the prefix cache")  # fmt: skip
+
+
+ETCD_AUTH_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_user", "etcd_password")
+
+
+def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
+    """etcd's TLS and auth options; build the ``EtcdAuth`` with ``etcd_auth``."""
+    group = parser.add_argument_group("etcd TLS and auth (README: Security)")
+    group.add_argument("--etcd-cacert", metavar="FILE",
+                       help="CA that etcd's certificate chains to, for an https:// etcd URL "
+                       "(default: $PDSERVE_ETCD_CACERT, else the system's roots)")  # fmt: skip
+    group.add_argument("--etcd-cert", metavar="FILE",
+                       help="client certificate for an etcd run with --client-cert-auth; with auth enabled and "
+                       "no --etcd-user its common name is the etcd user (default: $PDSERVE_ETCD_CERT)")  # fmt: skip
+    group.add_argument("--etcd-key", metavar="FILE", help="the client certificate's key (default: $PDSERVE_ETCD_KEY)")
+    group.add_argument("--etcd-user", metavar="NAME", help="etcd user, with auth enabled (default: $PDSERVE_ETCD_USER)")
+    group.add_argument("--etcd-password", metavar="PASSWORD",
+                       help="the etcd user's password (default: $PDSERVE_ETCD_PASSWORD, which keeps it out of "
+                       "the process list)")  # fmt: skip
+
+
+def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
+    """The ``EtcdAuth`` the options of ``add_etcd_auth_args`` (else ``$PDSERVE_ETCD_*``) give;
+    ValueError naming a missing or bad file."""
+    given = {name: getattr(args, name, None) or os.environ.get(f"PDSERVE_{name.upper()}") for name in ETCD_AUTH_OPTIONS}
+    tls = None
+    if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"]:
+        tls = ClientTLS(ca=absolute(given["etcd_cacert"]), cert=absolute(given["etcd_cert"]),
+                        key=absolute(given["etcd_key"]))  # fmt: skip
+        tls.check()
+    return EtcdAuth(tls=tls, user=given["etcd_user"], password=given["etcd_password"])
+
+
+def given_etcd_auth_options(args: argparse.Namespace) -> list[str]:
+    """The etcd TLS and auth options given on the command line (not from the environment)."""
+    return [name for name in ETCD_AUTH_OPTIONS if getattr(args, name, None)]
+
+
+def absolute(path: str | None) -> str | None:
+    """``path`` made absolute, so that it means the same file to a child in another directory."""
+    return None if path is None else str(Path(path).absolute())
+
+
+def add_cluster_tls_args(parser: argparse.ArgumentParser, who: str) -> None:
+    """The cluster certificate set's options (``cluster_tls`` builds it); ``who`` says what uses it."""
+    group = parser.add_argument_group("cluster mTLS (README: Security)")
+    group.add_argument("--cluster-ca", metavar="FILE",
+                       help=f"the cluster CA: {who}; with --cluster-cert and --cluster-key")  # fmt: skip
+    group.add_argument("--cluster-cert", metavar="FILE",
+                       help="this component's cluster certificate; it must name the cluster server name "
+                       f"(--cluster-server-name, default {DEFAULT_CLUSTER_SERVER_NAME}) in its DNS SANs")  # fmt: skip
+    group.add_argument("--cluster-key", metavar="FILE", help="the cluster certificate's key")
+    group.add_argument("--cluster-server-name", metavar="NAME", default=DEFAULT_CLUSTER_SERVER_NAME,
+                       help="the DNS name internal clients check in every server's certificate, whatever address "
+                       "they dial (default: %(default)s)")  # fmt: skip
+
+
+def cluster_tls(args: argparse.Namespace) -> ClusterTLS | None:
+    """The cluster certificate set the options give (all three files, or none); ValueError
+    naming a missing or bad file."""
+    files = {"--cluster-ca": args.cluster_ca, "--cluster-cert": args.cluster_cert, "--cluster-key": args.cluster_key}
+    if not any(files.values()):
+        return None
+    missing = [flag for flag, value in files.items() if not value]
+    if missing:
+        raise ValueError(f"cluster mTLS needs --cluster-ca, --cluster-cert and --cluster-key; missing {', '.join(missing)}")
+    tls = ClusterTLS(ca=str(absolute(args.cluster_ca)), cert=str(absolute(args.cluster_cert)),
+                     key=str(absolute(args.cluster_key)), server_name=args.cluster_server_name)  # fmt: skip
+    tls.check()
+    return tls

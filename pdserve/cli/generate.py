@@ -7,9 +7,10 @@ import json
 import sys
 import time
 
-from pdserve.cli.common import add_engine_args, from_options, token_ids
+from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc.tls import ClientTLS
 
 DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
 (--model: the engine runs in this process) or from a running pdserve server (--target
@@ -47,6 +48,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
+    tls = gen.add_argument_group("--target over TLS (a frontend started with --tls-cert)")
+    tls.add_argument("--tls-ca", metavar="FILE", help="connect over TLS, trusting this CA (PEM)")
+    tls.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's roots")
+    tls.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), for a frontend with --tls-client-ca")
+    tls.add_argument("--tls-key", metavar="FILE", help="the client certificate's key (PEM)")
+    tls.add_argument("--tls-server-name", metavar="NAME",
+                     help="the name the server's certificate must carry (default: the --target host)")  # fmt: skip
     add_engine_args(gen)  # used with --model only
     gen.set_defaults(func=run)
 
@@ -100,6 +108,14 @@ def _local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
+    """The TLS the ``--tls*`` options ask for, or None for plaintext."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return ClientTLS(ca=absolute(args.tls_ca), cert=absolute(args.tls_cert), key=absolute(args.tls_key),
+                     server_name=args.tls_server_name)  # fmt: skip
+
+
 def _remote(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -121,7 +137,12 @@ def _remote(args: argparse.Namespace) -> int:
     times: list[float] = []
     final = None
     start = time.perf_counter()
-    with grpc.insecure_channel(args.target) as channel:
+    tls = _client_tls(args)
+    if tls is None:
+        channel = grpc.insecure_channel(args.target)
+    else:
+        channel = grpc.secure_channel(args.target, tls.grpc_credentials(), options=tls.grpc_options())
+    with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout):

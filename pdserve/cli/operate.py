@@ -22,9 +22,12 @@ import aetcd
 import grpc
 import msgspec
 
-from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
+from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth
+from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect, describe_etcd_error
 from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
 from pdserve.discovery.slo import parse_duration
+from pdserve.rpc.admin import admin_metadata
+from pdserve.rpc.tls import ClusterTLS, secure_or_insecure_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 # Deadline of the connection probe and of each etcd call: with Python's start-up, an
@@ -32,7 +35,8 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 ETCD_TIMEOUT_S = 2.0
 
 EXIT_STATUS = """exit status: 0 success; 1 etcd unreachable or the operation failed; 2 bad arguments.
-etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379."""
+etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379; an etcd with TLS or auth takes
+https:// and the --etcd-* options below (README: Security lists the etcd roles each needs)."""
 
 WORKERS_EXAMPLES = f"""examples:
   pdserve workers --etcd http://127.0.0.1:2379
@@ -54,6 +58,10 @@ DRAIN_EXAMPLES = f"""examples:
 The worker stops taking requests, finishes those in flight (bounded by its --drain-timeout),
 leaves the registry and exits. Routers stop sending it work as soon as it reports draining.
 
+A secured worker drains only for a caller with a cluster certificate (when the cluster runs
+mTLS: --cluster-ca/--cluster-cert/--cluster-key) or its admin key (--admin-key, or
+$PDSERVE_ADMIN_KEY); others get UNAUTHENTICATED or PERMISSION_DENIED.
+
 {EXIT_STATUS}
 """
 
@@ -63,8 +71,10 @@ class OperationFailed(Exception):
 
 
 def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
+    """``--etcd`` and etcd's TLS and auth options (``cli.common.etcd_auth`` reads them)."""
     parser.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), metavar="URL",
-                        help="etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)")  # fmt: skip
+                        help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)")  # fmt: skip
+    add_etcd_auth_args(parser)
 
 
 def duration(text: str) -> float:
@@ -87,8 +97,10 @@ def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Await
     if not args.etcd:
         raise ValueError("--etcd is required (or set PDSERVE_ETCD), e.g. --etcd http://127.0.0.1:2379")
 
+    auth = etcd_auth(args)
+
     async def main() -> int:
-        client = await connect(args.etcd, ETCD_TIMEOUT_S)
+        client = await connect(args.etcd, ETCD_TIMEOUT_S, auth)
         try:
             return await body(client)
         finally:
@@ -103,10 +115,13 @@ def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Await
 
 
 def unreachable(url: str, error: Exception) -> str:
-    """``etcd at URL is unreachable: why``, for a failed connection or a failed call."""
+    """``etcd at URL is unreachable: why`` (or refused the credentials, or TLS failed), for a
+    failed connection or a failed call."""
     if isinstance(error, RegistryUnavailable):  # connect() has said it in these words
         return str(error)
-    return f"etcd at {url} is unreachable: {str(error) or f'no answer within {ETCD_TIMEOUT_S:g} s'}"
+    if not str(error):
+        return f"etcd at {url} is unreachable: no answer within {ETCD_TIMEOUT_S:g} s"
+    return describe_etcd_error(url, error)
 
 
 def fail(args: argparse.Namespace, message: str) -> int:
@@ -214,6 +229,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     drain.add_argument("--timeout", type=duration, default=60.0,
                        help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    drain.add_argument("--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"), metavar="KEY",
+                       help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)")  # fmt: skip
+    add_cluster_tls_args(drain, "the Drain RPC is made over mTLS with this cluster certificate")
     drain.set_defaults(func=run_drain)
 
 
@@ -245,8 +263,9 @@ def run_workers(args: argparse.Namespace) -> int:
 
 
 def run_drain(args: argparse.Namespace) -> int:
+    cluster = cluster_tls(args)
     if args.endpoint:
-        return _drain_endpoint(args)
+        return _drain_endpoint(args, cluster)
 
     async def body(client: aetcd.Client) -> int:
         workers = [e for e, _ in await read_workers(client)]
@@ -258,9 +277,11 @@ def run_drain(args: argparse.Namespace) -> int:
             places = ", ".join(f"{e.model}/{e.role} at {e.endpoint}" for e in matches)
             raise OperationFailed(f"worker id {args.worker!r} is registered more than once ({places})")
         entry = matches[0]
-        async with grpc.aio.insecure_channel(entry.endpoint) as channel:
+        async with secure_or_insecure_channel(entry.endpoint, None if cluster is None else cluster.client) as channel:
             try:
-                reply = await worker_pb2_grpc.WorkerStub(channel).Drain(worker_pb2.DrainRequest(), timeout=5.0)
+                reply = await worker_pb2_grpc.WorkerStub(channel).Drain(
+                    worker_pb2.DrainRequest(), metadata=admin_metadata(args.admin_key), timeout=5.0
+                )
             except grpc.aio.AioRpcError as error:
                 raise OperationFailed(
                     f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: {error.code().name}: {error.details()}"
@@ -281,23 +302,24 @@ def run_drain(args: argparse.Namespace) -> int:
     return run_with_etcd(args, body)
 
 
-def _drain_endpoint(args: argparse.Namespace) -> int:
+def _drain_endpoint(args: argparse.Namespace, cluster: ClusterTLS | None) -> int:
     """Drain the worker at ``args.endpoint``; with ``--wait``, ask again until nothing is in
     flight (Drain is idempotent and answers the count) or the worker has stopped serving."""
 
     async def main() -> int:
         deadline = time.monotonic() + args.timeout
-        async with grpc.aio.insecure_channel(args.endpoint) as channel:
+        async with secure_or_insecure_channel(args.endpoint, None if cluster is None else cluster.client) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
+            metadata = admin_metadata(args.admin_key)
             try:
-                reply = await stub.Drain(worker_pb2.DrainRequest(), timeout=5.0)
+                reply = await stub.Drain(worker_pb2.DrainRequest(), metadata=metadata, timeout=5.0)
             except grpc.aio.AioRpcError as error:
                 raise OperationFailed(f"Drain RPC to {args.endpoint} failed: {error.code().name}: {error.details()}")
             first, in_flight = reply.in_flight, reply.in_flight
             while args.wait and in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
                 try:
-                    in_flight = (await stub.Drain(worker_pb2.DrainRequest(), timeout=5.0)).in_flight
+                    in_flight = (await stub.Drain(worker_pb2.DrainRequest(), metadata=metadata, timeout=5.0)).in_flight
                 except grpc.aio.AioRpcError:
                     in_flight = 0  # the worker finished its drain and closed its server
         if args.json:

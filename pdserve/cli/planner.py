@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdserve.cli.common import etcd_auth
 from pdserve.cli.operate import add_etcd_arg, duration
 from pdserve.planner.config import PlannerConfig
 
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.etcd:
         raise ValueError("--etcd is required (or set PDSERVE_ETCD)")
     profile, config = load_planner(args)
+    auth = etcd_auth(args)
     names = {}
     for item in args.deployment:
         model, sep, name = item.partition("=")
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         print(f"pdserve planner: planning every {config.interval_s:g}s from {args.etcd} "
               f"(connector: {args.connector})", flush=True)  # fmt: skip
-        await PlannerService(args.etcd, profile, connector_for, config).run(stop)
+        await PlannerService(args.etcd, profile, connector_for, config, auth).run(stop)
 
     asyncio.run(main())
     return 0

@@ -12,9 +12,15 @@ import os
 from typing import TypeVar
 
 from pdserve.cli.common import (
+    absolute,
+    add_cluster_tls_args,
     add_engine_args,
+    add_etcd_auth_args,
     add_field_option,
+    cluster_tls,
+    etcd_auth,
     from_options,
+    given_etcd_auth_options,
     given_fields,
     port_or_off,
     read_config,
@@ -22,6 +28,7 @@ from pdserve.cli.common import (
 )
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
+from pdserve.rpc.tls import ServerTLS
 from pdserve.worker.config import WorkerConfig
 from pdserve.discovery.registry import Role
 
@@ -58,6 +65,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         source.add_argument("--config", metavar="FILE", help=WORKER_CONFIG_HELP)
         p.add_argument("--etcd", help=ETCD_HELP)
         add_worker_args(p, role)
+        add_worker_security_args(p)
+        add_etcd_auth_args(p)
         add_engine_args(p)
         p.set_defaults(func=run_worker, role=role)
 
@@ -70,7 +79,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     f.add_argument("--config", metavar="FILE", help=FRONTEND_CONFIG_HELP)
     f.add_argument("--etcd", help=ETCD_HELP)
     add_frontend_args(f)
+    add_cluster_tls_args(f, "calls to the workers go over mTLS with it")
+    add_etcd_auth_args(f)
     f.set_defaults(func=run_frontend)
+
+
+def add_worker_security_args(parser: argparse.ArgumentParser) -> None:
+    """A worker's cluster mTLS and admin key (``pdserve prefill|decode`` and ``pdserve up``)."""
+    add_cluster_tls_args(parser, "internal gRPC servers serve only clients with a certificate it signed, and "
+                         "internal clients present theirs")  # fmt: skip
+    parser.add_argument("--admin-key", metavar="KEY",
+                        help="the key `pdserve drain --admin-key` must give when the caller has no cluster "
+                        "certificate (default: $PDSERVE_ADMIN_KEY); with neither, Drain is open")  # fmt: skip
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
@@ -102,6 +122,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     """The ``FrontendConfig`` and ``RouterConfig`` options; build them with ``frontend_config``."""
     add_field_option(parser, "--host", FrontendConfig, "host", help="listen address (default: {default})")
     add_field_option(parser, "--port", FrontendConfig, "port", type=int, help="public gRPC port (default: {default})")
+    tls = parser.add_argument_group("public API TLS (README: Security)")
+    tls.add_argument("--tls-cert", metavar="FILE", help="serve the public API over TLS with this certificate (PEM)")
+    tls.add_argument("--tls-key", metavar="FILE", help="the --tls-cert certificate's key (PEM)")
+    tls.add_argument("--tls-client-ca", metavar="FILE",
+                     help="require client certificates signed by this CA (mTLS); needs --tls-cert")  # fmt: skip
     add_field_option(
         parser, "--disaggregation", RouterConfig, "disaggregation", choices=DISAGGREGATION_MODES,
         help="always: every prompt on a prefill worker; off: on its decode worker (colocated); "
@@ -148,12 +173,32 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                              f"`pdserve {config.role}`")  # fmt: skip
         return config
     return from_options(args, WorkerConfig, role=args.role, model=args.model, etcd=_require_etcd(args),
-                        engine=from_options(args, EngineConfig))  # fmt: skip
+                        engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
+
+
+def worker_security(args: argparse.Namespace) -> dict[str, object]:
+    """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
+    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"),
+            "etcd_auth": etcd_auth(args)}  # fmt: skip
 
 
 def frontend_config(args: argparse.Namespace, etcd: str) -> FrontendConfig:
-    """The frontend's configuration from the options of ``add_frontend_args``."""
-    return from_options(args, FrontendConfig, etcd=etcd, router=from_options(args, RouterConfig))
+    """The frontend's configuration from the options of ``add_frontend_args``,
+    ``add_cluster_tls_args`` and ``add_etcd_auth_args``."""
+    return from_options(args, FrontendConfig, etcd=etcd, router=from_options(args, RouterConfig),
+                        tls=public_tls(args), cluster_tls=cluster_tls(args), etcd_auth=etcd_auth(args))  # fmt: skip
+
+
+def public_tls(args: argparse.Namespace) -> ServerTLS | None:
+    """The public API's TLS from ``--tls-cert``, ``--tls-key`` and ``--tls-client-ca``."""
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ValueError("public API TLS needs both --tls-cert and --tls-key")
+    tls = ServerTLS(cert=str(absolute(args.tls_cert)), key=str(absolute(args.tls_key)),
+                    client_ca=absolute(args.tls_client_ca))  # fmt: skip
+    tls.check()
+    return tls
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
@@ -166,6 +211,8 @@ def _require_etcd(args: argparse.Namespace) -> str:
 def _config_file(args: argparse.Namespace, struct: type[Config]) -> Config:
     """The configuration in ``--config``, which must come alone: an option beside it would be ignored."""
     given = [name.split(".", 1)[1] for name in given_fields(args)] + (["etcd"] if args.etcd else [])
+    security = ["tls_cert", "tls_key", "tls_client_ca", "cluster_ca", "cluster_cert", "cluster_key", "admin_key"]
+    given += [name for name in security if getattr(args, name, None)] + given_etcd_auth_options(args)
     if given:
         raise ValueError(f"--config {args.config} is the whole configuration: set {', '.join(given)} in it, "
                          "not as options")  # fmt: skip

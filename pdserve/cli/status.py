@@ -27,6 +27,7 @@ from pdserve.cli.operate import (
     table,
     unreachable,
 )
+from pdserve.cli.common import etcd_auth
 from pdserve.discovery.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.discovery.knobs import list_knobs
 from pdserve.discovery.registry import ROOT, Role, WorkerEntry
@@ -88,7 +89,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
     """Redraw until interrupted; while etcd is away, say so and keep trying."""
-    reconnect = EtcdConnection(args.etcd, ETCD_TIMEOUT_S)
+    reconnect = EtcdConnection(args.etcd, ETCD_TIMEOUT_S, etcd_auth(args))
     first: aetcd.Client | None = client  # run_with_etcd's (it closes it), until a read fails
     is_tty = sys.stdout.isatty()
     try:

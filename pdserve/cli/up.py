@@ -12,10 +12,10 @@ from pathlib import Path
 
 import msgspec
 
-from pdserve.cli.common import add_engine_args, from_options, port_or_off
+from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options, given_etcd_auth_options, port_or_off
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
-from pdserve.cli.serve import add_frontend_args, frontend_config
+from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
 from pdserve.worker.config import WorkerConfig
@@ -39,13 +39,21 @@ for one machine — use an etcd cluster in production.
 Autoscaling: with --autoscale, the SLO planner (`pdserve planner`) runs inside this process
 and starts or drains local workers to hold the model's TTFT and ITL p90 targets, within
 --min/--max replicas per pool. The targets are written to the registry at start, so
-`pdserve slo set` changes them live, and `pdserve status` shows the planner's decisions."""
+`pdserve slo set` changes them live, and `pdserve status` shows the planner's decisions.
+
+Security (README: Security): --tls-cert/--tls-key serve the public API over TLS, and
+--tls-client-ca requires client certificates. --cluster-ca/--cluster-cert/--cluster-key put
+every frontend-to-worker call on mTLS (each child gets the set in its configuration).
+--etcd https://... with the --etcd-* options reaches an etcd with TLS and auth; the embedded
+registry is plaintext on loopback. The KV data plane (NIXL) is trusted-network only."""
 
 EXAMPLES = """examples:
   pdserve up --model ./tiny-llama
   pdserve profile --model ./tiny-llama --out tiny.json
   pdserve up --model ./tiny-llama --autoscale --profile tiny.json --ttft-p90 200ms --itl-p90 20ms --max-decode 4
   pdserve up --model ./Llama-3.1-8B --prefill 2 --decode 2 --port 50051
+  pdserve up --model ./tiny-llama --tls-cert api.pem --tls-key api-key.pem --cluster-ca ca.pem \\
+      --cluster-cert node.pem --cluster-key node-key.pem
   pdserve generate --target 127.0.0.1:50051 --prompt "Hello" --max-tokens 32
 """
 
@@ -86,6 +94,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              help="Prometheus /metrics of this process: restarts, crashes and give-ups per child "
                                   "(default: 0, a free port, printed; -1: off)")  # fmt: skip
     add_frontend_args(up)
+    add_worker_security_args(up)
+    add_etcd_auth_args(up)
     add_engine_args(up)
     scaling = up.add_argument_group("autoscaling")
     scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
@@ -102,13 +112,15 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.launch.local_cluster import ClusterSpec
     from pdserve.launch.up import Autoscale, UpSpec, up
 
+    if args.etcd is None and given_etcd_auth_options(args):
+        raise ValueError("the --etcd-* options need --etcd: the embedded registry has no TLS or auth")
     frontend = frontend_config(args, etcd="")  # every child gets the cluster's registry as etcd
     if args.prefill < 0 or args.decode < 1:
         raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --prefill {args.prefill} --decode {args.decode}")
     if args.prefill == 0 and frontend.router.disaggregation == "always":
         raise ValueError("--disaggregation always needs --prefill >= 1")
     prefill = WorkerConfig(role=Role.PREFILL, model=args.model, etcd="", num_threads=args.threads_per_worker,
-                           engine=from_options(args, EngineConfig))  # fmt: skip
+                           engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
     autoscale = None
     if args.autoscale:
         if args.ttft_p90 is None or args.itl_p90 is None:

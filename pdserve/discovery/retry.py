@@ -15,7 +15,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from pdserve.discovery.etcd import ETCD_ERRORS, MAX_BACKOFF_S, MIN_BACKOFF_S, EtcdConnection, RegistryUnavailable
+from pdserve.discovery.etcd import (
+    ETCD_ERRORS,
+    MAX_BACKOFF_S,
+    MIN_BACKOFF_S,
+    EtcdConnection,
+    RegistryUnavailable,
+    describe_etcd_error,
+)
 
 T = TypeVar("T")
 
@@ -44,7 +51,7 @@ async def retry_until(
             return await attempt()
         except UNAVAILABLE as exc:
             if time.monotonic() + backoff > deadline:
-                raise RegistryUnavailable(f"etcd at {etcd.url} is unreachable: {exc}") from exc
+                raise RegistryUnavailable(describe_etcd_error(etcd.url, exc)) from exc
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, max_backoff_s)
 

@@ -1,4 +1,5 @@
-"""One gRPC channel per worker endpoint, opened on first use, closed when the worker leaves."""
+"""One gRPC channel per worker endpoint, opened on first use, closed when the worker leaves;
+over mTLS with the cluster's certificate set when the cluster has one."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from typing import Any
 import grpc
 
 from pdserve.rpc.server import CHANNEL_OPTIONS
+from pdserve.rpc.tls import ClientTLS, secure_or_insecure_channel
 from pdserve.v1 import worker_pb2_grpc
 
 
 class WorkerChannels:
-    def __init__(self) -> None:
+    """Attributes:
+    tls: the client side of the cluster's certificate set (``ClusterTLS.client``), or None for
+        plaintext.
+    """
+
+    def __init__(self, tls: ClientTLS | None = None) -> None:
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Background work (closing channels, releasing pins) is owned here: the event loop keeps
         # only weak references to tasks, and close_all waits for it.
@@ -22,7 +30,7 @@ class WorkerChannels:
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            channel = self._channels[endpoint] = secure_or_insecure_channel(endpoint, self.tls, CHANNEL_OPTIONS)
         return worker_pb2_grpc.WorkerStub(channel)
 
     def close(self, endpoint: str) -> None:

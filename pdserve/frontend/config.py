@@ -7,7 +7,9 @@ from typing import Literal, get_args
 
 import msgspec
 
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.knobs import LOCAL_PREFILL_THRESHOLD_TOKENS
+from pdserve.rpc.tls import ClusterTLS, ServerTLS
 
 Disaggregation = Literal["always", "conditional", "off"]
 DISAGGREGATION_MODES: tuple[Disaggregation, ...] = get_args(Disaggregation)
@@ -47,6 +49,10 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     metrics_port: Prometheus /metrics port (0: a free one; None: off).
     stats_window_s: the span of the live percentiles published in etcd for ``pdserve status``
         and the planner; the planner's interval is the natural choice.
+    tls: TLS of the public API (``--tls-cert``, ``--tls-key``; ``--tls-client-ca`` requires
+        client certificates); None: plaintext.
+    cluster_tls: the cluster's certificate set: calls to workers go over mTLS with it.
+    etcd_auth: etcd's TLS settings and user.
     """
 
     etcd: str
@@ -58,6 +64,9 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     tokenizer: str | None = None
     metrics_port: int | None = 0
     stats_window_s: float = 10.0
+    tls: ServerTLS | None = None
+    cluster_tls: ClusterTLS | None = None
+    etcd_auth: EtcdAuth = EtcdAuth()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -20,7 +20,7 @@ from pdserve.v1 import inference_pb2_grpc
 
 async def serve(config: FrontendConfig) -> None:
     """Serve until SIGTERM or SIGINT; in-flight streams get a few seconds to finish."""
-    etcd = EtcdConnection(config.etcd)  # the process's one client, closed last
+    etcd = EtcdConnection(config.etcd, auth=config.etcd_auth)  # the process's one client, closed last
     view = RegistryView(etcd)
     try:
         await view.start()
@@ -28,7 +28,7 @@ async def serve(config: FrontendConfig) -> None:
         await etcd.close()
         raise
     service = InferenceService(config, view)
-    server = RpcServer()
+    server = RpcServer(tls=config.tls)
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
     stats: LeasedRecord | None = None
     try:

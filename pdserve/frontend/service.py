@@ -36,7 +36,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
         self.config = config
         self.catalog = ModelCatalog(config.tokenizer)
-        self.routing = Routing(view, Router(config.router), WorkerChannels())
+        self.routing = Routing(view, Router(config.router),
+                               WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client))  # fmt: skip
         self.num_in_flight = 0
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)

@@ -10,6 +10,11 @@ Peers are cached by agent name: ``add_peer`` checks the peer's layout *before* l
 NIXL metadata (a mismatch never reaches NIXL), and ``remove_peer`` — called when the peer's
 registration disappears — releases everything held for it and fails its in-flight transfers
 at once, which is how a dead peer is noticed before a transfer's own deadline.
+
+Security: the KV data plane is for a trusted network only. NIXL (UCX) moves KV blocks and
+completion notices unencrypted and unauthenticated, to any agent whose metadata a peer holds:
+the cluster's mTLS (``pdserve.rpc.tls.ClusterTLS``) covers the gRPC control calls, not these
+bytes. Keep the workers' NIXL traffic on a private network (README: Security).
 """
 
 from __future__ import annotations

@@ -154,14 +154,15 @@ async def _start_autoscaler(cluster: LocalCluster, autoscale: Autoscale) -> Call
 
     slo, config = autoscale.slo, autoscale.config
     assert cluster.etcd_url is not None
-    client = await connect(cluster.etcd_url)
+    auth = cluster.spec.frontend.etcd_auth  # the cluster's etcd credentials: every child has the same
+    client = await connect(cluster.etcd_url, auth=auth)
     try:
         await put_slo(client, slo)
     finally:
         await close_quietly(client)
     connector = LocalConnector(cluster)
     service = PlannerService(
-        cluster.etcd_url, autoscale.profile, lambda m: connector if m == slo.model else None, config
+        cluster.etcd_url, autoscale.profile, lambda m: connector if m == slo.model else None, config, auth
     )
     planner_stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(service.run(planner_stop), name="planner")

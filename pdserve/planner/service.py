@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.knobs import Knobs, list_knobs, put_knobs
 from pdserve.discovery.registry import Role, list_workers, planner_key
 from pdserve.discovery.retry import UNAVAILABLE, Outage
@@ -52,11 +53,12 @@ class PlannerService:
         profile: EngineProfile,
         connector_for: Callable[[str], ScalingConnector | None],
         config: PlannerConfig = PlannerConfig(),
+        etcd_auth: EtcdAuth = EtcdAuth(),
     ) -> None:
         self.config = config
         self.profile = profile
         self._connector_for = connector_for
-        self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S)
+        self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S, etcd_auth)
         self._slos = WatchedRange.prefix(SLO_PREFIX)
         self._slo_follower = Follower(self._etcd, [self._slos], lambda *_: None, name="planner's SLO targets",
                                       logger=logger, start_timeout_s=MAX_CALL_TIMEOUT_S)  # fmt: skip

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc.tls import ServerTLS
 
 # Tokens and text deltas are small; a prompt of token ids can be large.
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -21,11 +23,14 @@ class RpcServer:
 
     ``add(register, service_name)`` registers a servicer (e.g.
     ``lambda s: add_InferenceServicer_to_server(servicer, s)``) under its full service name,
-    which is also what health and reflection report.
+    which is also what health and reflection report. With ``tls`` it serves TLS only (and
+    with its ``client_ca``, only to clients presenting a certificate that CA signed);
+    ``interceptors`` see every call first (e.g. ``AdminGuard``).
     """
 
-    def __init__(self) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.tls = tls
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services: list[str] = []
@@ -36,8 +41,15 @@ class RpcServer:
         self._services.append(service_name)
 
     async def start(self, host: str, port: int) -> int:
-        """Bind ``host:port`` (0 picks a free port), start serving, return the bound port."""
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        """Bind ``host:port`` (0 picks a free port), start serving, return the bound port.
+
+        A TLS file that is missing or does not match is a ValueError naming it.
+        """
+        address = f"{host}:{port}"
+        if self.tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.tls.grpc_credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         names = [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME]

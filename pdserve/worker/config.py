@@ -9,8 +9,10 @@ from pathlib import Path
 
 import msgspec
 
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.rpc.tls import ClusterTLS
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +31,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
     num_threads: torch CPU threads (None: torch's default).
     engine: how its engine runs the model.
+    cluster_tls: the cluster's certificate set: the gRPC server then serves mTLS only, to
+        clients with a certificate from the cluster CA.
+    admin_key: the key a ``Drain`` caller without a cluster certificate must send; with
+        neither, ``Drain`` is open to anyone who reaches the port.
+    etcd_auth: etcd's TLS settings and user.
     """
 
     role: Role
@@ -46,6 +53,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: int | None = 0
     num_threads: int | None = None
     engine: EngineConfig = EngineConfig()
+    cluster_tls: ClusterTLS | None = None
+    admin_key: str | None = None
+    etcd_auth: EtcdAuth = EtcdAuth()
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "role", Role.parse(self.role))
@@ -56,6 +66,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.admin_key is not None and not self.admin_key:
+            raise ValueError("admin_key must not be empty")
 
     @property
     def served_model_name(self) -> str:

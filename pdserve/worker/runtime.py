@@ -30,6 +30,7 @@ from pdserve.engine.load import EngineLoad
 from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import WorkerMetrics, serve_metrics
+from pdserve.rpc.admin import AdminPolicy
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -62,6 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Drain(
         self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DrainResponse:
+        await self.runtime.admin.authorize(context, "Drain")
         self.runtime.request_stop("Drain RPC")
         return worker_pb2.DrainResponse(in_flight=self.runtime.engine_loop.num_in_flight)
 
@@ -83,8 +85,10 @@ class WorkerRuntime:
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
         self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
-        self.server = RpcServer()
-        self.etcd = EtcdConnection(config.etcd, min(MAX_CALL_TIMEOUT_S, config.lease_ttl_s / 2))
+        cluster = config.cluster_tls
+        self.server = RpcServer(tls=None if cluster is None else cluster.server)
+        self.admin = AdminPolicy(config.admin_key, verified_peers=cluster is not None)
+        self.etcd = EtcdConnection(config.etcd, min(MAX_CALL_TIMEOUT_S, config.lease_ttl_s / 2), config.etcd_auth)
         self.registration: WorkerRegistration | None = None
         self.knobs: KnobsFollower | None = None
         self.servicer: WorkerServicer | None = None
@@ -111,6 +115,9 @@ class WorkerRuntime:
         )
         await self.registration.start()
         logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
+        if self.admin.is_open:
+            logger.warning("%s: its Drain RPC is open to anyone who reaches %s: give the cluster certificates "
+                           "or an admin key to protect it", self.worker_id, self.endpoint)  # fmt: skip
 
     def _entry(self) -> WorkerEntry:
         engine = self.engine

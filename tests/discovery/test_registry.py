@@ -84,6 +84,7 @@ def free_port() -> int:
         ("localhost:2380", "localhost", 2380),
         ("http://etcd.default.svc/", "etcd.default.svc", 2379),
         ("http://[::1]:2379", "::1", 2379),
+        ("https://etcd.example:2379", "etcd.example", 2379),
     ],
 )
 def test_endpoint_parses_the_usual_forms(url: str, host: str, port: int) -> None:
@@ -95,7 +96,7 @@ def test_endpoint_parses_the_usual_forms(url: str, host: str, port: int) -> None
 @pytest.mark.parametrize(
     "url",
     [
-        "https://127.0.0.1:2379",
+        "unix:///run/etcd.sock",
         "127.0.0.1:port",
         "http://:2379",
         "a:1,b:2",

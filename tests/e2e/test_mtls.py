@@ -1,0 +1,137 @@
+"""The whole disaggregated path secured: the public API over mTLS, frontend-to-worker calls over
+the cluster's mTLS, and a registry (real etcd) that requires TLS client certificates and runs
+etcd's auth, each component known by its certificate's common name (README: Security).
+
+One deployment (1 prefill + 1 decode worker of a tiny Llama and a frontend, real processes,
+real NIXL) is shared by the tests here; the last one drains its decode worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve import LLM, SamplingParams
+from pdserve.rpc.tls import ClientTLS
+from pdserve.v1 import inference_pb2, inference_pb2_grpc
+from tests.conftest import OPERATOR_PASSWORD
+from tests.e2e.deployment import Deployment
+from tests.utils.certs import CertificateAuthority
+
+pytestmark = pytest.mark.slow
+MODEL = "e2e-mtls"
+PROMPT = list(range(5, 40))
+
+
+@pytest.fixture(scope="module")
+def secured(checkpoints, secure_etcd, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mtls")
+    cluster, public, other = (CertificateAuthority(directory, name) for name in ("cluster", "public", "other"))
+    api_client = public.client_tls("api-user")
+    deployment = Deployment(
+        str(checkpoints("llama")[0]), secure_etcd.url, prefill=1, decode=1, model_name=MODEL, disaggregation="always",
+        worker_fields={"cluster_tls": cluster.cluster_tls("worker"), "etcd_auth": secure_etcd.auth("pdserve-worker")},
+        frontend_fields={"cluster_tls": cluster.cluster_tls("frontend"), "tls": public.server_tls(client_ca=public.ca),
+                         "etcd_auth": secure_etcd.auth("pdserve-frontend")},
+        client_tls=api_client, etcd_auth=secure_etcd.auth(user="operator", password=OPERATOR_PASSWORD),
+    )  # fmt: skip
+    yield deployment, cluster, public, other, api_client
+    deployment.close()
+
+
+def _generate(port: int, tls: ClientTLS | None) -> grpc.StatusCode:
+    """The status of one small Generate on the public API at ``port``."""
+    target = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.grpc_credentials())
+    request = inference_pb2.GenerateRequest(model=MODEL, token_ids=inference_pb2.TokenIds(ids=PROMPT),
+                                            sampling=inference_pb2.SamplingOptions(max_tokens=2))  # fmt: skip
+    with channel:
+        try:
+            list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=30))
+        except grpc.RpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_greedy_tokens_over_the_disaggregated_path_under_mtls_equal_the_offline_engine(secured, checkpoints):
+    deployment, *_ = secured
+    want = LLM(str(checkpoints("llama")[0])).generate([PROMPT], SamplingParams(max_tokens=8, temperature=0,
+                                                                               ignore_eos=True))[0]  # fmt: skip
+    result = deployment.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
+    assert result["token_ids"] == want.token_ids
+    b = result["final"].breakdown
+    assert b.disaggregated and b.prefill_worker.startswith("prefill-") and b.decode_worker.startswith("decode-")
+    assert b.kv_transfer_bytes > 0
+
+
+def test_the_public_api_refuses_clients_without_a_certificate_of_its_ca(secured):
+    deployment, cluster, public, other, api_client = secured
+    assert _generate(deployment.port, api_client) == grpc.StatusCode.OK
+    assert _generate(deployment.port, ClientTLS(ca=public.ca)) == grpc.StatusCode.UNAVAILABLE
+    assert _generate(deployment.port, other.client_tls("stranger", ca=public.ca)) == grpc.StatusCode.UNAVAILABLE
+    # A cluster certificate is no API client certificate: the API trusts its own CA only.
+    assert _generate(deployment.port, cluster.client_tls("frontend-2", ca=public.ca)) == grpc.StatusCode.UNAVAILABLE
+    assert _generate(deployment.port, None) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_workers_serve_only_cluster_members(secured):
+    deployment, cluster, public, *_ = secured
+    endpoints = [w.endpoint for w in deployment.registered()]
+    assert len(endpoints) == 2
+
+    def check(endpoint: str, tls: ClientTLS) -> grpc.StatusCode:
+        options = tls.grpc_options()
+        with grpc.secure_channel(endpoint, tls.grpc_credentials(), options=options) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.RpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    member = cluster.cluster_tls("operator").client
+    anonymous = ClientTLS(ca=cluster.ca, server_name=member.server_name)
+    api_user = public.client_tls("api-user-2", ca=cluster.ca)  # a certificate of another CA
+    api_user = ClientTLS(ca=api_user.ca, cert=api_user.cert, key=api_user.key, server_name=member.server_name)
+    for endpoint in endpoints:
+        assert check(endpoint, member) == grpc.StatusCode.OK
+        assert check(endpoint, anonymous) == grpc.StatusCode.UNAVAILABLE
+        assert check(endpoint, api_user) == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(endpoint) as channel:
+            with pytest.raises(grpc.RpcError) as error:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_generate_cli_speaks_mtls_to_the_frontend(secured):
+    deployment, _, public, _, api_client = secured
+    argv = [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{deployment.port}",
+            "--token-ids", ",".join(map(str, PROMPT)), "--max-tokens", "4", "--temperature", "0", "--json"]  # fmt: skip
+    result = subprocess.run([*argv, "--tls-ca", public.ca, "--tls-cert", str(api_client.cert),
+                             "--tls-key", str(api_client.key)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["breakdown"]["kv_transfer_bytes"] > 0
+    refused = subprocess.run([*argv, "--tls-ca", public.ca], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+
+
+def test_drain_needs_a_cluster_certificate(secured, secure_etcd):
+    deployment, cluster, *_ = secured
+    decode = next(w for w in deployment.registered() if w.role == "decode")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env["PDSERVE_ETCD_PASSWORD"] = OPERATOR_PASSWORD
+    etcd = ["--etcd", secure_etcd.url, "--etcd-cacert", secure_etcd.ca.ca, "--etcd-cert", secure_etcd.client.cert,
+            "--etcd-key", secure_etcd.client.key, "--etcd-user", "operator"]  # fmt: skip
+    drain = [sys.executable, "-m", "pdserve", "drain", decode.worker_id, *etcd, "--wait", "--timeout", "30s"]
+    refused = subprocess.run(drain, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 1 and f"Drain RPC to {decode.worker_id}" in refused.stderr, refused.stderr
+    operator = cluster.cluster_tls("operator")
+    allowed = subprocess.run([*drain, "--cluster-ca", operator.ca, "--cluster-cert", operator.cert,
+                              "--cluster-key", operator.key], capture_output=True, text=True, timeout=90, env=env)  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    assert f"{decode.worker_id} has left the registry" in allowed.stdout
