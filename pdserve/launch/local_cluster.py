@@ -17,6 +17,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -47,7 +48,8 @@ class ChildFailed(RuntimeError):
 class Child:
     name: str
     process: asyncio.subprocess.Process
-    address: str = ""  # what it printed after "listening on"
+    address: str = ""  # the address it printed after "listening on"
+    http_url: str = ""  # the frontend's OpenAI API base URL, when it printed one
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     reader: asyncio.Task[None] | None = None
 
@@ -134,7 +136,10 @@ class LocalCluster:
         child.reader = asyncio.get_running_loop().create_task(self._read(child, ready))
         try:
             async with asyncio.timeout(self.spec.start_timeout_s):
-                child.address = await ready
+                rest = await ready  # "HOST:PORT[; OpenAI API on URL][ (N API keys)]"
+                child.address = rest.split()[0].rstrip(";")
+                found = re.search(r"https?://\S+", rest)
+                child.http_url = found.group(0) if found else ""
         except (TimeoutError, ChildFailed) as exc:
             await self._terminate(child)
             last = "\n  ".join(child.output) or "(no output)"

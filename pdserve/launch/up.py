@@ -1,7 +1,7 @@
 """``pdserve up``: a whole deployment on this machine, from start to Ctrl-C.
 
 ``up`` first checks what would otherwise fail only after every worker has loaded its model
-(the model directory, the frontend's port), then starts a ``LocalCluster``, and with
+(the model directory, the frontend's ports), then starts a ``LocalCluster``, and with
 ``autoscale`` the SLO planner over its pools; it prints where the API listens and serves until
 SIGINT or SIGTERM, or until a child dies, and then stops everything.
 """
@@ -63,7 +63,10 @@ def up(spec: UpSpec) -> int:
     model = spec.cluster.decode.model
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
-    _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
+    frontend = spec.cluster.frontend
+    _check_port_free(frontend.host, frontend.port, "--port")
+    if frontend.http_port is not None:
+        _check_port_free(frontend.host, frontend.http_port, "--http-port")
     return asyncio.run(_serve(_with_thread_share(spec)))
 
 
@@ -78,15 +81,15 @@ def _with_thread_share(spec: UpSpec) -> UpSpec:
     return replace(spec, cluster=replace(cluster, prefill=shared(cluster.prefill), decode=shared(cluster.decode)))
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail now, not after every worker has loaded its model, when the frontend's port is taken."""
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """Fail now, not after every worker has loaded its model, when a frontend port is taken."""
     if port == 0:
         return
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as exc:
-        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+        raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
                          "choose another port, or 0 for any free one") from None  # fmt: skip
 
 
@@ -111,7 +114,8 @@ async def _serve(spec: UpSpec) -> int:
         return 1
     assert cluster.frontend is not None
     registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
-    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
+    http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
+    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
           f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
     autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,11 +21,12 @@ class RpcServer:
 
     ``add(register, service_name)`` registers a servicer (e.g.
     ``lambda s: add_InferenceServicer_to_server(servicer, s)``) under its full service name,
-    which is also what health and reflection report.
+    which is also what health and reflection report. ``interceptors`` see every call (the
+    frontend's API-key check).
     """
 
-    def __init__(self) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services: list[str] = []
