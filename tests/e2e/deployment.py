@@ -61,6 +61,7 @@ class Deployment:
         decode: int,
         model_name: str,
         disaggregation: Disaggregation,
+        api_keys: tuple[str, ...] = (),
     ) -> None:
         self.etcd = etcd
         self.model_name = model_name
@@ -68,7 +69,8 @@ class Deployment:
                               num_threads=1)  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
             prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
-            frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
+            frontend=FrontendConfig(etcd=etcd, port=0, http_port=0, api_keys=list(api_keys),
+                                    router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
@@ -77,6 +79,7 @@ class Deployment:
         self.run(self.cluster.start(prefill, decode), timeout=240)
         assert self.cluster.frontend is not None
         self.port = bound_port(f" on {self.cluster.frontend.address}")
+        self.http_url = self.cluster.frontend.http_url  # the OpenAI API's base URL, ".../v1"
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
@@ -147,7 +150,7 @@ class Frontend:
 
     def __init__(self, etcd: str, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", *args],
+            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", "--http-port", "0", *args],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.process.stdout is not None

@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1",
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always", "--threads-per-worker", "1",
                    "--max-num-seqs", "8", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     try:
         up_line, port = up.wait_up()
@@ -69,7 +69,7 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert up.returncode == 2 and "no config.json in model directory" in up.stderr
 
@@ -78,7 +78,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
     path, _ = checkpoints("llama")
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port)],
+        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port), "--http-port", "0"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert up.returncode == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in up.stderr
     assert "worker" not in up.stdout + up.stderr.split("error:")[0]  # nothing was started
@@ -86,7 +86,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
 
 def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert up.returncode == 1
     assert "exited; its last output" in up.stderr and "config.json" in up.stderr

@@ -45,7 +45,9 @@ class ApiError(Exception):
             message = message.removeprefix("sampling.")
             found = _FIELD.match(message)
             param = found.group(1) if found else None
-        return cls(status, message, param=param, code="model_not_found" if status == 404 else None)
+        if status == 404:
+            return cls(status, message, param="model", code="model_not_found")
+        return cls(status, message, param=param)
 
     def body(self) -> dict[str, object]:
         kind = _TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
