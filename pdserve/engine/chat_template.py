@@ -78,10 +78,13 @@ def render_chat(
     the template as they are. Raises ChatTemplateError with the template's own message."""
     try:
         compiled = _compile(template)
-        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                               **dict(special_tokens or {}), **variables)  # fmt: skip
+        context = {**(special_tokens or {}), **variables}
+        return compiled.render(context, messages=list(messages), add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template: {exc}") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+        # The template's own Python-level failure on these messages (e.g. None where it wants text).
+        raise ChatTemplateError(f"chat template: {type(exc).__name__}: {exc}") from None
 
 
 @lru_cache(maxsize=16)

@@ -46,8 +46,7 @@ def _sampling_fields(model: str, vocab: int) -> dict[str, st.SearchStrategy[Any]
 def completion_bodies(model: str, vocab: int) -> st.SearchStrategy[Any]:
     prompt = _maybe(st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), _token_ids(vocab),
                               st.lists(_token_ids(vocab), max_size=3)))  # fmt: skip
-    fields = {**_sampling_fields(model, vocab), "prompt": prompt, "echo": _maybe(st.booleans()),
-              "logprobs": _maybe(st.integers(-1, 3))}  # fmt: skip
+    fields = {**_sampling_fields(model, vocab), "echo": _maybe(st.booleans()), "logprobs": _maybe(st.integers(-1, 3))}
     return st.one_of(st.fixed_dictionaries({"prompt": prompt}, optional=fields), _JUNK)
 
 
@@ -59,6 +58,7 @@ def chat_bodies(model: str, vocab: int) -> st.SearchStrategy[Any]:
     fields = {**_sampling_fields(model, vocab), "logprobs": _maybe(st.booleans()),
               "max_completion_tokens": _maybe(st.integers(-1, 12))}  # fmt: skip
     # max_tokens always: a chat without it may generate to the end of the context window.
+    fields.pop("max_tokens")
     required = {"messages": _maybe(st.lists(message, max_size=4)), "max_tokens": st.integers(1, 12)}
     return st.one_of(st.fixed_dictionaries(required, optional=fields), _JUNK)
 

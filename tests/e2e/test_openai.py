@@ -187,6 +187,7 @@ def test_the_event_loop_stays_responsive_while_a_huge_prompt_tokenizes(served):
     result: dict[str, object] = {}
 
     def huge() -> None:
+        result["start"] = time.monotonic()
         answer = _post(deployment, "/completions", {"prompt": "Hello world, the quick brown fox. " * 60_000})
         result["status"], result["at"] = answer.status_code, time.monotonic()
 
@@ -201,7 +202,10 @@ def test_the_event_loop_stays_responsive_while_a_huge_prompt_tokenizes(served):
     thread.join(120)
     during = [latency for start, latency in latencies if start < result["at"]]
     assert result["status"] == 400  # tokenized, and past the context window
-    assert len(during) >= 3 and max(during) < 1.0, during
+    # A loop blocked by the tokenization would hold a probe for about all of it (seconds). The
+    # machine is shared and noisy, so the bound is relative: no probe waits half of it.
+    took = result["at"] - result["start"]
+    assert len(during) >= 3 and max(during) < took / 2, (took, during)
 
 
 _FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,

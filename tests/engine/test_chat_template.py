@@ -18,14 +18,21 @@ from tests.utils.tiny_tokenizer import write_tiny_tokenizer
 
 # Exercises what templates in the wild use: special tokens, loop controls, tojson on
 # non-ASCII text, raise_exception, whitespace control, and a generation prompt.
-TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role: ' + message['role']) }}{% endif %}"
-    "{% if loop.index0 > 8 %}{% break %}{% endif %}"
-    "<|{{ message['role'] }}|>\n  {{ message['content'] | trim }}{{ eos_token }}\n"
-    "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+TEMPLATE = """{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+{{ raise_exception('bad role: ' + message['role']) }}
+    {% endif %}
+    {% if loop.index0 > 8 %}{% break %}{% endif %}
+<|{{ message['role'] }}|>
+  {{ message['content'] | trim }}{{ eos_token }}
+{% endfor %}
+{% if tools %}
+{{ tools | tojson }}
+{% endif %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
 MESSAGES = [
     {"role": "system", "content": "  Réponds en français. "},
     {"role": "user", "content": "Hello 😀, 你好"},

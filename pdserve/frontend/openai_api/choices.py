@@ -41,15 +41,15 @@ async def admit_all(
 
 
 async def merged(admitted: Sequence[Admitted]) -> AsyncIterator[Event]:
-    """Every choice's messages as they come; a choice's FlowError ends them all."""
-    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | None, FlowError | None]] = asyncio.Queue()
+    """Every choice's messages as they come; a choice's FlowError (or any error) ends them all."""
+    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | None, Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, choice: Admitted) -> None:
         try:
             async with aclosing(choice.responses()) as stream:
                 async for response in stream:
                     queue.put_nowait((index, response, None))
-        except FlowError as exc:
+        except Exception as exc:  # a FlowError, or a bug: either way the reader raises it
             queue.put_nowait((index, None, exc))
             return
         queue.put_nowait((index, None, None))

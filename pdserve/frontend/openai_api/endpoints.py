@@ -93,12 +93,16 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     if not messages:
         raise ApiError(400, "messages is empty", param="messages")
     variables: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(variables) & {"template", "messages", "add_generation_prompt", "special_tokens"})
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: {reserved} are set by the request itself",
+                       param="chat_template_kwargs")  # fmt: skip
     if req.tools is not None:
         variables["tools"] = req.tools
     try:
         prompt = await asyncio.to_thread(render_chat, template, messages, add_generation_prompt=req.add_generation_prompt,
                                          special_tokens=special_tokens, **variables)  # fmt: skip
-    except (ChatTemplateError, TypeError) as exc:
+    except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     options = protocol.sampling_options(req, max_tokens)
     base = uuid.uuid4().hex
