@@ -157,6 +157,8 @@ class Frontend:
         for line in self.process.stdout:
             if "listening on" in line:
                 self.port = bound_port(line)
+                found = re.search(r"https?://\S+", line)
+                self.http_url = found.group(0) if found else ""  # the OpenAI API's base URL
                 break
         else:
             raise AssertionError(f"frontend exited with {self.process.wait()}")

@@ -25,7 +25,7 @@ from pdserve.engine.chat_template import load_chat_template, load_special_tokens
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2
 from tests.e2e import fuzz
-from tests.e2e.deployment import Deployment
+from tests.e2e.deployment import Deployment, Frontend
 from tests.utils.checkpoints import VOCAB
 
 pytestmark = pytest.mark.slow
@@ -162,6 +162,27 @@ def test_errors_have_openai_shape_and_status_and_name_the_field(served):
     assert huge.status_code == 413 and "max_request_bytes" in huge.json()["error"]["message"]
     assert httpx2.get(deployment.http_url + "/nothing-here", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
     assert not deployment.cluster.exited()
+
+
+def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd_server):
+    deployment, _ = served
+    frontend = Frontend(etcd_url, "--max-queued-requests", "1", "--disaggregation", "always", "--api-key", KEY)
+    try:
+        body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 300, "ignore_eos": True, "stream": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx2.stream("POST", f"{frontend.http_url}/completions", json=body, headers=headers, timeout=60) as first:
+            assert next(line for line in first.iter_lines() if line.startswith("data: "))  # in flight
+            refused = httpx2.post(f"{frontend.http_url}/completions", json=body, headers=headers, timeout=30)
+            assert refused.status_code == 429 and "max_queued_requests" in refused.json()["error"]["message"]
+    finally:
+        frontend.close()
+    empty = Frontend(etcd_server.url)  # a registry without any worker
+    try:
+        answer = httpx2.post(f"{empty.http_url}/completions", json={"prompt": "Hi"}, timeout=30)
+        assert answer.status_code == 503 and "no workers" in answer.json()["error"]["message"]
+    finally:
+        empty.close()
+    deployment.wait_registered(_idle, 10, "every block free")
 
 
 def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(served):
