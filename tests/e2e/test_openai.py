@@ -148,6 +148,7 @@ def test_errors_have_openai_shape_and_status_and_name_the_field(served):
         ("/completions", {"prompt": [1, 2, 320]}, 400, "prompt"),
         ("/completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
         ("/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+        ("/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ("/completions", {"model": "no-such-model", "prompt": "Hi"}, 404, "model"),
         ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
         ("/chat/completions", {"messages": MESSAGES, "max_tokens": 100000}, 400, "max_tokens"),

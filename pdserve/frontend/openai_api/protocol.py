@@ -87,8 +87,6 @@ def check_common(request: _Sampling) -> None:
         raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {request.n}", param="n")
     if request.logit_bias:
         raise ApiError(400, "logit_bias is not supported yet", param="logit_bias")
-    if request.min_tokens:
-        raise ApiError(400, "min_tokens is not supported yet (0 only)", param="min_tokens")
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
 
@@ -102,6 +100,7 @@ def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb
         "top_p": (request.top_p, None), "top_k": (request.top_k, _INT32), "min_p": (request.min_p, None),
         "seed": (request.seed, _INT64), "repetition_penalty": (request.repetition_penalty, None),
         "presence_penalty": (request.presence_penalty, None), "frequency_penalty": (request.frequency_penalty, None),
+        "min_tokens": (request.min_tokens or None, _INT32),
     }  # fmt: skip
     for name, (value, bound) in fields.items():
         if value is None:
