@@ -114,6 +114,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                       help=f"a key clients must present on both public APIs (repeatable; also ${API_KEYS_ENV}, "
                       "comma-separated); without any key the APIs are open")  # fmt: skip
     keys.add_argument("--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)")
+    add_field_option(keys, "--rate-limit", FrontendConfig, "rate_limit_rps", type=float, metavar="RPS",
+                     help="requests a second each API key may start, on either API (without keys: all clients "
+                     "together); past it HTTP 429 / RESOURCE_EXHAUSTED (default: no limit)")  # fmt: skip
+    add_field_option(keys, "--rate-limit-burst", FrontendConfig, "rate_limit_burst", type=int,
+                     help="requests a key may start at once (default: the rate, rounded up)")  # fmt: skip
     add_field_option(parser, "--max-request-bytes", FrontendConfig, "max_request_bytes", type=size_bytes,
                      help="largest HTTP request body, e.g. 16M; larger ones get 413 (default: {default})")  # fmt: skip
     add_field_option(parser, "--max-prompt-chars", FrontendConfig, "max_prompt_chars", type=int,

@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health
 
+from pdserve.frontend.rate_limit import RateLimiter
+
 _SCHEME = "bearer"
 # gRPC methods open to anyone: the health service's (Check, Watch).
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)
@@ -52,10 +54,12 @@ class ApiKeys:
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every gRPC call but the health checks with UNAUTHENTICATED unless its
-    ``authorization`` metadata carries a key."""
+    ``authorization`` metadata carries a key, and with RESOURCE_EXHAUSTED past the key's
+    rate when there is a ``limiter``."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, limiter: RateLimiter | None = None) -> None:
         self.keys = keys
+        self.limiter = limiter
 
     async def intercept_service(
         self,
@@ -68,19 +72,22 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         authorization = dict(details.invocation_metadata or ()).get("authorization")
         if isinstance(authorization, bytes):
             authorization = authorization.decode(errors="replace")
-        if self.keys.allows(authorization):
-            return handler
-        return _refusal(handler, ApiKeys.problem(authorization))
+        if not self.keys.allows(authorization):
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, ApiKeys.problem(authorization))
+        wait_s = self.limiter.acquire(authorization) if self.limiter is not None else 0.0
+        if wait_s > 0:
+            return _refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, RateLimiter.problem(wait_s))
+        return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with ``code``."""
 
     async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def refuse_stream(request: object, context: grpc.aio.ServicerContext):  # an async generator, as
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)  # streaming handlers must be
+        await context.abort(code, message)  # streaming handlers must be
         yield  # never reached: abort raises
 
     codecs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}

@@ -20,6 +20,7 @@ from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.gateway import Gateway
 from pdserve.frontend.openai_api.app import create_app
 from pdserve.frontend.openai_api.server import HttpServer
+from pdserve.frontend.rate_limit import RateLimiter
 from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import serve_metrics
@@ -41,11 +42,13 @@ async def serve(config: FrontendConfig, http_ssl: ssl.SSLContext | None = None) 
         raise
     gateway = Gateway(config, view)
     keys = ApiKeys(config.api_keys)
+    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
     service = InferenceService(gateway)
-    server = RpcServer(interceptors=[ApiKeyInterceptor(keys)] if keys.required else [])
+    guarded = keys.required or limiter is not None
+    server = RpcServer(interceptors=[ApiKeyInterceptor(keys, limiter)] if guarded else [])
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
     stop = asyncio.Event()
-    http = HttpServer(create_app(gateway, keys, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
+    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
     stats: LeasedRecord | None = None
     try:
         port = await server.start(config.host, config.port)

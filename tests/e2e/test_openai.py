@@ -186,6 +186,26 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
     deployment.wait_registered(_idle, 10, "every block free")
 
 
+def test_a_key_past_its_rate_gets_429_on_http_and_resource_exhausted_on_grpc(served, etcd_url):
+    frontend = Frontend(etcd_url, "--api-key", KEY, "--api-key", "sk-other", "--rate-limit", "0.2",
+                        "--rate-limit-burst", "2")  # fmt: skip
+    try:
+        def models(key: str) -> httpx2.Response:
+            return httpx2.get(f"{frontend.http_url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+
+        assert [models(KEY).status_code for _ in range(2)] == [200, 200]
+        refused = models(KEY)
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(grpc.RpcError) as error:  # the same key's budget, on the other API
+            frontend.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10,
+                                     metadata=[("authorization", f"Bearer {KEY}")])  # fmt: skip
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate" in error.value.details()
+        assert models("sk-other").status_code == 200  # another key has its own
+    finally:
+        frontend.close()
+
+
 def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(served):
     deployment, _ = served
     body = {"prompt": list(range(2, 60)), "max_tokens": LONG_CONTEXT - 100, "ignore_eos": True, "temperature": 0}

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` and ``GET /health``. Every ``/v1`` route needs an API key when the
-frontend has any (``Authorization: Bearer KEY``); ``/health`` stays open. A body past
+frontend has any (``Authorization: Bearer KEY``) and counts against the key's rate limit, if
+one is set (429 with ``Retry-After``); ``/health`` stays open. A body past
 ``max_request_bytes`` is refused with 413 before it is read whole. Every failure answers in
 OpenAI's error shape (``errors.ApiError``); an unexpected one is logged and answers 500 with
 its message, and the server stays up.
@@ -11,6 +12,7 @@ its message, and the server stays up.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
@@ -24,14 +26,21 @@ from pdserve.frontend.gateway import Gateway
 from pdserve.frontend.openai_api.choices import ClientGone
 from pdserve.frontend.openai_api.endpoints import ChatTemplates, chat_completions, completions
 from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.frontend.rate_limit import RateLimiter
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request, bytes], Awaitable[Response]]
 
 
-def create_app(gateway: Gateway, keys: ApiKeys, is_serving: Callable[[], bool] = lambda: True) -> Starlette:
-    """The app; ``is_serving`` turns ``/health`` to 503 while the frontend drains."""
+def create_app(
+    gateway: Gateway,
+    keys: ApiKeys,
+    limiter: RateLimiter | None = None,
+    is_serving: Callable[[], bool] = lambda: True,
+) -> Starlette:
+    """The app; ``limiter`` bounds each key's request rate; ``is_serving`` turns ``/health``
+    to 503 while the frontend drains."""
     limit = gateway.config.max_request_bytes
     templates = ChatTemplates(gateway.config.tokenizer)
 
@@ -41,6 +50,11 @@ def create_app(gateway: Gateway, keys: ApiKeys, is_serving: Callable[[], bool] =
                 authorization = request.headers.get("authorization")
                 if not keys.allows(authorization):
                     raise ApiError(401, ApiKeys.problem(authorization), code="invalid_api_key")
+                wait_s = limiter.acquire(authorization) if limiter is not None else 0.0
+                if wait_s > 0:
+                    return ApiError(429, RateLimiter.problem(wait_s), code="rate_limit_exceeded").response(
+                        headers={"Retry-After": str(math.ceil(wait_s))}
+                    )
                 return await handler(request, await _body(request, limit))
             except ApiError as exc:
                 return exc.response()

@@ -53,5 +53,6 @@ class ApiError(Exception):
         kind = _TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> Response:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json")
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json",
+                        headers=headers)  # fmt: skip
