@@ -143,7 +143,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_field_option(
         parser, "--max-queued-requests", FrontendConfig, "max_queued_requests", type=int,
-        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (default: {default})",
+        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (HTTP 429) (default: {default})",
     )  # fmt: skip
     add_field_option(
         parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=seconds,

@@ -169,7 +169,8 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
     deployment, _ = served
     frontend = Frontend(etcd_url, "--max-queued-requests", "1", "--disaggregation", "always", "--api-key", KEY)
     try:
-        body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": LONG_CONTEXT - 100, "ignore_eos": True,
+                "stream": True}  # fmt: skip
         headers = {"Authorization": f"Bearer {KEY}"}
         with httpx2.stream("POST", f"{frontend.http_url}/completions", json=body, headers=headers, timeout=60) as first:
             assert next(line for line in first.iter_lines() if line.startswith("data: "))  # in flight
