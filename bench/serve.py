@@ -261,7 +261,8 @@ class Bench:
         # The cluster gives every child its registry's URL as ``etcd``.
         prefill = WorkerConfig(role="prefill", model=model_path, etcd="", model_name=name, num_threads=threads,
                                engine=engine)  # fmt: skip
-        frontend = FrontendConfig(etcd="", port=0, router=RouterConfig(disaggregation=plan.disaggregation),
+        frontend = FrontendConfig(etcd="", port=0, http_port=0,
+                                  router=RouterConfig(disaggregation=plan.disaggregation),
                                   request_timeout_s=a.request_timeout)  # fmt: skip
         cluster = LocalCluster(ClusterSpec(prefill=prefill, decode=msgspec.structs.replace(prefill, role="decode"),
                                            frontend=frontend, etcd=a.etcd))  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -12,6 +13,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc.tls import ClientTLS
 
+API_KEY_ENV = "PDSERVE_API_KEY"
 DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
 (--model: the engine runs in this process) or from a running pdserve server (--target
 HOST:PORT, e.g. what `pdserve up` printed). Text streams to the terminal as it is generated;
@@ -45,6 +47,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
+    gen.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                     help=f"--target: the server's API key (default: ${API_KEY_ENV})")  # fmt: skip
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
@@ -145,7 +149,8 @@ def _remote(args: argparse.Namespace) -> int:
     with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 times += [time.perf_counter()] * len(response.token_ids)
                 token_ids += response.token_ids
                 if not args.json and response.text:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
 from typing import TypeVar
 
 from pdserve.cli.common import (
@@ -25,6 +26,7 @@ from pdserve.cli.common import (
     port_or_off,
     read_config,
     seconds,
+    size_bytes,
 )
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
@@ -43,6 +45,7 @@ second; SIGTERM drains it (no new work, in-flight work finishes) and revokes the
 computes short prompts itself) and streams the generated tokens. It registers in etcd under a
 lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight streams finish.""",
 }
+API_KEYS_ENV = "PDSERVE_API_KEYS"
 ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"
 WORKER_CONFIG_HELP = """the whole configuration instead of options: a WorkerConfig as JSON
 (pdserve/worker/config.py; the engine's options under "engine"), as `pdserve up` writes it for
@@ -72,9 +75,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
     f = commands.add_parser(
         "frontend",
-        help="run the frontend (public gRPC API and router)",
-        description="Serve pdserve.v1.Inference (plus gRPC health and reflection), "
-        "routing each request to the workers registered in etcd.",
+        help="run the frontend (public gRPC and OpenAI HTTP APIs, router)",
+        description="Serve pdserve.v1.Inference (plus gRPC health and reflection) and the OpenAI-compatible "
+        "HTTP API (/v1/models, /v1/completions, /v1/chat/completions, /health), routing each request to the "
+        "workers registered in etcd.",
     )
     f.add_argument("--config", metavar="FILE", help=FRONTEND_CONFIG_HELP)
     f.add_argument("--etcd", help=ETCD_HELP)
@@ -122,6 +126,23 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     """The ``FrontendConfig`` and ``RouterConfig`` options; build them with ``frontend_config``."""
     add_field_option(parser, "--host", FrontendConfig, "host", help="listen address (default: {default})")
     add_field_option(parser, "--port", FrontendConfig, "port", type=int, help="public gRPC port (default: {default})")
+    add_field_option(parser, "--http-port", FrontendConfig, "http_port", type=port_or_off,
+                     help="OpenAI-compatible HTTP API port (default: {default}; 0 picks a free one; -1: off)")  # fmt: skip
+    keys = parser.add_argument_group("API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
+                                     "'authorization: Bearer KEY'; health checks stay open)")  # fmt: skip
+    keys.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                      help=f"a key clients must present on both public APIs (repeatable; also ${API_KEYS_ENV}, "
+                      "comma-separated); without any key the APIs are open")  # fmt: skip
+    keys.add_argument("--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)")
+    add_field_option(keys, "--rate-limit", FrontendConfig, "rate_limit_rps", type=float, metavar="RPS",
+                     help="requests a second each API key may start, on either API (without keys: all clients "
+                     "together); past it HTTP 429 / RESOURCE_EXHAUSTED (default: no limit)")  # fmt: skip
+    add_field_option(keys, "--rate-limit-burst", FrontendConfig, "rate_limit_burst", type=int,
+                     help="requests a key may start at once (default: the rate, rounded up)")  # fmt: skip
+    add_field_option(parser, "--max-request-bytes", FrontendConfig, "max_request_bytes", type=size_bytes,
+                     help="largest HTTP request body, e.g. 16M; larger ones get 413 (default: {default})")  # fmt: skip
+    add_field_option(parser, "--max-prompt-chars", FrontendConfig, "max_prompt_chars", type=int,
+                     help="longest text prompt, refused before tokenizing (default: {default})")  # fmt: skip
     tls = parser.add_argument_group("public API TLS (README: Security)")
     tls.add_argument("--tls-cert", metavar="FILE", help="serve the public API over TLS with this certificate (PEM)")
     tls.add_argument("--tls-key", metavar="FILE", help="the --tls-cert certificate's key (PEM)")
@@ -147,7 +168,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_field_option(
         parser, "--max-queued-requests", FrontendConfig, "max_queued_requests", type=int,
-        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (default: {default})",
+        help="requests in flight past which new ones get RESOURCE_EXHAUSTED (HTTP 429) (default: {default})",
     )  # fmt: skip
     add_field_option(
         parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=seconds,
@@ -186,7 +207,8 @@ def frontend_config(args: argparse.Namespace, etcd: str) -> FrontendConfig:
     """The frontend's configuration from the options of ``add_frontend_args``,
     ``add_cluster_tls_args`` and ``add_etcd_auth_args``."""
     return from_options(args, FrontendConfig, etcd=etcd, router=from_options(args, RouterConfig),
-                        tls=public_tls(args), cluster_tls=cluster_tls(args), etcd_auth=etcd_auth(args))  # fmt: skip
+                        api_keys=api_keys(args), tls=public_tls(args), cluster_tls=cluster_tls(args),
+                        etcd_auth=etcd_auth(args))  # fmt: skip
 
 
 def public_tls(args: argparse.Namespace) -> ServerTLS | None:
@@ -199,6 +221,20 @@ def public_tls(args: argparse.Namespace) -> ServerTLS | None:
                     client_ca=absolute(args.tls_client_ca))  # fmt: skip
     tls.check()
     return tls
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of ``--api-key``, ``--api-key-file`` and ``$PDSERVE_API_KEYS``, in that order,
+    each once. ValueError naming the file (never a key) when it cannot be read."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+    return list(dict.fromkeys(key.strip() for key in keys))
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
@@ -228,6 +264,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run_frontend(args: argparse.Namespace) -> int:
+    if args.config and (args.api_key or args.api_key_file):
+        raise ValueError(f"--config {args.config} is the whole configuration: set api_keys in it, not as options")
     config = _config_file(args, FrontendConfig) if args.config else frontend_config(args, _require_etcd(args))
     from pdserve.frontend.main import serve
 

@@ -298,7 +298,8 @@ class LLMEngine:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         if inputs.sampling_requests:
-            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in inputs.sampling_requests]
+            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, _banned(r))
+                    for r in inputs.sampling_requests]  # fmt: skip
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._accept_token(request, token, logprobs))
@@ -353,6 +354,15 @@ class LLMEngine:
         self.block_pool.check_integrity()
         if not self.has_unfinished() and not self.num_held:
             assert self.block_pool.all_free(), "blocks leaked: nothing runs but blocks are referenced"
+
+
+def _banned(request: Request) -> list[int]:
+    """The tokens that would end ``request`` before its ``min_tokens``: none once it has them."""
+    params = request.params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return []
+    eos = () if params.ignore_eos else request.eos_token_ids
+    return sorted({*(params.stop_token_ids or ()), *eos})
 
 
 def _eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:

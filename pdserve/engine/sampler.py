@@ -4,7 +4,7 @@ Each row of the logits belongs to one request with its own SamplingParams. The o
 operations follows vLLM and HF transformers:
 
     repetition penalty (prompt + output) -> presence / frequency penalties (output)
-    -> greedy rows: argmax
+    -> banned tokens (short of min_tokens) -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> sample
 
 Returned logprobs are those of the raw model logits, before any of the above.
@@ -12,7 +12,8 @@ Returned logprobs are those of the raw model logits, before any of the above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,13 +42,15 @@ class SamplingRequest:
 
     `output_token_ids` are the tokens generated so far (read for the penalties);
     `generator` is the request's own generator (see make_generator), required when
-    params.seed is set and None otherwise.
+    params.seed is set and None otherwise; `banned_token_ids` cannot be sampled (the tokens
+    that would end a request short of its `min_tokens`).
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    banned_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -87,6 +90,11 @@ class Sampler:
         logits = raw
         if any(_has_penalties(r.params) for r in requests):
             logits = apply_penalties(logits, requests)
+        if any(r.banned_token_ids for r in requests):
+            logits = logits.clone() if logits is raw else logits  # the logprobs read the raw logits
+            for row, request in enumerate(requests):
+                if request.banned_token_ids:
+                    logits[row, request.banned_token_ids] = -math.inf
 
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not sampled_rows:

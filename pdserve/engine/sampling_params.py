@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         stop: strings that end generation when produced (not included in the output).
         stop_token_ids: token ids that end generation when sampled.
         ignore_eos: keep generating past the end-of-sequence token.
+        min_tokens: the end-of-sequence token and ``stop_token_ids`` cannot be sampled before
+            this many tokens were generated, in [0, max_tokens] (stop strings still apply).
         logprobs: return the logprob of the sampled token and of the top-n tokens,
             n in [0, 20]; None returns none.
         repetition_penalty: HF-style penalty on every token seen in the prompt or the
@@ -46,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -77,6 +80,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                      and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
                  "stop_token_ids", "None or a list of ints >= 0", self.stop_token_ids)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                 "min_tokens", f"an int in [0, max_tokens = {self.max_tokens}]", self.min_tokens)
         _require(self.logprobs is None
                  or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)

@@ -54,8 +54,13 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`; `add_special_tokens` lets the post-processor add BOS/EOS."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for `text`; `add_special_tokens` lets the post-processor add BOS/EOS.
+
+        Safe to run on a thread beside an event loop: the batch call releases the GIL while it
+        works (the single `encode` holds it, stalling every other thread for seconds on a
+        megabyte prompt); the ids are the same.
+        """
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text for `token_ids`; an incomplete multi-byte character decodes to U+FFFD.

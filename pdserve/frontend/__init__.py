@@ -1,1 +1,1 @@
-"""The frontend: the public gRPC API, request validation, and the router."""
+"""The frontend: the public gRPC and OpenAI HTTP APIs, request validation, and the router."""

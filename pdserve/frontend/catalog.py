@@ -6,10 +6,15 @@ within what the window leaves, and the sampling values valid (``SamplingParams``
 field). Text prompts are tokenized here with the model's ``tokenizer.json``, read from the
 ``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens; the
 same tokenizer turns the workers' token ids into the client's text (``TextStream``).
+
+Tokenizing is slow for a large prompt (seconds for megabytes), so it runs on a thread, off the
+event loop that serves every other request: ``validate`` is a coroutine for that alone. A text
+longer than ``max_prompt_chars`` is refused before any of that work.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 class InvalidRequest(ValueError):
     """The request can never be served as sent; the message names the field."""
+
+
+class UnknownModel(InvalidRequest):
+    """The request names a model no worker serves."""
 
 
 class ModelUnavailable(RuntimeError):
@@ -52,8 +61,9 @@ class ValidRequest:
 
 
 class ModelCatalog:
-    def __init__(self, tokenizer_path: str | None = None) -> None:
+    def __init__(self, tokenizer_path: str | None = None, max_prompt_chars: int | None = None) -> None:
         self.tokenizer_path = tokenizer_path
+        self.max_prompt_chars = max_prompt_chars
         self._tokenizers: dict[str, Tokenizer | None] = {}
 
     @staticmethod
@@ -74,43 +84,69 @@ class ModelCatalog:
             for name, entries in sorted(by_name.items())
         }
 
-    def validate(self, request: inference_pb2.GenerateRequest, workers: Sequence[WorkerEntry]) -> ValidRequest:
+    def model(self, name: str, workers: Sequence[WorkerEntry]) -> ModelInfo:
+        """The served model ``name`` (empty: the only one served); raises UnknownModel,
+        InvalidRequest or ModelUnavailable."""
         models = self.models(workers)
         if not models:
             raise ModelUnavailable("no workers are registered")
-        if request.model:
-            if request.model not in models:
-                raise InvalidRequest(f"model: {request.model!r} is not served here; served: {sorted(models)}")
-            model = models[request.model]
-        elif len(models) == 1:
-            model = next(iter(models.values()))
-        else:
-            raise InvalidRequest(f"model: required when several models are served: {sorted(models)}")
-        token_ids = self._prompt(request, model)
+        if name:
+            if name not in models:
+                raise UnknownModel(f"model: {name!r} is not served here; served: {sorted(models)}")
+            return models[name]
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise InvalidRequest(f"model: required when several models are served: {sorted(models)}")
+
+    async def validate(
+        self,
+        request: inference_pb2.GenerateRequest,
+        workers: Sequence[WorkerEntry],
+        *,
+        add_special_tokens: bool = True,
+        fill_context: bool = False,
+    ) -> ValidRequest:
+        """The request, checked and tokenized. ``add_special_tokens``: False for a text that
+        already holds them (a rendered chat template); ``fill_context``: a request without
+        ``max_tokens`` may generate up to the end of the context window (OpenAI's chat)."""
+        model = self.model(request.model, workers)
+        token_ids = await self._prompt(request, model, add_special_tokens)
+        room = model.max_model_len - len(token_ids)
+        sampling = request.sampling
+        if fill_context and not sampling.HasField("max_tokens"):
+            sampling = inference_pb2.SamplingOptions()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = room
         try:
-            params = sampling_params(request.sampling)
+            params = sampling_params(sampling)
         except ValueError as exc:
             raise InvalidRequest(f"sampling.{exc}") from None
-        room = model.max_model_len - len(token_ids)
         if params.max_tokens > room:
             raise InvalidRequest(
                 f"sampling.max_tokens = {params.max_tokens} exceeds the room the context window leaves: "
                 f"max_model_len {model.max_model_len} - {len(token_ids)} prompt tokens = {room}"
             )
         options = inference_pb2.SamplingOptions()
-        options.CopyFrom(request.sampling)
+        options.CopyFrom(sampling)
         options.ClearField("stop")
         return ValidRequest(model, token_ids, params, options, self.tokenizer(model))
 
-    def _prompt(self, request: inference_pb2.GenerateRequest, model: ModelInfo) -> list[int]:
+    async def _prompt(
+        self, request: inference_pb2.GenerateRequest, model: ModelInfo, add_special_tokens: bool
+    ) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise InvalidRequest("prompt: text is empty")
-            tokenizer = self.tokenizer(model)
+            if self.max_prompt_chars is not None and len(request.text) > self.max_prompt_chars:
+                raise InvalidRequest(
+                    f"prompt: {len(request.text)} characters, past the limit (max_prompt_chars) of "
+                    f"{self.max_prompt_chars}"
+                )
+            tokenizer = await asyncio.to_thread(self.tokenizer, model)  # the first load reads a large file
             if tokenizer is None:
                 raise InvalidRequest(f"prompt: model {model.name!r} has no tokenizer.json; send token_ids")
-            token_ids = tokenizer.encode(request.text)
+            token_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens)
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
             for index, token in enumerate(token_ids):

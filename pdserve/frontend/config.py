@@ -41,7 +41,14 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
     etcd: the registry's URL.
-    host / port: where the public API listens.
+    host / port: where the public gRPC API listens.
+    http_port: where the OpenAI-compatible HTTP API listens (0: a free one; None: off).
+    api_keys: keys a client must present on both public APIs (``Authorization: Bearer KEY``);
+        none: the APIs are open. Health checks stay open either way.
+    max_request_bytes: largest HTTP request body (413 past it).
+    max_prompt_chars: longest text prompt, checked before it is tokenized (400 past it).
+    rate_limit_rps: requests a second each API key may start on either API (None: no limit;
+        without keys, all clients share it); ``rate_limit_burst`` at once (default: the rate).
     router: routing and disaggregation settings.
     max_queued_requests: requests in flight past which new ones get RESOURCE_EXHAUSTED.
     request_timeout_s: the deadline of a request whose caller set none (or a longer one).
@@ -58,6 +65,12 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     etcd: str
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = 8000
+    api_keys: list[str] = []
+    max_request_bytes: int = 16 * 2**20
+    max_prompt_chars: int = 4 * 2**20
+    rate_limit_rps: float | None = None
+    rate_limit_burst: int | None = None
     router: RouterConfig = RouterConfig()
     max_queued_requests: int = 1024
     request_timeout_s: float = 600.0
@@ -71,6 +84,18 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("api_keys: a key is empty or has surrounding whitespace")  # never echo a key
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.rate_limit_rps is not None and not 0 < self.rate_limit_rps < float("inf"):
+            raise ValueError(f"rate_limit_rps must be > 0 or None (off), got {self.rate_limit_rps}")
+        if self.rate_limit_burst is not None and self.rate_limit_burst < 1:
+            raise ValueError(f"rate_limit_burst must be >= 1, got {self.rate_limit_burst}")
+        if self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.request_timeout_s > 0:

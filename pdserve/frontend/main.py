@@ -1,4 +1,8 @@
-"""Run the frontend process: watch the registry, serve the public API until stopped."""
+"""Run the frontend process: watch the registry, serve the public APIs until stopped.
+
+gRPC (grpc.aio) and the OpenAI HTTP API (uvicorn) share one event loop and one ``Gateway``:
+the same admission, validation, routing and metrics for both.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,12 @@ from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registration import LeasedRecord
 from pdserve.discovery.registry import frontend_key
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.gateway import Gateway
+from pdserve.frontend.openai_api.app import create_app
+from pdserve.frontend.openai_api.server import HttpServer
+from pdserve.frontend.rate_limit import RateLimiter
 from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import serve_metrics
@@ -19,7 +28,10 @@ from pdserve.v1 import inference_pb2_grpc
 
 
 async def serve(config: FrontendConfig) -> None:
-    """Serve until SIGTERM or SIGINT; in-flight streams get a few seconds to finish."""
+    """Serve until SIGTERM or SIGINT; in-flight streams get a few seconds to finish.
+
+    With ``config.tls`` both public APIs, gRPC and HTTP, serve TLS only (mTLS with its client CA).
+    """
     etcd = EtcdConnection(config.etcd, auth=config.etcd_auth)  # the process's one client, closed last
     view = RegistryView(etcd)
     try:
@@ -27,23 +39,34 @@ async def serve(config: FrontendConfig) -> None:
     except BaseException:
         await etcd.close()
         raise
-    service = InferenceService(config, view)
-    server = RpcServer(tls=config.tls)
+    gateway = Gateway(config, view)
+    keys = ApiKeys(config.api_keys)
+    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
+    service = InferenceService(gateway)
+    guarded = keys.required or limiter is not None
+    server = RpcServer(tls=config.tls, interceptors=[ApiKeyInterceptor(keys, limiter)] if guarded else [])
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
+    stop = asyncio.Event()
+    http_ssl = None if config.tls is None else config.tls.ssl_context()
+    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
     stats: LeasedRecord | None = None
     try:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
         stats = LeasedRecord(
-            etcd, frontend_key(frontend_id), lambda: service.stats(frontend_id).encode(),
+            etcd, frontend_key(frontend_id), lambda: gateway.stats(frontend_id).encode(),
             name=frontend_id, start_timeout_s=5.0,
         )  # fmt: skip
         await stats.start()
         if config.metrics_port is not None:
-            metrics_port = serve_metrics(service.metrics.registry, config.host, config.metrics_port)
+            metrics_port = serve_metrics(gateway.metrics.registry, config.host, config.metrics_port)
             print(f"pdserve frontend metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
-        print(f"pdserve frontend listening on {config.host}:{port}", flush=True)
-        stop = asyncio.Event()
+        http_note = ""
+        if config.http_port is not None:
+            http_port = await http.start(config.host, config.http_port)
+            http_note = f"; OpenAI API on {http.scheme}://{_url_host(config.host)}:{http_port}/v1"
+        keys_note = f" ({len(config.api_keys)} API keys)" if keys.required else ""
+        print(f"pdserve frontend listening on {config.host}:{port}{http_note}{keys_note}", flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -51,9 +74,14 @@ async def serve(config: FrontendConfig) -> None:
         await stop.wait()
         await server.set_serving(False)
     finally:
+        await http.stop()
         await server.stop(grace_s=5.0)
         if stats is not None:
             await stats.close()
-        await service.close()
+        await gateway.close()
         await view.close()
         await etcd.close()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

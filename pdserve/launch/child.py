@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ class Child:
     role: its kind, a metrics label (``prefill``, ``decode``, ``frontend``).
     argv: the ``pdserve`` command line it runs.
     process: the process now (or last) running.
-    address: what its last start printed after "listening on".
+    address: the address its last start printed after "listening on".
+    http_url: the OpenAI API base URL it printed on that line (a frontend's), else "".
     output: its last lines, for an error report.
     """
 
@@ -49,6 +51,7 @@ class Child:
     stop_timeout_s: float = 60.0
     process: asyncio.subprocess.Process | None = None
     address: str = ""
+    http_url: str = ""
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     reader: asyncio.Task[None] | None = None
 
@@ -69,7 +72,10 @@ class Child:
         self.reader = loop.create_task(self._read(self.process, ready), name=f"output of {self.name}")
         try:
             async with asyncio.timeout(self.start_timeout_s):
-                self.address = await ready
+                rest = await ready  # "HOST:PORT[; OpenAI API on URL][ (N API keys)]"
+            self.address = rest.split()[0].rstrip(";")
+            found = re.search(r"https?://\S+", rest)
+            self.http_url = found.group(0) if found else ""
         except (TimeoutError, ChildFailed) as exc:
             await self.stop()
             last = "\n  ".join(self.output) or "(no output)"

@@ -106,7 +106,7 @@ class LocalCluster:
             frontend = self._child("frontend", "frontend", ["frontend", "--config", str(self._config_file("frontend"))])
             await frontend.start()
             self.frontend = frontend
-            self._pin_frontend_port(frontend.address)
+            self._pin_frontend_ports(frontend)
             self._supervisor.watch(frontend)
         except BaseException:
             await self.stop()
@@ -153,10 +153,13 @@ class LocalCluster:
         for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
             self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
 
-    def _pin_frontend_port(self, address: str) -> None:
-        """A restarted frontend listens where the first one did (clients keep their target)."""
-        port = int(address.rsplit(":", 1)[1])
-        config = msgspec.structs.replace(self.spec.frontend, etcd=self.etcd_url, port=port)
+    def _pin_frontend_ports(self, frontend: Child) -> None:
+        """A restarted frontend listens where the first one did (clients keep their targets)."""
+        port = int(frontend.address.rsplit(":", 1)[1])
+        http_port = self.spec.frontend.http_port
+        if frontend.http_url:
+            http_port = int(frontend.http_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+        config = msgspec.structs.replace(self.spec.frontend, etcd=self.etcd_url, port=port, http_port=http_port)
         self._config_file("frontend").write_bytes(msgspec.json.encode(config))
 
     def _config_file(self, name: str) -> Path:

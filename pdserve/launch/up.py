@@ -1,7 +1,7 @@
 """``pdserve up``: a whole deployment on this machine, from start to Ctrl-C.
 
 ``up`` first checks what would otherwise fail only after every worker has loaded its model
-(the model directory, the frontend's port), then starts a ``LocalCluster``, and with
+(the model directory, the frontend's ports), then starts a ``LocalCluster``, and with
 ``autoscale`` the SLO planner over its pools; it prints where the API listens and serves until
 SIGINT or SIGTERM, and then stops everything. Meanwhile the cluster restarts children that die
 (``supervisor``); only a frontend or registry that keeps dying ends the deployment.
@@ -70,7 +70,10 @@ def up(spec: UpSpec) -> int:
     model = spec.cluster.decode.model
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
-    _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
+    frontend = spec.cluster.frontend
+    _check_port_free(frontend.host, frontend.port, "--port")
+    if frontend.http_port is not None:
+        _check_port_free(frontend.host, frontend.http_port, "--http-port")
     if spec.cluster.etcd is None:
         try:
             find_etcd()
@@ -90,15 +93,15 @@ def _with_thread_share(spec: UpSpec) -> UpSpec:
     return replace(spec, cluster=replace(cluster, prefill=shared(cluster.prefill), decode=shared(cluster.decode)))
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail now, not after every worker has loaded its model, when the frontend's port is taken."""
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """Fail now, not after every worker has loaded its model, when a frontend port is taken."""
     if port == 0:
         return
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as exc:
-        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+        raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
                          "choose another port, or 0 for any free one") from None  # fmt: skip
 
 
@@ -127,7 +130,8 @@ async def _serve(spec: UpSpec) -> int:
         print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
     assert cluster.frontend is not None
     registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
-    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
+    http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
+    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
           f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
     autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
     failed = loop.create_task(cluster.failed.wait())

@@ -7,7 +7,7 @@ from pdserve.v1 import inference_pb2
 
 _OPTIONAL_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
 )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ class RpcServer:
     ``lambda s: add_InferenceServicer_to_server(servicer, s)``) under its full service name,
     which is also what health and reflection report. With ``tls`` it serves TLS only (and
     with its ``client_ca``, only to clients presenting a certificate that CA signed);
-    ``interceptors`` see every call first (e.g. ``AdminGuard``).
+    ``interceptors`` see every call first (the frontend's API-key check, a worker's ``AdminGuard``).
     """
 
     def __init__(self, tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:

@@ -124,7 +124,7 @@ def test_a_frontend_started_from_a_config_file_serves_with_it(tmp_path: Path, et
     # The router's threshold is what the frontend publishes in etcd: proof the file's settings arrived.
     threshold = 40 + uuid.uuid4().int % 1000
     router = RouterConfig(local_prefill_threshold_tokens=threshold)
-    config = _write(tmp_path / "frontend.json", FrontendConfig(etcd=etcd_url, port=0, metrics_port=None, router=router))
+    config = _write(tmp_path / "frontend.json", FrontendConfig(etcd=etcd_url, port=0, http_port=0, metrics_port=None, router=router))
     process = subprocess.Popen([sys.executable, "-m", "pdserve", "frontend", "--config", config],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -156,3 +156,14 @@ def _published_frontends(etcd_url: str, port: int, timeout_s: float = 10.0) -> l
             await close_quietly(client)
 
     return asyncio.run(read())
+
+
+def test_api_keys_come_from_options_a_file_and_the_environment_each_once(tmp_path: Path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-file\n\nsk-a\n")
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-env, sk-a")
+    args = _parse("frontend", "--api-key", "sk-a", "--api-key", "sk-b", "--api-key-file", str(keys))
+    assert frontend_config(args, "http://e").api_keys == ["sk-a", "sk-b", "sk-file", "sk-env"]
+    monkeypatch.delenv("PDSERVE_API_KEYS")
+    with pytest.raises(ValueError, match="--api-key-file .*nothing"):
+        frontend_config(_parse("frontend", "--api-key-file", str(tmp_path / "nothing")), "http://e")

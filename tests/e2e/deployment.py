@@ -69,6 +69,7 @@ class Deployment:
         frontend_fields: dict[str, Any] | None = None,
         client_tls: ClientTLS | None = None,
         etcd_auth: EtcdAuth = EtcdAuth(),
+        api_keys: tuple[str, ...] = (),
     ) -> None:
         """``restart``: by default a child that dies stays dead (tests kill workers to see the
         rest cope); pass a policy to have them restarted as ``pdserve up`` does.
@@ -80,8 +81,8 @@ class Deployment:
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
                               num_threads=1, **(worker_fields or {}))  # fmt: skip
-        frontend = FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation),
-                                  **(frontend_fields or {}))  # fmt: skip
+        frontend = FrontendConfig(etcd=etcd, port=0, http_port=0, api_keys=list(api_keys),
+                                  router=RouterConfig(disaggregation=disaggregation), **(frontend_fields or {}))  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
             prefill=worker, decode=msgspec.structs.replace(worker, role="decode"), frontend=frontend, etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30, restart=restart,
@@ -92,6 +93,7 @@ class Deployment:
         self.run(self.cluster.start(prefill, decode), timeout=240)
         assert self.cluster.frontend is not None
         self.port = bound_port(f" on {self.cluster.frontend.address}")
+        self.http_url = self.cluster.frontend.http_url  # the OpenAI API's base URL, ".../v1"
         if client_tls is None:
             self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         else:
@@ -173,13 +175,15 @@ class Frontend:
 
     def __init__(self, etcd: str, *args: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", *args],
+            [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", "--http-port", "0", *args],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if "listening on" in line:
                 self.port = bound_port(line)
+                found = re.search(r"https?://\S+", line)
+                self.http_url = found.group(0) if found else ""  # the OpenAI API's base URL
                 break
         else:
             raise AssertionError(f"frontend exited with {self.process.wait()}")

