@@ -16,7 +16,9 @@ deadline, so no client can ever observe an expired key. Revisions advance as etc
 per write that changed something) and are reported in every response header.
 
 No persistence, no auth, no watch, one node: a restart forgets everything, and workers
-re-register under new leases (see WorkerRegistration). Use a real etcd in production.
+re-register under new leases (see WorkerRegistration). Use a real etcd in production. Given
+TLS settings it serves TLS, and with their client CA only to clients with a certificate that
+CA signed (``pdserve up`` with the cluster's certificates serves it so).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from aetcd.rpc import kv_pb2, rpc_pb2, rpc_pb2_grpc
+
+from pdserve.rpc.tls import ServerTLS
 
 # Fixed identities: clients only compare them between responses.
 _CLUSTER_ID = 0x70D5E7E
@@ -268,18 +272,24 @@ class EmbeddedEtcd:
         self._server: grpc.aio.Server | None = None
         self.url: str | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve on ``host:port`` (0: a free port); returns the URL clients connect to."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: ServerTLS | None = None) -> str:
+        """Serve on ``host:port`` (0: a free port), over TLS with ``tls``; returns the URL
+        clients connect to (``https://`` with TLS)."""
         if self._server is not None:
             raise RuntimeError(f"the embedded etcd already serves {self.url}")
         store = _Store()
         server = grpc.aio.server()
         rpc_pb2_grpc.add_KVServicer_to_server(_KVService(store), server)
         rpc_pb2_grpc.add_LeaseServicer_to_server(_LeaseService(store), server)
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.grpc_credentials())
         await server.start()
         self._server = server
-        self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        scheme = "http" if tls is None else "https"
+        self.url = f"{scheme}://[{host}]:{bound}" if ":" in host else f"{scheme}://{host}:{bound}"
         return self.url
 
     async def stop(self) -> None:

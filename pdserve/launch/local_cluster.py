@@ -8,6 +8,9 @@ an edit here. A child is ready when it prints its "listening on" line; one that 
 silent past the start-up deadline fails the start with its last output. ``scale`` adds
 workers or drains the newest ones (SIGTERM); ``stop`` drains every child and kills any still
 alive after the grace period. Nothing outlives the cluster, its configuration files included.
+
+With the cluster's certificate set (the frontend configuration's ``cluster_tls``) the embedded
+registry serves mTLS too, and every child reaches it presenting its own cluster certificate.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from pdserve.discovery.embedded_etcd import EmbeddedEtcd
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.frontend.config import FrontendConfig
 from pdserve.discovery.registry import Role
 from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV
@@ -78,6 +82,8 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.etcd_url: str | None = spec.etcd
+        # How this process reaches the registry (as the frontend does).
+        self.etcd_auth: EtcdAuth = spec.frontend.etcd_auth
         self._embedded: EmbeddedEtcd | None = None
         self.frontend: Child | None = None
         self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
@@ -89,7 +95,10 @@ class LocalCluster:
         try:
             if self.etcd_url is None:
                 self._embedded = EmbeddedEtcd()
-                self.etcd_url = await self._embedded.start()
+                cluster_tls = self.spec.frontend.cluster_tls
+                self.etcd_url = await self._embedded.start(tls=None if cluster_tls is None else cluster_tls.server)
+                if cluster_tls is not None:
+                    self.etcd_auth = EtcdAuth(tls=cluster_tls.client)
             self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
             self.frontend = await self._spawn("frontend", ["frontend", "--config", str(self._config_file("frontend"))])
@@ -112,7 +121,11 @@ class LocalCluster:
         self._config_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         spec = self.spec
         for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
-            self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
+            auth = config.etcd_auth
+            if self._embedded is not None and config.cluster_tls is not None:
+                auth = EtcdAuth(tls=config.cluster_tls.client)  # the embedded registry serves cluster mTLS
+            config = msgspec.structs.replace(config, etcd=etcd_url, etcd_auth=auth)
+            self._config_file(name).write_bytes(msgspec.json.encode(config))
 
     def _config_file(self, name: str) -> Path:
         assert self._config_dir is not None
