@@ -132,6 +132,7 @@ def test_drain_needs_a_cluster_certificate(secured, secure_etcd):
     drain = [sys.executable, "-m", "pdserve", "drain", decode.worker_id, *etcd, "--wait", "--timeout", "30s"]
     refused = subprocess.run(drain, capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 1 and f"Drain RPC to {decode.worker_id}" in refused.stderr, refused.stderr
+    assert "needs --cluster-ca, --cluster-cert and --cluster-key" in refused.stderr
     operator = cluster.cluster_tls("operator")
     allowed = subprocess.run([*drain, "--cluster-ca", operator.ca, "--cluster-cert", operator.cert,
                               "--cluster-key", operator.key], capture_output=True, text=True, timeout=90, env=env)  # fmt: skip
