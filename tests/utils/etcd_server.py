@@ -46,8 +46,9 @@ class EtcdServer:
     wipe it, the same data dir (so leases survive, as on a real etcd restart).
     """
 
-    def __init__(self, root: Path | None = None, tls: EtcdTLS | None = None) -> None:
+    def __init__(self, root: Path | None = None, tls: EtcdTLS | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.tls = tls
+        self._extra_args = extra_args
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed; install it with: apt-get install -y etcd-server")
@@ -101,6 +102,7 @@ class EtcdServer:
         if self.tls is not None:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
                      f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
+        args += self._extra_args
         log = (self._root / "etcd.log").open("ab")
         self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()  # the child holds its own descriptor
