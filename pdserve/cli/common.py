@@ -142,7 +142,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="disable the prefix cache")  # fmt: skip
 
 
-ETCD_AUTH_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_user", "etcd_password")
+ETCD_AUTH_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_user", "etcd_password")
 
 
 def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +155,9 @@ def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
                        help="client certificate for an etcd run with --client-cert-auth; with auth enabled and "
                        "no --etcd-user its common name is the etcd user (default: $PDSERVE_ETCD_CERT)")  # fmt: skip
     group.add_argument("--etcd-key", metavar="FILE", help="the client certificate's key (default: $PDSERVE_ETCD_KEY)")
+    group.add_argument("--etcd-server-name", metavar="NAME",
+                       help="the name etcd's certificate must carry, if not the URL's host: pdserve-cluster for the "
+                       "registry of a `pdserve up` given cluster certificates (default: $PDSERVE_ETCD_SERVER_NAME)")  # fmt: skip
     group.add_argument("--etcd-user", metavar="NAME", help="etcd user, with auth enabled (default: $PDSERVE_ETCD_USER)")
     group.add_argument("--etcd-password", metavar="PASSWORD",
                        help="the etcd user's password (default: $PDSERVE_ETCD_PASSWORD, which keeps it out of "
@@ -166,9 +169,9 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     ValueError naming a missing or bad file."""
     given = {name: getattr(args, name, None) or os.environ.get(f"PDSERVE_{name.upper()}") for name in ETCD_AUTH_OPTIONS}
     tls = None
-    if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"]:
+    if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:
         tls = ClientTLS(ca=absolute(given["etcd_cacert"]), cert=absolute(given["etcd_cert"]),
-                        key=absolute(given["etcd_key"]))  # fmt: skip
+                        key=absolute(given["etcd_key"]), server_name=given["etcd_server_name"])  # fmt: skip
         tls.check()
     return EtcdAuth(tls=tls, user=given["etcd_user"], password=given["etcd_password"])
 

@@ -283,9 +283,11 @@ def run_drain(args: argparse.Namespace) -> int:
                     worker_pb2.DrainRequest(), metadata=admin_metadata(args.admin_key), timeout=5.0
                 )
             except grpc.aio.AioRpcError as error:
-                raise OperationFailed(
-                    f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: {error.code().name}: {error.details()}"
-                ) from None
+                hint = ""
+                if error.code() == grpc.StatusCode.UNAVAILABLE and cluster is None:
+                    hint = " (a worker serving the cluster's mTLS needs --cluster-ca, --cluster-cert and --cluster-key)"
+                raise OperationFailed(f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: "
+                                      f"{error.code().name}: {error.details()}{hint}") from None  # fmt: skip
         left = await _wait_gone(client, entry, args.timeout) if args.wait else None
         if args.json:
             print_json({"worker_id": entry.worker_id, "role": entry.role, "model": entry.model,

@@ -40,10 +40,14 @@ WORKER_DESCRIPTION = {
     Role.PREFILL: """Run a prefill worker: it computes prompts' KV and first tokens and keeps each
 prompt's KV blocks pinned until a decode worker has pulled them over NIXL. It registers in etcd
 under a lease (key /pdserve/v1/workers/MODEL/prefill/ID) and refreshes its load about every
-second; SIGTERM drains it (no new work, in-flight work finishes) and revokes the lease.""",
+second; SIGTERM drains it (no new work, in-flight work finishes) and revokes the lease.
+Its KV blocks leave over NIXL unencrypted and unauthenticated: keep that traffic on a trusted
+network (README: Security).""",
     Role.DECODE: """Run a decode worker: it pulls prompts' KV from prefill workers over NIXL (or
 computes short prompts itself) and streams the generated tokens. It registers in etcd under a
-lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight streams finish.""",
+lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight streams finish.
+Its KV pulls over NIXL are unencrypted and unauthenticated: keep that traffic on a trusted
+network (README: Security).""",
 }
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"

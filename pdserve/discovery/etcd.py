@@ -45,7 +45,7 @@ class RegistryUnavailable(RuntimeError):
 # What etcd says when it refuses a request for its credentials (etcd's own auth), and what a
 # failed TLS handshake looks like from the client.
 _REFUSALS = ("permission denied", "user name", "authentication failed", "invalid auth token", "auth: ")
-_HANDSHAKE = ("ssl", "handshake", "certificate", "tls", "tsi_")
+_HANDSHAKE = ("ssl", "handshake", "certificate", "tls", "tsi_", "verification")
 
 
 def describe_etcd_error(url: str, error: Exception) -> str:

@@ -6,7 +6,9 @@ is one member on loopback ports picked free, with its data directory under the d
 state directory, so that a restart (``start`` again, after it died) comes back on the same
 ports with its keys and leases. It is ready when ``/health`` says so, within the start
 deadline; it stops with SIGTERM, then SIGKILL. On Linux it is killed with the ``up`` process
-that started it, as the Python children are (``lifecycle.die_with_parent``).
+that started it, as the Python children are (``lifecycle.die_with_parent``). Given the
+cluster's certificate set it serves mTLS only (``https://``): clients present a certificate the
+cluster CA signed.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.launch.child import ChildFailed
+from pdserve.rpc.tls import ClusterTLS
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +96,10 @@ class EtcdProcess:
     name = "etcd"
     role = "registry"
 
-    def __init__(self, state_dir: Path, *, binary: Path | None = None, start_timeout_s: float = 30.0,
-                 stop_timeout_s: float = 10.0) -> None:  # fmt: skip
+    def __init__(self, state_dir: Path, *, binary: Path | None = None, tls: ClusterTLS | None = None,
+                 start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0) -> None:  # fmt: skip
         self.binary = binary if binary is not None else find_etcd()
+        self.tls = tls
         self.state_dir = state_dir
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -104,9 +109,9 @@ class EtcdProcess:
 
     @property
     def url(self) -> str:
-        """The client URL, ``http://127.0.0.1:PORT``; known once started."""
+        """The client URL, ``http://127.0.0.1:PORT`` (``https://`` with TLS); known once started."""
         assert self._client_port is not None, "etcd has not started"
-        return f"http://127.0.0.1:{self._client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self._client_port}"
 
     @property
     def data_dir(self) -> Path:
@@ -144,6 +149,9 @@ class EtcdProcess:
             f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=pdserve={peer}",
             "--log-level=warn",
         ]  # fmt: skip
+        if self.tls is not None:
+            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
+                     f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
         start = self.log_file.stat().st_size if self.log_file.exists() else 0
         with self.log_file.open("ab") as log:  # the child keeps its own descriptor
             self.process = await asyncio.create_subprocess_exec(
@@ -192,10 +200,20 @@ class EtcdProcess:
 
     def _is_healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=self._probe_context()) as response:
                 return b'"health":"true"' in response.read()
         except OSError:
             return False
+
+    def _probe_context(self) -> ssl.SSLContext | None:
+        """The health probe's TLS: the cluster CA, and a cluster certificate to present. The
+        certificate names ``server_name``, not 127.0.0.1, so the probe checks the CA only."""
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=self.tls.ca)
+        context.check_hostname = False
+        context.load_cert_chain(self.tls.cert, self.tls.key)
+        return context
 
     def _log_tail(self, start: int = 0) -> str:
         try:

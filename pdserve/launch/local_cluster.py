@@ -14,6 +14,9 @@ leaves its pool; the frontend or the registry given up on sets ``failed``. ``sca
 workers or drains the newest ones (SIGTERM); ``stop`` drains every child, kills any still alive
 after the grace period, then stops the registry. Nothing outlives the cluster, its state
 directory (configuration files, etcd's data) included.
+
+With the cluster's certificate set (the frontend configuration's ``cluster_tls``) the embedded
+registry serves mTLS too, and every child reaches it presenting its own cluster certificate.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import msgspec
 
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
 from pdserve.frontend.config import FrontendConfig
 from pdserve.launch.child import Child, ChildFailed
@@ -80,6 +84,8 @@ class LocalCluster:
         self.spec = spec
         self.etcd_url: str | None = spec.etcd
         self.registry: EtcdProcess | None = None
+        # How this process reaches the registry (as the frontend does).
+        self.etcd_auth: EtcdAuth = spec.frontend.etcd_auth
         self.frontend: Child | None = None
         self.workers: dict[Role, list[Child]] = {role: [] for role in Role}
         self.gave_up: list[Supervised] = []
@@ -95,12 +101,15 @@ class LocalCluster:
         try:
             self._state_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
             if self.etcd_url is None:
-                self.registry = EtcdProcess(self._state_dir / "etcd")
+                cluster_tls = self.spec.frontend.cluster_tls
+                self.registry = EtcdProcess(self._state_dir / "etcd", tls=cluster_tls)
                 try:
                     self.etcd_url = await self.registry.start()
                 except EtcdFailed as exc:
                     raise ChildFailed(f"the registry did not start: {exc}") from None
                 self._supervisor.watch(self.registry)
+                if cluster_tls is not None:
+                    self.etcd_auth = EtcdAuth(tls=cluster_tls.client)
             self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
             frontend = self._child("frontend", "frontend", ["frontend", "--config", str(self._config_file("frontend"))])
@@ -151,7 +160,11 @@ class LocalCluster:
         """Each kind of child's configuration, as JSON in the state directory (this user's only)."""
         spec = self.spec
         for name, config in (("prefill", spec.prefill), ("decode", spec.decode), ("frontend", spec.frontend)):
-            self._config_file(name).write_bytes(msgspec.json.encode(msgspec.structs.replace(config, etcd=etcd_url)))
+            auth = config.etcd_auth
+            if self.registry is not None and config.cluster_tls is not None:
+                auth = EtcdAuth(tls=config.cluster_tls.client)  # the embedded registry serves cluster mTLS
+            config = msgspec.structs.replace(config, etcd=etcd_url, etcd_auth=auth)
+            self._config_file(name).write_bytes(msgspec.json.encode(config))
 
     def _pin_frontend_ports(self, frontend: Child) -> None:
         """A restarted frontend listens where the first one did (clients keep their targets)."""
@@ -159,8 +172,9 @@ class LocalCluster:
         http_port = self.spec.frontend.http_port
         if frontend.http_url:
             http_port = int(frontend.http_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
-        config = msgspec.structs.replace(self.spec.frontend, etcd=self.etcd_url, port=port, http_port=http_port)
-        self._config_file("frontend").write_bytes(msgspec.json.encode(config))
+        path = self._config_file("frontend")
+        written = msgspec.json.decode(path.read_bytes(), type=FrontendConfig)
+        path.write_bytes(msgspec.json.encode(msgspec.structs.replace(written, port=port, http_port=http_port)))
 
     def _config_file(self, name: str) -> Path:
         assert self._state_dir is not None

@@ -158,7 +158,7 @@ async def _start_autoscaler(cluster: LocalCluster, autoscale: Autoscale) -> Call
 
     slo, config = autoscale.slo, autoscale.config
     assert cluster.etcd_url is not None
-    auth = cluster.spec.frontend.etcd_auth  # the cluster's etcd credentials: every child has the same
+    auth = cluster.etcd_auth
     client = await connect(cluster.etcd_url, auth=auth)
     try:
         await put_slo(client, slo)

@@ -19,6 +19,8 @@ from tests.cli.test_operate import make_entry
 from tests.conftest import OPERATOR_PASSWORD
 from tests.utils.aio import run_scenario
 from tests.utils.certs import CertificateAuthority
+from tests.utils.etcd_roles import enable_auth
+from tests.utils.etcd_server import EtcdServer, EtcdTLS
 
 
 def _refusal(url: str, auth: EtcdAuth) -> str:
@@ -102,3 +104,38 @@ def test_a_plain_etcd_is_reached_over_http_as_before(etcd_url):
         await close_quietly(client)
 
     asyncio.run(main())
+
+
+def test_a_connection_idle_past_its_token_signs_in_again(tmp_path):
+    # etcd forgets a user's token once unused for --auth-token-ttl; the call that finds it gone
+    # fails, and the connection's next use dials and signs in afresh.
+    ca = CertificateAuthority(tmp_path, "etcd")
+    cert, probe = ca.issue("etcd", ips=("127.0.0.1",)), ca.issue("root")
+    server = EtcdServer(tmp_path, EtcdTLS(cert=cert.cert, key=cert.key, ca=ca.ca, probe_cert=probe.cert,
+                                          probe_key=probe.key), extra_args=("--auth-token-ttl=1",)).start()  # fmt: skip
+    try:
+        run_scenario(enable_auth(server.url.removeprefix("https://"), ClientTLS(ca=ca.ca, cert=probe.cert,
+                                 key=probe.key), "root-pw", {"operator": ("pw", "pdserve-operator")}), 30)  # fmt: skip
+
+        async def main() -> list[str]:
+            etcd = EtcdConnection(server.url, auth=EtcdAuth(tls=ca.client_tls("x"), user="operator", password="pw"))
+            outcomes = []
+            try:
+                for pause_s in (0.2, 3.0, 0.0):
+                    try:
+                        async with etcd.use() as client:
+                            await client.get(b"/pdserve/v1/slo/m")
+                        outcomes.append("ok")
+                    except ETCD_ERRORS as error:
+                        outcomes.append(str(error))
+                    await asyncio.sleep(pause_s)
+                async with etcd.use() as client:
+                    await client.get(b"/pdserve/v1/slo/m")
+                return outcomes
+            finally:
+                await etcd.close()
+
+        outcomes = run_scenario(main(), 60)
+        assert outcomes[:2] == ["ok", "ok"] and outcomes[2] == "etcdserver: invalid auth token"
+    finally:
+        server.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -21,7 +23,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.rpc.tls import ClientTLS
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import OPERATOR_PASSWORD
-from tests.e2e.deployment import Deployment
+from tests.e2e.deployment import Deployment, UpProcess
 from tests.utils.certs import CertificateAuthority
 
 pytestmark = pytest.mark.slow
@@ -45,11 +47,11 @@ def secured(checkpoints, secure_etcd, tmp_path_factory):
     deployment.close()
 
 
-def _generate(port: int, tls: ClientTLS | None) -> grpc.StatusCode:
-    """The status of one small Generate on the public API at ``port``."""
+def _generate(port: int, tls: ClientTLS | None, model: str = MODEL) -> grpc.StatusCode:
+    """The status of one small Generate of ``model`` ("": the only one) on the public API at ``port``."""
     target = f"127.0.0.1:{port}"
     channel = grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.grpc_credentials())
-    request = inference_pb2.GenerateRequest(model=MODEL, token_ids=inference_pb2.TokenIds(ids=PROMPT),
+    request = inference_pb2.GenerateRequest(model=model, token_ids=inference_pb2.TokenIds(ids=PROMPT),
                                             sampling=inference_pb2.SamplingOptions(max_tokens=2))  # fmt: skip
     with channel:
         try:
@@ -130,8 +132,36 @@ def test_drain_needs_a_cluster_certificate(secured, secure_etcd):
     drain = [sys.executable, "-m", "pdserve", "drain", decode.worker_id, *etcd, "--wait", "--timeout", "30s"]
     refused = subprocess.run(drain, capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 1 and f"Drain RPC to {decode.worker_id}" in refused.stderr, refused.stderr
+    assert "needs --cluster-ca, --cluster-cert and --cluster-key" in refused.stderr
     operator = cluster.cluster_tls("operator")
     allowed = subprocess.run([*drain, "--cluster-ca", operator.ca, "--cluster-cert", operator.cert,
                               "--cluster-key", operator.key], capture_output=True, text=True, timeout=90, env=env)  # fmt: skip
     assert allowed.returncode == 0, allowed.stderr
     assert f"{decode.worker_id} has left the registry" in allowed.stdout
+
+
+def test_up_with_cluster_certificates_serves_its_embedded_registry_over_mtls_too(checkpoints, tmp_path):
+    ca, public = CertificateAuthority(tmp_path, "cluster"), CertificateAuthority(tmp_path, "public")
+    node, api = ca.cluster_tls("node"), public.server_tls("api")
+    up = UpProcess("up", "--model", str(checkpoints("llama")[0]), "--port", "0", "--disaggregation", "always",
+                   "--threads-per-worker", "1", "--cluster-ca", node.ca, "--cluster-cert", node.cert,
+                   "--cluster-key", node.key, "--tls-cert", api.cert, "--tls-key", api.key)  # fmt: skip
+    try:
+        up_line, port = up.wait_up()
+        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
+        assert registry.startswith("https://127.0.0.1:")
+        workers = [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"]
+        plain = subprocess.run([*workers, "--etcd-cacert", ca.ca], capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 1 and "TLS failed" in plain.stderr, plain.stderr
+        # An operator with a cluster certificate, checking the registry's for the cluster's name.
+        operator = ca.cluster_tls("operator")
+        member = subprocess.run([*workers, "--etcd-server-name", "pdserve-cluster"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "PDSERVE_ETCD_CACERT": ca.ca,
+                                                 "PDSERVE_ETCD_CERT": operator.cert, "PDSERVE_ETCD_KEY": operator.key})  # fmt: skip
+        assert member.returncode == 0, member.stderr
+        assert sorted(w["role"] for w in json.loads(member.stdout)) == ["decode", "prefill"]
+        assert _generate(port, ClientTLS(ca=public.ca), model="") == grpc.StatusCode.OK
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(60) == 0, up.output
+    finally:
+        up.close()

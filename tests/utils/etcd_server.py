@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -43,8 +42,9 @@ class EtcdServer:
     wipe it, the same data dir (so leases survive, as on a real etcd restart).
     """
 
-    def __init__(self, root: Path | None = None, tls: EtcdTLS | None = None) -> None:
+    def __init__(self, root: Path | None = None, tls: EtcdTLS | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.tls = tls
+        self._extra_args = extra_args
         self._binary = str(find_etcd())
         self._root = Path(tempfile.mkdtemp(prefix="pdserve-etcd-", dir=root))
         self._client_port = _free_port()
@@ -95,6 +95,7 @@ class EtcdServer:
         if self.tls is not None:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
                      f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
+        args += self._extra_args
         log = (self._root / "etcd.log").open("ab")
         self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()  # the child holds its own descriptor
