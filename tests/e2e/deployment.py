@@ -23,6 +23,7 @@ import msgspec
 from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
@@ -61,13 +62,17 @@ class Deployment:
         decode: int,
         model_name: str,
         disaggregation: Disaggregation,
+        prefill_engine: EngineConfig | None = None,
+        decode_engine: EngineConfig | None = None,
     ) -> None:
+        """``prefill_engine`` and ``decode_engine``: each role's engine options (default the defaults)."""
         self.etcd = etcd
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
-                              num_threads=1)  # fmt: skip
+                              num_threads=1, engine=prefill_engine or EngineConfig())  # fmt: skip
+        decode_worker = msgspec.structs.replace(worker, role="decode", engine=decode_engine or EngineConfig())
         self.cluster = LocalCluster(ClusterSpec(
-            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
+            prefill=worker, decode=decode_worker,
             frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30,
         ))  # fmt: skip
