@@ -159,11 +159,13 @@ def test_layout_mismatch_is_rejected_before_any_byte_moves(gqa, tmp_path):
 
 
 @pytest.mark.slow
-def test_an_fp8_cache_and_a_bfloat16_one_are_refused_before_any_byte_moves(gqa, tmp_path):
-    """A decode worker on kv_cache_dtype fp8_e4m3 and a prefill worker on bfloat16 (or the
-    reverse) hold the same blocks in different bytes: the descriptor's dtype refuses the pair."""
-    P = gqa["P1"]
-    (fp8,) = start_all([p.PeerConfig(name="fp8-D", **{**GQA, "dtype": "float8_e4m3fn"})])
+def test_an_fp8_cache_and_a_bfloat16_one_are_refused_before_any_byte_moves(tmp_path):
+    """A decode worker on kv_cache_dtype fp8_e4m3 and a prefill worker on bfloat16 hold the
+    same blocks in different bytes: the descriptor's dtype refuses the pair. Two peers of its
+    own (not the session's six), so it starts quickly on a busy machine."""
+    P, fp8 = start_all([
+        p.PeerConfig(name="bf16-P", seed=5, **GQA), p.PeerConfig(name="fp8-D", **{**GQA, "dtype": "float8_e4m3fn"}),
+    ])  # fmt: skip
     try:
         reply = fp8.add_peer(P)
         assert not reply.ok and reply.field == "dtype", reply
@@ -174,6 +176,7 @@ def test_an_fp8_cache_and_a_bfloat16_one_are_refused_before_any_byte_moves(gqa, 
         assert not result.ok and "unknown" in result.error
         assert not fp8.dump(tmp_path / "fp8.bin").view(torch.uint8).any(), "bytes moved"
         fp8.assert_pool_whole()
+        settle(P)  # freed at its deadline
     finally:
         fp8.stop()
-    settle(P)
+        P.stop()
