@@ -43,6 +43,11 @@ LAYOUTS = {
     # DeepSeek-V3 MLA: 61 layers x (512 latent + 64 rope) = 576, bf16 → 68.6 KiB per token.
     "deepseek-v3-mla": KVCacheSpec(num_layers=61, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=True,
                                    latent_dim=576),
+    # The same with kv_cache_dtype="fp8_e4m3": one byte a value, so half the bytes a token moves.
+    "llama-3.1-8b-fp8": KVCacheSpec(num_layers=32, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=False,
+                                    num_kv_heads=8, head_dim=128),
+    "deepseek-v3-mla-fp8": KVCacheSpec(num_layers=61, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=True,
+                                       latent_dim=576),
 }  # fmt: skip
 
 

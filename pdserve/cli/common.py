@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
-from pdserve.engine.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, EngineConfig
+from pdserve.engine.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
 
 Config = TypeVar("Config", bound=msgspec.Struct)
@@ -132,6 +132,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_field_option(group, "--kv-cache-memory", EngineConfig, "kv_cache_memory", type=size_bytes,
                      help="KV cache budget, e.g. 2G (default: sized automatically)")  # fmt: skip
+    add_field_option(
+        group, "--kv-cache-dtype", EngineConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPE_CHOICES,
+        help="KV cache storage: auto = the model dtype; fp8_e4m3 = float8 with per-layer scales (the "
+        "checkpoint's k_scale/v_scale, else 1), half the bytes of bfloat16 held and moved per token; cpu and "
+        "torch kernels only; prefill and decode workers must agree (default: {default})",
+    )  # fmt: skip
     add_field_option(group, "--max-num-seqs", EngineConfig, "max_num_seqs", type=int,
                      help="most requests running at once (default: {default})")  # fmt: skip
     add_field_option(group, "--max-num-batched-tokens", EngineConfig, "max_num_batched_tokens", type=int,

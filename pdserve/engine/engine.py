@@ -27,7 +27,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv_cache import KV_FP8_DTYPE, KVCache, KVCacheSpec
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
@@ -86,11 +86,18 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         torch.manual_seed(cfg.seed)
         self.backend = select_backend(cfg.kernels, self.device)
+        if cfg.kv_cache_dtype == "fp8_e4m3" and not self.backend.reads_fp8_kv:
+            raise ValueError(
+                f"kv_cache_dtype 'fp8_e4m3' runs on the torch and cpu kernels; the {self.backend.name} kernels "
+                "do not read an FP8 KV cache yet"
+            )
         self.model = load_model(mc, self.device, self.backend)
         self.tokenizer = Tokenizer.from_pretrained(mc.path) if (mc.path / "tokenizer.json").is_file() else None
         self.eos_token_ids = _eos_token_ids(mc, self.tokenizer)
 
         spec = self.model.kv_cache_spec(cfg.block_size)
+        if cfg.kv_cache_dtype == "fp8_e4m3":
+            spec = replace(spec, dtype=KV_FP8_DTYPE)  # the attention layers scale values in and out
         num_blocks = spec.num_blocks_for(self._kv_budget(spec))
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)

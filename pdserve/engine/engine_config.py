@@ -7,6 +7,8 @@ import msgspec
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# auto: the KV cache in the model dtype; fp8_e4m3: float8_e4m3fn with per-layer scales.
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3")
 # The batch and token budget a worker starts with; the live knobs (discovery/knobs.py) start here too.
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -35,12 +37,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPE_CHOICES
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {self.device!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+# kv_cache_dtype "fp8_e4m3": values are stored divided by their layer's scale (models/kv_quant.py).
+KV_FP8_DTYPE = torch.float8_e4m3fn
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

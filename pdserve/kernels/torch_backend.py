@@ -39,7 +39,7 @@ def attend_cached(
     for i in range(nd, meta.num_seqs):
         qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         blocks = gather_kv(layer_cache, meta.block_tables[i, : -(-seq_len // meta.block_size)])
-        k, v = (_contiguous(x, seq_len) for x in blocks)
+        k, v = (_contiguous(x, seq_len).to(q.dtype) for x in blocks)
         qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, qlen, D]
         if qlen == seq_len:
             out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -115,6 +115,7 @@ def mla_gather(v_dim: int) -> GatherKV:
 
 class TorchBackend(Backend):
     name = "torch"
+    reads_fp8_kv = True  # gathered blocks are upcast to the query's dtype (exact from FP8)
 
     def logits(self, hidden, lm_head):
         # (lm_head · hiddenᵀ)ᵀ, a transposed view: with few rows MKL splits this orientation

@@ -71,7 +71,7 @@ class PrefillService(WorkerServicer):
         metrics.prefill_seconds.observe(first_token - scheduled)
         metrics.prompt_admitted(final.num_prompt_tokens, final.num_cached_tokens)
         metrics.request_ended("prefilled")
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             worker_id=self.runtime.worker_id,
             first_token_id=final.token_ids[0],
             block_ids=final.held_block_ids,

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pdserve.cli.common import add_field_option, field_default, from_options, read_config
+from pdserve.cli.common import add_engine_args, add_field_option, field_default, from_options, read_config
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
 
@@ -62,3 +62,13 @@ def test_a_bad_config_file_is_refused_naming_the_file_and_the_field(tmp_path: Pa
 def test_a_missing_config_file_is_one_clear_error(tmp_path: Path):
     with pytest.raises(ValueError, match="No such file"):
         read_config(str(tmp_path / "absent.json"), WorkerConfig)
+
+
+def test_the_kv_cache_dtype_option_sets_the_engine_field():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert from_options(parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]), EngineConfig).kv_cache_dtype == "fp8_e4m3"
+    assert from_options(parser.parse_args([]), EngineConfig).kv_cache_dtype == "auto"
+    assert "fp8_e4m3" in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])

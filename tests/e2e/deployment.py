@@ -24,6 +24,7 @@ from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.launch.supervisor import RestartPolicy
@@ -70,8 +71,11 @@ class Deployment:
         client_tls: ClientTLS | None = None,
         etcd_auth: EtcdAuth = EtcdAuth(),
         api_keys: tuple[str, ...] = (),
+        prefill_engine: EngineConfig | None = None,
+        decode_engine: EngineConfig | None = None,
     ) -> None:
-        """``restart``: by default a child that dies stays dead (tests kill workers to see the
+        """``prefill_engine`` and ``decode_engine``: each role's engine options (default the defaults).
+        ``restart``: by default a child that dies stays dead (tests kill workers to see the
         rest cope); pass a policy to have them restarted as ``pdserve up`` does.
         ``worker_fields`` and ``frontend_fields`` add to the children's configurations (TLS,
         etcd credentials); ``client_tls`` is how the test's client reaches the public API, and
@@ -80,11 +84,12 @@ class Deployment:
         self.etcd_auth = etcd_auth
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
-                              num_threads=1, **(worker_fields or {}))  # fmt: skip
+                              num_threads=1, engine=prefill_engine or EngineConfig(), **(worker_fields or {}))  # fmt: skip
         frontend = FrontendConfig(etcd=etcd, port=0, http_port=0, api_keys=list(api_keys),
                                   router=RouterConfig(disaggregation=disaggregation), **(frontend_fields or {}))  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
-            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"), frontend=frontend, etcd=etcd,
+            prefill=worker, decode=msgspec.structs.replace(worker, role="decode", engine=decode_engine or EngineConfig()),
+            frontend=frontend, etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30, restart=restart,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()

@@ -47,6 +47,16 @@ def test_each_differing_field_is_named(field, value):
     assert info.value.field == field and field in str(info.value)
 
 
+def test_an_fp8_cache_is_described_by_its_dtype_at_half_the_bytes():
+    fp8_spec = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.float8_e4m3fn, is_mla=False, num_kv_heads=4,
+                           head_dim=64)  # fmt: skip
+    layout = KVLayout.from_spec(fp8_spec, "llama", 2, 1)
+    assert layout.dtype == "float8_e4m3fn" and layout.bytes_per_block * 2 == KVLayout.from_spec(GQA_SPEC, "llama", 2, 1).bytes_per_block
+    with pytest.raises(LayoutMismatch) as info:
+        check_compatible(layout, KVLayout.from_spec(GQA_SPEC, "llama", 2, 1))
+    assert info.value.field == "dtype"
+
+
 def test_tp_may_differ_but_total_heads_may_not():
     check_compatible(gqa(tp_size=2, tp_rank=1), gqa(tp_size=4, tp_rank=3))
     check_compatible(mla(tp_size=1), mla(tp_size=8, tp_rank=5))

@@ -156,3 +156,27 @@ def test_layout_mismatch_is_rejected_before_any_byte_moves(gqa, tmp_path):
     finally:
         bad.stop()
     settle(P)  # freed at its deadline
+
+
+@pytest.mark.slow
+def test_an_fp8_cache_and_a_bfloat16_one_are_refused_before_any_byte_moves(tmp_path):
+    """A decode worker on kv_cache_dtype fp8_e4m3 and a prefill worker on bfloat16 hold the
+    same blocks in different bytes: the descriptor's dtype refuses the pair. Two peers of its
+    own (not the session's six), so it starts quickly on a busy machine."""
+    P, fp8 = start_all([
+        p.PeerConfig(name="bf16-P", seed=5, **GQA), p.PeerConfig(name="fp8-D", **{**GQA, "dtype": "float8_e4m3fn"}),
+    ])  # fmt: skip
+    try:
+        reply = fp8.add_peer(P)
+        assert not reply.ok and reply.field == "dtype", reply
+        assert "float8_e4m3fn" in reply.error and "bfloat16" in reply.error
+        reply = P.request(p.Hold("fp8-mismatch-1", 8, deadline_s=1.0))  # nobody will notify
+        assert isinstance(reply, p.Held)
+        result = pull(fp8, p.Pull("fp8-mismatch-1", [P.cfg.name], reply.block_ids, 8))
+        assert not result.ok and "unknown" in result.error
+        assert not fp8.dump(tmp_path / "fp8.bin").view(torch.uint8).any(), "bytes moved"
+        fp8.assert_pool_whole()
+        settle(P)  # freed at its deadline
+    finally:
+        fp8.stop()
+        P.stop()

@@ -12,7 +12,9 @@ import torch
 
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import kv_quant
 from pdserve.engine.models.base import DecoderModel
+from pdserve.engine.models.kv_quant import KVScales
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
@@ -47,6 +49,7 @@ class MLAttention:
         self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * self.v_dim, hidden, backend, bias)
         self.backend = backend
         self.cos_sin = cos_sin
+        self.kv_scale = KVScales.from_checkpoint(ckpt, prefix).k_scale  # the latent's, keys and values alike
         # DeepSeek's v2 and v3 checkpoints store rope dims interleaved (pairs 2i, 2i+1).
         self.interleaved = config.architecture == "DeepseekV2ForCausalLM" or bool(config.get("rope_interleave", True))
         self.scale = qk_dim**-0.5
@@ -67,12 +70,17 @@ class MLAttention:
         k_pe = kv_a[:, self.kv_lora_rank :].unsqueeze(1)  # one rope key shared by all heads
         q_pe = self.backend.rotary(q_pe, positions, self.cos_sin, self.interleaved)
         k_pe = self.backend.rotary(k_pe, positions, self.cos_sin, self.interleaved)
-        self.backend.write_latent(cache, torch.cat((latent, k_pe.squeeze(1)), dim=-1), meta.slot_mapping)
+        entry = torch.cat((latent, k_pe.squeeze(1)), dim=-1)
+        fp8 = kv_quant.is_fp8(cache)
+        self.backend.write_latent(cache, kv_quant.quantize(entry, self.kv_scale) if fp8 else entry, meta.slot_mapping)
 
         q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
         out_latent = self.backend.mla_attention(
-            torch.cat((q_latent, q_pe), dim=-1), cache, meta, self.scale, self.kv_lora_rank
+            torch.cat((q_latent, q_pe), dim=-1), cache, meta, self.scale * self.kv_scale if fp8 else self.scale,
+            self.kv_lora_rank,
         )
+        if fp8 and self.kv_scale != 1.0:
+            out_latent = out_latent * self.kv_scale
         out = torch.einsum("thl,hvl->thv", out_latent, self.w_uv)  # [T, H, v]
         return self.o_proj(out.flatten(1))
 

@@ -13,7 +13,9 @@ import torch
 
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import kv_quant
 from pdserve.engine.models.base import DecoderModel
+from pdserve.engine.models.kv_quant import KVScales
 from pdserve.engine.models.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
 from pdserve.engine.models.moe import MoE
 from pdserve.engine.weights import Checkpoint
@@ -38,6 +40,7 @@ class GQAttention:
         self.backend = backend
         self.cos_sin = cos_sin
         self.scale = head_dim**-0.5
+        self.kv_scales = KVScales.from_checkpoint(ckpt, prefix)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -49,8 +52,15 @@ class GQAttention:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
         q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
         k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
-        self.backend.write_kv(cache, k, v, meta.slot_mapping)
-        out = self.backend.paged_attention(q, cache, meta, self.scale)
+        if not kv_quant.is_fp8(cache):
+            self.backend.write_kv(cache, k, v, meta.slot_mapping)
+            out = self.backend.paged_attention(q, cache, meta, self.scale)
+        else:
+            s = self.kv_scales
+            self.backend.write_kv(cache, kv_quant.quantize(k, s.k_scale), kv_quant.quantize(v, s.v_scale), meta.slot_mapping)
+            out = self.backend.paged_attention(q, cache, meta, self.scale * s.k_scale)
+            if s.v_scale != 1.0:
+                out = out * s.v_scale
         return self.o_proj(out.flatten(1))
 
 
