@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.launch.etcd_process import find_etcd
 from tests.e2e.deployment import UpProcess, bound_port
 
 pytestmark = pytest.mark.slow
@@ -68,6 +69,13 @@ def _workers(registry: str) -> list[dict]:
     return json.loads(listed.stdout)
 
 
+def _etcdctl(registry: str, *args: str) -> str:
+    done = subprocess.run([str(find_etcd().with_name("etcdctl")), f"--endpoints={registry}", *args],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def _generate(port: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
@@ -114,10 +122,13 @@ def test_killed_children_come_back_and_sigterm_still_stops_all(checkpoints, tmp_
         result = _generate(port)
         assert result.returncode == 0, result.stderr
 
-        # The embedded etcd SIGKILLed comes back on its URL with its data: the workers are still listed.
+        # The embedded etcd SIGKILLed comes back on its URL with its data (a key no one rewrites
+        # survives), and the workers are listed again.
+        assert _etcdctl(registry, "put", "/pdserve-test/kept", "yes").strip() == "OK"
         [etcd_pid] = [pid for pid in _children(up.process.pid) if _exe(pid).endswith("etcd")]
         os.kill(etcd_pid, signal.SIGKILL)
         _eventually(lambda: "etcd is back" in up.output, 30, "etcd to restart", up)
+        assert _etcdctl(registry, "get", "--print-value-only", "/pdserve-test/kept").strip() == "yes"
         assert sorted(w["role"] for w in _workers(registry)) == ["decode", "prefill"]
         assert _metric(up, "pdserve_child_restarts", "etcd") == 1
 
