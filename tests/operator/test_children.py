@@ -113,3 +113,14 @@ def test_an_undeployable_spec_names_its_field(change, field: str) -> None:
     change(body["spec"])
     with pytest.raises((SpecError, ValueError), match=field.replace(".", r"\.")):
         desired_children(parse_spec(body), OWNER, ETCD, False)
+
+
+@pytest.mark.parametrize("name", ["llama-small.yaml", "deepseek-v3.yaml"])
+def test_every_child_is_a_valid_kubernetes_object(name: str) -> None:
+    import kubernetes_validate
+
+    body = example(name)
+    body["spec"]["tls"] = {"secretName": "tls"}
+    body["spec"]["planner"] = {"enabled": True, "profileConfigMap": "profile", "serviceAccountName": "planner"}
+    for obj in children(body).values():
+        kubernetes_validate.validate(obj, "1.25", strict=True)

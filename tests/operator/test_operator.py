@@ -158,3 +158,35 @@ def test_a_group_larger_than_a_node_says_it_needs_leader_worker_set(kube, operat
     assert degraded["reason"] == "LeaderWorkerSetRequired" and "spec.decode" in degraded["message"]
     assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node still deploys
     assert deployment(kube, namespace, f"{name}-decode") is None
+
+
+LWS_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {
+        "group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+        "names": {"kind": "LeaderWorkerSet", "plural": "leaderworkersets", "singular": "leaderworkerset"},
+        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                      "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+    },
+}  # fmt: skip
+
+
+def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, operator, namespace) -> None:
+    # The LeaderWorkerSet API only (its controller is not needed to see the operator's object).
+    crd_path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{LWS_CRD['metadata']['name']}"
+    kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=LWS_CRD)
+    try:
+        wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace)) is not None, 30, "the LWS API")
+        body = load(CHART / "examples" / "deepseek-v3.yaml")
+        body["spec"]["decode"]["dataParallelSize"] = 16
+        created = create(kube, namespace, body)
+        name = created["metadata"]["name"]
+        lws = wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace, f"{name}-decode")), 30,
+                       "the decode LeaderWorkerSet")  # fmt: skip
+        assert lws["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2 and lws["spec"]["replicas"] == 2
+        degraded = wait_for(lambda: condition(resource(kube, namespace, name), "Degraded"), 30, "the status")
+        assert degraded["status"] == "False", degraded
+    finally:
+        kube.delete(crd_path)
