@@ -61,9 +61,10 @@ def test_engine_args_roll_only_their_pool_and_replicas_roll_nothing() -> None:
     scaled["spec"]["decode"]["replicas"] = 5
     after = children(scaled)
     assert after[("Deployment", "llama-decode")]["spec"]["replicas"] == 5
-    assert after[("Deployment", "llama-decode")]["spec"]["template"] == before[("Deployment", "llama-decode")]["spec"][
-        "template"
-    ]
+    assert (
+        after[("Deployment", "llama-decode")]["spec"]["template"]
+        == before[("Deployment", "llama-decode")]["spec"]["template"]
+    )
 
 
 def test_worker_pods_drain_before_they_stop() -> None:
