@@ -70,7 +70,7 @@ class Reconciler:
         try:
             await reconcile(self.kube, namespace, name, self.settings)
         except (ApiException, OSError, TimeoutError) as error:
-            reason = f"{error.status} {error.reason}" if isinstance(error, ApiException) else repr(error)
+            reason = f"{error.status} {error.reason}: {error.body}" if isinstance(error, ApiException) else repr(error)
             logger.warning("reconcile of %s/%s failed: %s", namespace, name, reason)
             self.metrics.reconciles.labels("error").inc()
             self.metrics.errors.labels(type(error).__name__).inc()

@@ -43,8 +43,8 @@ def kube_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeServer
 
 def _crd_established(kube: Kube) -> bool:
     crd = kube.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdservedeployments.pdserve.io")
-    return any(c["type"] == "Established" and c["status"] == "True" for c in (crd or {}).get("status", {}).get(
-        "conditions", []))  # fmt: skip
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
 @pytest.fixture(scope="session")
