@@ -82,6 +82,22 @@ def config_map(owner: Owner, files: dict[str, str]) -> dict[str, Any]:
             "data": files}  # fmt: skip
 
 
+# Server-side apply merges port lists by (port, protocol) and types quantities as strings; an
+# applied object must spell both out (the API server's defaulting does not run before the merge).
+def _port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _service_port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+
+
+def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
+    """``limits: {nvidia.com/gpu: 8}`` as ``"8"``: a quantity is a string in the API's schema."""
+    return {key: {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
+            for key, value in resources.items()}  # fmt: skip
+
+
 def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[dict], list[dict]]:
     volumes = [{"name": "config", "configMap": {"name": child_name(owner, "config")}},
                {"name": "cache", "emptyDir": {}}]  # fmt: skip
@@ -123,26 +139,25 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
         "volumeMounts": mounts,
-        "ports": [{"name": "metrics", "containerPort": cmd.METRICS_PORT}],
+        "ports": [_port("metrics", cmd.METRICS_PORT)],
     }
     pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
                            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}}  # fmt: skip
     if component in POOLS:
         pool: PoolSpec = getattr(spec, component)
         container["args"] = argv + cmd.pod_worker_args()
-        container["ports"].append({"name": "grpc", "containerPort": cmd.WORKER_PORT})
+        container["ports"].append(_port("grpc", cmd.WORKER_PORT))
         container["readinessProbe"] = {"tcpSocket": {"port": cmd.WORKER_PORT}, "periodSeconds": 5}
         container["lifecycle"] = {"preStop": {"exec": {"command": cmd.prestop_command(pool, component)}}}
         if pool.resources:
-            container["resources"] = pool.resources
+            container["resources"] = _quantities(pool.resources)
         pod["terminationGracePeriodSeconds"] = cmd.grace_seconds(pool, component)
         if pool.node_selector:
             pod["nodeSelector"] = pool.node_selector
         if pool.tolerations:
             pod["tolerations"] = pool.tolerations
     elif component == "frontend":
-        container["ports"] += [{"name": "grpc", "containerPort": spec.frontend.grpc_port},
-                               {"name": "http", "containerPort": spec.frontend.http_port}]  # fmt: skip
+        container["ports"] += [_port("grpc", spec.frontend.grpc_port), _port("http", spec.frontend.http_port)]
         container["readinessProbe"] = {"tcpSocket": {"port": spec.frontend.grpc_port}, "periodSeconds": 5}
     if component == "planner" and spec.planner.service_account_name:
         pod["serviceAccountName"] = spec.planner.service_account_name
@@ -184,13 +199,12 @@ def leader_worker_set(spec: DeploymentSpec, owner: Owner, role: str, files: dict
 def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any]:
     """The frontend's Service (the public API); a headless one per pool (metrics scraping)."""
     if component == "frontend":
-        ports = [{"name": "grpc", "port": spec.frontend.grpc_port, "targetPort": "grpc"},
-                 {"name": "http", "port": spec.frontend.http_port, "targetPort": "http"},
-                 {"name": "metrics", "port": cmd.METRICS_PORT, "targetPort": "metrics"}]  # fmt: skip
+        ports = [_service_port("grpc", spec.frontend.grpc_port), _service_port("http", spec.frontend.http_port),
+                 _service_port("metrics", cmd.METRICS_PORT)]  # fmt: skip
         body: dict[str, Any] = {"type": spec.frontend.service_type, "ports": ports}
         name = owner.name
     else:
-        body = {"clusterIP": "None", "ports": [{"name": "metrics", "port": cmd.METRICS_PORT, "targetPort": "metrics"}]}
+        body = {"clusterIP": "None", "ports": [_service_port("metrics", cmd.METRICS_PORT)]}
         name = child_name(owner, component)
     body["selector"] = selector(owner, component)
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(owner, name, component), "spec": body}

@@ -70,7 +70,7 @@ class Reconciler:
         try:
             await reconcile(self.kube, namespace, name, self.settings)
         except (ApiException, OSError, TimeoutError) as error:
-            reason = f"{error.status} {error.reason}" if isinstance(error, ApiException) else repr(error)
+            reason = f"{error.status} {error.reason}: {error.body}" if isinstance(error, ApiException) else repr(error)
             logger.warning("reconcile of %s/%s failed: %s", namespace, name, reason)
             self.metrics.reconciles.labels("error").inc()
             self.metrics.errors.labels(type(error).__name__).inc()
@@ -116,12 +116,11 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     """The API server the operator was configured for (not the ``kubernetes`` package's
     import-time default, which read ``$KUBECONFIG`` before the command line was parsed)."""
     c = _current().configuration
-    token = (c.api_key or {}).get("authorization") or (c.api_key or {}).get("BearerToken")
-    scheme = (c.api_key_prefix or {}).get("authorization")
-    if token and scheme is None and " " in token:
-        scheme, token = token.split(" ", 1)
+    # Through the client's own getter: an in-cluster configuration re-reads the rotated token there.
+    credential = c.get_api_key_with_prefix("authorization") or ""
+    scheme, _, token = credential.partition(" ") if " " in credential else (None, "", credential)
     return kopf.ConnectionInfo(
-        server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl, scheme=scheme, token=token,
+        server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl, scheme=scheme, token=token or None,
         certificate_path=c.cert_file, private_key_path=c.key_file,
     )  # fmt: skip
 

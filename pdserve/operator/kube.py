@@ -24,6 +24,7 @@ CALL_TIMEOUT_S = 10.0
 KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PDServeDeployment": ("/apis/pdserve.io/v1alpha1", "pdservedeployments"),
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
@@ -69,13 +70,15 @@ class Kube:
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         """One call; the decoded JSON reply. ApiException on an error status."""
-        response = self.api.call_api(
-            path, method, query_params=list((query or {}).items()),
+        request = self.api.param_serialize(
+            method, path, query_params=list((query or {}).items()),
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body, auth_settings=["BearerToken"], _preload_content=False,
-            _request_timeout=CALL_TIMEOUT_S,
+            body=body, auth_settings=["BearerToken"],
         )  # fmt: skip
-        data = response[0].data if isinstance(response, tuple) else response.data
+        response = self.api.call_api(*request, _request_timeout=CALL_TIMEOUT_S)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
         return json.loads(data) if data else {}
 
     def get(self, path: str) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ reconcile reads them like any other field, so it follows the planner instead of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -68,15 +69,22 @@ async def reconcile(kube: Kube, namespace: str, name: str, settings: Settings) -
         view = await sync_registry(etcd, spec)
     else:
         view = RegistryView(None)
-    observed = Observed(**{**observed.__dict__, "registered": view.registered, "registry_error": view.error})
+    observed = dataclasses.replace(observed, registered=view.registered, registry_error=view.error)
     status = build_status(observed, previous, now())
     await _write_status(kube, path, previous, status)
     return status
 
 
 async def _write_status(kube: Kube, path: str, previous: dict | None, status: dict[str, Any]) -> None:
-    if previous != status:
+    # A None is a field to remove (a merge patch's null); the stored status has no such key.
+    if previous != _without_none(status):
         await asyncio.to_thread(kube.patch_status, path, status)
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, Any]]) -> None:
@@ -127,4 +135,3 @@ async def resync_all(kube: Kube, namespace: str | None) -> list[tuple[str, str]]
     path = object_path("PDServeDeployment", namespace)
     items = await asyncio.to_thread(kube.list, path)
     return [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in items]
-

@@ -43,8 +43,8 @@ def build_status(observed: Observed, previous: dict[str, Any] | None, now: str) 
         desired = observed.desired.get(component, 0)
         ready = observed.ready.get(component, 0)
         entry: dict[str, Any] = {"desired": desired, "ready": ready, "readyOfDesired": f"{ready}/{desired}"}
-        if component in POOLS and observed.registered is not None:
-            entry["registered"] = observed.registered.get(component, 0)
+        if component in POOLS:  # None (unknown: etcd unreadable) removes a stale count
+            entry["registered"] = None if observed.registered is None else observed.registered.get(component, 0)
         status[component] = entry
 
     unavailable = [c for c in (*POOLS, "frontend") if observed.desired.get(c, 0) > 0 and observed.ready.get(c, 0) < 1]

@@ -6,43 +6,12 @@ record them where its platform shows them. ``KubernetesConnector`` patches pdser
 resource and leaves the pods to the operator.
 
 The custom resource (group ``pdserve.io``, version ``v1alpha1``, kind ``PDServeDeployment``,
-plural ``pdservedeployments``), one per served model::
-
-    spec:
-      model: /models/Llama-3.1-8B       # path or name the workers load
-      prefill:                          # the prefill pool
-        replicas: 2                     # desired; the planner patches this field only
-        resources: {...}                # a pod's requests/limits (GPUs per replica)
-        engineArgs: {dtype: bfloat16, maxNumBatchedTokens: 2048, ...}  # start-up args
-      decode: {replicas: 4, resources: {...}, engineArgs: {maxNumSeqs: 64, ...}}
-      frontend: {replicas: 1, port: 8000}
-      slo:                              # mirrored into etcd as SLOTargets
-        ttftP90: 500ms
-        itlP90: 50ms
-        e2eP90: 30s                     # optional
-        minPrefillReplicas: 1
-        maxPrefillReplicas: 8
-        minDecodeReplicas: 1
-        maxDecodeReplicas: 8
-      tuning:                           # live knobs, mirrored here by the planner
-        decodeMaxNumSeqs: 64
-        decodeMaxNumBatchedTokens: 2048
-        prefillChunkSize: 2048
-        localPrefillThresholdTokens: 0
-      etcd: {endpoints: ["http://etcd:2379"]}   # or absent: the chart's own etcd
-    status:
-      prefillReady: 2                   # replicas registered in etcd and serving
-      decodeReady: 4
-      observedGeneration: 7
-      conditions: [{type: Available | Progressing | Degraded, status, reason, message}]
-
-For the operator: ``replicas`` of each pool is the only field the planner writes, so a
-reconcile loop that owns the rest of ``spec`` never fights it; a pool's replicas are
-honoured within the ``slo`` bounds (the planner already keeps to them). A change to
-``engineArgs`` rolls the pool's pods; a change to ``tuning`` must not: the planner has
-already stored the same knobs in etcd, where the workers apply them live, so ``tuning`` is
-there for ``kubectl`` readers and needs no reconciling. Scale-down should drain
-(mark the worker draining in etcd, wait for its requests, then delete the pod), never kill.
+plural ``pdservedeployments``), one per served model, is defined by the CRD in
+``charts/pdserve/crds/pdservedeployments.yaml`` and reconciled by ``pdserve operator``
+(``pdserve/operator``). This connector writes only ``spec.prefill.replicas``,
+``spec.decode.replicas`` and the ``spec.tuning`` mirror of the knobs; the operator owns the
+rest, so the two never fight. A replicas change only resizes a pool (its pods drain in their
+preStop before they go); ``tuning`` rolls nothing, since workers already follow the knobs in etcd.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ def kube_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeServer
     warnings.filterwarnings("ignore", category=urllib3.exceptions.InsecureRequestWarning)
     server = KubeServer(tmp_path_factory.mktemp("kube")).start()
     kube = Kube(server.configuration())
-    kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=yaml.safe_load(CRD.read_text()))
+    kube.request(
+        "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=yaml.safe_load(CRD.read_text())
+    )
     wait_for(lambda: _crd_established(kube), 30, "the CRD to be established")
     kube.close()
     yield server
@@ -41,8 +43,8 @@ def kube_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeServer
 
 def _crd_established(kube: Kube) -> bool:
     crd = kube.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/pdservedeployments.pdserve.io")
-    return any(c["type"] == "Established" and c["status"] == "True" for c in (crd or {}).get("status", {}).get(
-        "conditions", []))  # fmt: skip
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +62,9 @@ def operator(kube_server: KubeServer) -> Iterator[handlers.Reconciler]:
     assert kube_server.etcd is not None
     reconciler = handlers.Reconciler(kube_server.configuration(), None, Settings(default_etcd=kube_server.etcd.url))
     handlers.configure(reconciler)
-    with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "pdserve.operator.handlers"], timeout=60) as runner:
+    with KopfRunner(
+        ["run", "--standalone", "--all-namespaces", "-m", "pdserve.operator.handlers"], timeout=60
+    ) as runner:
         yield reconciler
     assert runner.exit_code == 0, runner.output
 
@@ -68,7 +72,9 @@ def operator(kube_server: KubeServer) -> Iterator[handlers.Reconciler]:
 @pytest.fixture
 def namespace(kube: Kube) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    kube.request(
+        "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
     yield name
     kube.delete(f"/api/v1/namespaces/{name}")
 

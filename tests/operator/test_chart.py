@@ -30,8 +30,12 @@ VALUES_MATRIX = {
     "external-etcd": ["--set", "etcd.enabled=false", "--set", "etcd.endpoint=http://etcd.infra:2379"],
     "etcd-persistent": ["--set", "etcd.persistence.enabled=true", "--set", "etcd.persistence.storageClassName=ssd"],
     "own-service-account": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"],
-    "prometheus-and-policy-v1": ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
-                                 "--api-versions", "policy/v1/PodDisruptionBudget"],  # fmt: skip
+    "prometheus-and-policy-v1": [
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "--api-versions",
+        "policy/v1/PodDisruptionBudget",
+    ],  # fmt: skip
 }
 
 
@@ -66,7 +70,9 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     assert has("ServiceAccount") == (case != "own-service-account")
     operator = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     env = {e["name"]: e["value"] for e in operator["containers"][0]["env"]}
-    assert env["PDSERVE_ETCD"] == ("http://etcd.infra:2379" if case == "external-etcd" else "http://rel-pdserve-etcd.pds.svc:2379")
+    assert env["PDSERVE_ETCD"] == (
+        "http://etcd.infra:2379" if case == "external-etcd" else "http://rel-pdserve-etcd.pds.svc:2379"
+    )
     args = operator["containers"][0]["args"]
     assert ("--namespace=llm" in args) == (case == "one-namespace") and ("--all-namespaces" in args) != (
         case == "one-namespace")  # fmt: skip

@@ -61,9 +61,10 @@ def test_engine_args_roll_only_their_pool_and_replicas_roll_nothing() -> None:
     scaled["spec"]["decode"]["replicas"] = 5
     after = children(scaled)
     assert after[("Deployment", "llama-decode")]["spec"]["replicas"] == 5
-    assert after[("Deployment", "llama-decode")]["spec"]["template"] == before[("Deployment", "llama-decode")]["spec"][
-        "template"
-    ]
+    assert (
+        after[("Deployment", "llama-decode")]["spec"]["template"]
+        == before[("Deployment", "llama-decode")]["spec"]["template"]
+    )
 
 
 def test_worker_pods_drain_before_they_stop() -> None:
@@ -113,3 +114,14 @@ def test_an_undeployable_spec_names_its_field(change, field: str) -> None:
     change(body["spec"])
     with pytest.raises((SpecError, ValueError), match=field.replace(".", r"\.")):
         desired_children(parse_spec(body), OWNER, ETCD, False)
+
+
+@pytest.mark.parametrize("name", ["llama-small.yaml", "deepseek-v3.yaml"])
+def test_every_child_is_a_valid_kubernetes_object(name: str) -> None:
+    import kubernetes_validate
+
+    body = example(name)
+    body["spec"]["tls"] = {"secretName": "tls"}
+    body["spec"]["planner"] = {"enabled": True, "profileConfigMap": "profile", "serviceAccountName": "planner"}
+    for obj in children(body).values():
+        kubernetes_validate.validate(obj, "1.25", strict=True)

@@ -3,7 +3,9 @@ rolls and is garbage-collected; invalid resources are refused naming the field."
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,8 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.operator.children import CONFIG_HASH, DEPLOYMENT_LABEL
 from pdserve.operator.kube import Kube, object_path
 from tests.operator.conftest import CHART, make_pods_ready, wait_for
@@ -43,7 +47,9 @@ def deployment(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_an_example_deploys_owned_children_and_reports_its_conditions(kube, operator, namespace, example) -> None:
+def test_an_example_deploys_owned_children_and_reports_its_conditions(
+    kube, kube_server, operator, namespace, example
+) -> None:
     created = create(kube, namespace, load(example))
     name, uid = created["metadata"]["name"], created["metadata"]["uid"]
     wanted = [("Deployment", f"{name}-{c}") for c in ("frontend", "prefill", "decode")]
@@ -73,6 +79,38 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(kube, oper
                     and condition(b, "Progressing")["status"] == "False" and b, 60, "Available")  # fmt: skip
     ready = body["status"]["decode"]["readyOfDesired"]
     assert ready == f"{spec['decode']['replicas']}/{spec['decode']['replicas']}"
+
+    # The status counts the workers registered in etcd (rebuilt on the periodic resync).
+    model = spec["model"].get("name") or spec["model"]["path"].rsplit("/", 1)[-1]
+    key = asyncio.run(put_worker(kube_server.etcd.url, model, f"decode-{namespace}"))
+    try:
+        wait_for(lambda: resource(kube, namespace, name)["status"]["decode"].get("registered") == 1, 45,
+                 "status.decode.registered to count the worker in etcd")  # fmt: skip
+    finally:
+        asyncio.run(delete_key(kube_server.etcd.url, key))
+
+
+async def put_worker(url: str, model: str, worker_id: str) -> str:
+    """A decode worker's registry entry, as a worker writes it; its key."""
+    entry = WorkerEntry(
+        worker_id=worker_id, role="decode", model=model, model_path="/models/x", endpoint="10.1.0.1:50051",
+        nixl=b"", block_size=16, num_kv_blocks=64, max_model_len=2048, vocab_size=320, max_num_seqs=64,
+        started_at=time.time(),
+    )  # fmt: skip
+    client = await connect(url)
+    try:
+        await client.put(entry.key.encode(), encode_entry(entry))
+    finally:
+        await close_quietly(client)
+    return entry.key
+
+
+async def delete_key(url: str, key: str) -> None:
+    client = await connect(url)
+    try:
+        await client.delete(key.encode())
+    finally:
+        await close_quietly(client)
 
 
 def test_replicas_scale_the_pool_and_engine_args_roll_it(kube, operator, namespace) -> None:
@@ -158,3 +196,35 @@ def test_a_group_larger_than_a_node_says_it_needs_leader_worker_set(kube, operat
     assert degraded["reason"] == "LeaderWorkerSetRequired" and "spec.decode" in degraded["message"]
     assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node still deploys
     assert deployment(kube, namespace, f"{name}-decode") is None
+
+
+LWS_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
+    "spec": {
+        "group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+        "names": {"kind": "LeaderWorkerSet", "plural": "leaderworkersets", "singular": "leaderworkerset"},
+        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
+                      "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+    },
+}  # fmt: skip
+
+
+def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, operator, namespace) -> None:
+    # The LeaderWorkerSet API only (its controller is not needed to see the operator's object).
+    crd_path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{LWS_CRD['metadata']['name']}"
+    kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=LWS_CRD)
+    try:
+        wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace)) is not None, 30, "the LWS API")
+        body = load(CHART / "examples" / "deepseek-v3.yaml")
+        body["spec"]["decode"]["dataParallelSize"] = 16
+        created = create(kube, namespace, body)
+        name = created["metadata"]["name"]
+        lws = wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace, f"{name}-decode")), 30,
+                       "the decode LeaderWorkerSet")  # fmt: skip
+        assert lws["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2 and lws["spec"]["replicas"] == 2
+        degraded = wait_for(lambda: condition(resource(kube, namespace, name), "Degraded"), 30, "the status")
+        assert degraded["status"] == "False", degraded
+    finally:
+        kube.delete(crd_path)
