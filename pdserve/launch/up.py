@@ -57,11 +57,14 @@ class UpSpec:
 def up(spec: UpSpec) -> int:
     """Serve until SIGINT or SIGTERM (0), or until a child dies or fails to start (1).
 
-    Raises ValueError, before anything starts, when the model directory has no config.json
-    or the frontend's port is taken.
+    Raises ValueError, before anything starts, when the model is neither a GGUF file nor a
+    directory with a config.json, or the frontend's port is taken.
     """
-    model = spec.cluster.decode.model
-    if not (Path(model) / "config.json").is_file():
+    model = Path(spec.cluster.decode.model)
+    if model.suffix.lower() == ".gguf":
+        if not model.is_file():
+            raise ValueError(f"GGUF file not found: {model}")
+    elif not (model / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
     _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
     return asyncio.run(_serve(_with_thread_share(spec)))
