@@ -17,13 +17,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import _type_traits as _GGUF_TYPES  # the types gguf.quants (de)quantizes
 from gguf.quants import dequantize as gguf_dequantize
 
 Q = GGMLQuantizationType
 
 
-class UnsupportedQuantType(ValueError):
-    """A ggml type that neither pdserve nor the ``gguf`` package can dequantize."""
+_OWN = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1})
+
+
+def can_dequantize(qtype: GGMLQuantizationType) -> bool:
+    """Whether pdserve or the ``gguf`` package dequantizes ``qtype``."""
+    return qtype in _OWN or qtype in _GGUF_TYPES
 
 
 def _halves(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -37,10 +42,8 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of ``raw`` (the tensor's bytes, uint8) of type ``qtype``, in ``shape``.
-
-    Raises ``UnsupportedQuantType`` naming the type when it cannot be dequantized.
-    """
+    """The float32 values of ``raw`` (the tensor's bytes, uint8) of type ``qtype``, in ``shape``;
+    ``qtype`` is one ``can_dequantize`` accepts."""
     data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
     if qtype == Q.F32:
         return data.view(torch.float32).reshape(shape)
@@ -58,8 +61,4 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         blocks = data.view(-1, 20)
         return (_nibbles(blocks[:, 4:]) * _halves(blocks, 0) + _halves(blocks, 2)).reshape(shape)
     rows = raw.reshape(-1, raw.size // max(1, int(np.prod(shape[:-1]))))
-    try:
-        values = gguf_dequantize(rows, qtype)
-    except NotImplementedError:
-        raise UnsupportedQuantType(f"{qtype.name}, a ggml type pdserve cannot dequantize") from None
-    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(shape)
+    return torch.from_numpy(np.asarray(gguf_dequantize(rows, qtype), dtype=np.float32)).reshape(shape)

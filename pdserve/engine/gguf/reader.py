@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pdserve.engine.gguf.dequant import UnsupportedQuantType, dequantize
+from pdserve.engine.gguf.dequant import can_dequantize, dequantize
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -216,15 +216,17 @@ class GGUFFile:
             qtype = GGMLQuantizationType(tensor.type_id)
         except ValueError:
             raise GGUFError(f"{self.path}: tensor {name} has {tensor.type_name}") from None
+        if not can_dequantize(qtype):
+            raise GGUFError(f"{self.path}: tensor {name} is {qtype.name}, a ggml type pdserve cannot dequantize")
         raw = np.frombuffer(self._map, dtype=np.uint8, count=tensor.nbytes, offset=tensor.start)
-        try:
-            return dequantize(raw, qtype, tensor.shape)
-        except UnsupportedQuantType as error:
-            raise GGUFError(f"{self.path}: tensor {name} is {error}") from None
+        return dequantize(raw, qtype, tensor.shape)
 
     def close(self) -> None:
         """Unmap the file; tensors returned by ``read`` stay valid (they are copies)."""
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still referenced (by a traceback, say): the mapping goes with it
 
     def __enter__(self) -> GGUFFile:
         return self
