@@ -45,3 +45,11 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
     server = EtcdServer(tmp_path).start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers running the default model (SmolLM2-135M-Instruct GGUF), loaded once a session."""
+    from tests.utils.gguf_files import Reference, default_model
+
+    return Reference(default_model())

@@ -127,6 +127,35 @@ def _add_tokenizer(writer: gguf.GGUFWriter, scratch: Path, pre: str) -> None:
     writer.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}")
 
 
+class Reference:
+    """transformers running a GGUF file (``gguf_file=``), float32: the model and its tokenizer."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        # Generate past EOS, as pdserve does with ignore_eos (min_new_tokens would mask EOS instead).
+        self.model.generation_config.eos_token_id = None
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_new_tokens: int, margin: float = 1e-3) -> tuple[list[int], int]:
+        """Greedy tokens and how many leading ones were clear of a near tie (as ``reference_greedy``),
+        with transformers' KV cache: the real model is too slow to rerun the whole sequence each step."""
+        out = self.model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=self.tokenizer.eos_token_id,
+        )  # fmt: skip
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        num_clear = 0
+        for scores in out.scores:
+            top2 = scores[0].float().topk(2).values
+            if (top2[0] - top2[1]).item() <= margin:
+                break
+            num_clear += 1
+        return tokens, num_clear
+
+
 def default_model() -> Path:
     """The default model's GGUF file; the test fails, saying how to fetch it, when it is missing."""
     path = default_model_path()
