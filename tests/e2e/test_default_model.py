@@ -55,3 +55,15 @@ def test_a_missing_default_model_says_how_to_get_it(tmp_path, command):
     assert result.returncode == 2, result.stderr
     assert f"the default model ({DEFAULT_MODEL_NAME}) is not at {tmp_path}" in result.stderr
     assert "scripts/setup.sh" in result.stderr
+
+
+def test_bad_gguf_files_are_one_clear_line(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "x.gguf"), "--port", "0"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and f"GGUF file not found: {tmp_path / 'x.gguf'}" in missing.stderr
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(default_model().read_bytes()[:5000])
+    result = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", str(cut), "--prompt", "Hi"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{cut}: truncated: " in result.stderr and "at offset " in result.stderr
