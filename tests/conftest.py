@@ -91,3 +91,11 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd
     run_scenario(enable_auth(host_port, ClientTLS(ca=ca.ca, cert=probe.cert, key=probe.key), "root-pw", users), 60)
     yield SecureEtcd(url=server.url, ca=ca, client=client)
     server.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers running the default model (SmolLM2-135M-Instruct GGUF), loaded once a session."""
+    from tests.utils.gguf_files import Reference, default_model
+
+    return Reference(default_model())

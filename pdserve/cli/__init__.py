@@ -6,10 +6,12 @@ import argparse
 import logging
 import sys
 
-from pdserve.cli import generate, knobs, kube_operator, operate, planner, profile, serve, slo, status, up
+from pdserve.cli import fetch_model, generate, knobs, kube_operator, operate, planner, profile, serve, slo, status, up
 from pdserve.lifecycle import die_with_parent
 
 EPILOG = """examples:
+  pdserve up                                              # serve the default model, SmolLM2-135M-Instruct
+  pdserve generate --target 127.0.0.1:50051 --prompt "Hello"
   pdserve generate --model ./Llama-3.1-8B --prompt "The capital of France is"
   pdserve up --model ./Llama-3.1-8B                      # frontend + 1 prefill + 1 decode worker
   pdserve generate --target 127.0.0.1:50051 --token-ids 1,2,3 --max-tokens 8 --temperature 0 --json
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_parser(commands)
     kube_operator.add_parser(commands)
     profile.add_parser(commands)
+    fetch_model.add_parser(commands)
     return parser
 
 

@@ -9,14 +9,16 @@ import sys
 import time
 
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
+from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc.tls import ClientTLS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
-DESCRIPTION = """Generate a completion for one prompt, either with a local model directory
-(--model: the engine runs in this process) or from a running pdserve server (--target
-HOST:PORT, e.g. what `pdserve up` printed). Text streams to the terminal as it is generated;
+DESCRIPTION = """Generate a completion for one prompt, either with a local model (--model: a
+Hugging Face directory or a GGUF file, default the small SmolLM2-135M-Instruct that
+scripts/setup.sh fetches; the engine runs in this process) or from a running pdserve server
+(--target HOST:PORT, e.g. what `pdserve up` printed). Text streams to the terminal as it is generated;
 --json prints one JSON object at the end instead."""
 
 
@@ -27,8 +29,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = gen.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", help="Hugging Face model directory (config.json, *.safetensors, tokenizer.json)")
+    where = gen.add_mutually_exclusive_group()
+    where.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
     where.add_argument("--target", help="a pdserve frontend, HOST:PORT")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
@@ -91,7 +93,7 @@ def _local(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    llm = LLM(args.model, **msgspec.structs.asdict(from_options(args, EngineConfig)))
+    llm = LLM(resolve_model(args.model), **msgspec.structs.asdict(from_options(args, EngineConfig)))
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
     times: list[float] = []

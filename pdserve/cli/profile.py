@@ -32,7 +32,7 @@ def _ints(text: str) -> list[int]:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("profile", help="measure the engine into a planner profile", description=DESCRIPTION,
                             epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--prompt-lengths", type=_ints, default=[32, 128, 512, 1024], help="default: 32,128,512,1024")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32], help="decode batches (default: 1,8,32)")
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = LLMEngine(args.model, from_options(args, EngineConfig))
+    model = resolve_model(args.model)
+    engine = LLMEngine(model, from_options(args, EngineConfig))
     max_len, max_seqs = engine.max_model_len, engine.scheduler.config.max_num_seqs
     # Keep what fits this engine, so the defaults work for a small context or batch cap.
     prompts = [n for n in args.prompt_lengths if n + 1 < max_len]
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"no measurement fits this engine (max_model_len {max_len}, max_num_seqs {max_seqs}); "
                          "pass smaller --prompt-lengths, --batch-sizes or --context-lengths")  # fmt: skip
     plan = ProfilePlan(prompt_lengths=prompts, batch_sizes=batches, context_lengths=contexts, repeats=args.repeats)
-    profile = profile_engine(engine, plan, source=f"pdserve profile --model {args.model}")
+    profile = profile_engine(engine, plan, source=f"pdserve profile --model {model}")
     profile.save(args.out)
     print(f"pdserve profile: wrote {args.out} ({len(prompts)} prefill points, "
           f"{len(batches)}x{len(contexts)} decode grid)", flush=True)  # fmt: skip

@@ -28,6 +28,7 @@ from pdserve.cli.common import (
     seconds,
     size_bytes,
 )
+from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
 from pdserve.rpc.tls import ServerTLS
@@ -67,8 +68,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
             description=WORKER_DESCRIPTION[role],
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        source = p.add_mutually_exclusive_group(required=True)
-        source.add_argument("--model", help="Hugging Face model directory")
+        source = p.add_mutually_exclusive_group()
+        source.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
         source.add_argument("--config", metavar="FILE", help=WORKER_CONFIG_HELP)
         p.add_argument("--etcd", help=ETCD_HELP)
         add_worker_args(p, role)
@@ -107,7 +108,8 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     def option(flag: str, field: str, help: str, **kwargs: object) -> None:
         add_field_option(parser, flag, WorkerConfig, field, help=help, **kwargs)
 
-    option("--model-name", "model_name", "served model name (default: the directory's name)")
+    option("--model-name", "model_name", "served model name (default: the directory's name, or a GGUF file's less "
+           "its quantization suffix)")
     option("--host", "host", "listen address (default: {default})")
     option("--port", "port", "gRPC port (default: {default}; 0 picks a free one)", type=int)
     option("--advertise-host", "advertise_host", "host others reach this worker at (default: --host)")
@@ -197,7 +199,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             raise ValueError(f"--config {args.config} configures a {config.role} worker; run it with "
                              f"`pdserve {config.role}`")  # fmt: skip
         return config
-    return from_options(args, WorkerConfig, role=args.role, model=args.model, etcd=_require_etcd(args),
+    return from_options(args, WorkerConfig, role=args.role, model=resolve_model(args.model), etcd=_require_etcd(args),
                         engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import msgspec
 
@@ -16,6 +15,7 @@ from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
+from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
 from pdserve.worker.config import WorkerConfig
@@ -48,6 +48,7 @@ every frontend-to-worker call on mTLS (each child gets the set in its configurat
 registry is plaintext on loopback. The KV data plane (NIXL) is trusted-network only."""
 
 EXAMPLES = """examples:
+  pdserve up                       (the default model, SmolLM2-135M-Instruct, that scripts/setup.sh fetches)
   pdserve up --model ./tiny-llama
   pdserve profile --model ./tiny-llama --out tiny.json
   pdserve up --model ./tiny-llama --autoscale --profile tiny.json --ttft-p90 200ms --itl-p90 20ms --max-decode 4
@@ -66,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("--model", required=True, help="Hugging Face model directory")
+    up.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     up.add_argument(
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --prefill {args.prefill} --decode {args.decode}")
     if args.prefill == 0 and frontend.router.disaggregation == "always":
         raise ValueError("--disaggregation always needs --prefill >= 1")
-    prefill = WorkerConfig(role=Role.PREFILL, model=args.model, etcd="", num_threads=args.threads_per_worker,
+    model = resolve_model(args.model)
+    prefill = WorkerConfig(role=Role.PREFILL, model=model, etcd="", num_threads=args.threads_per_worker,
                            engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
     autoscale = None
     if args.autoscale:
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--autoscale needs --prefill >= 1 (a pool never goes below one worker)")
         from pdserve.discovery.slo import SLOTargets
 
-        slo = SLOTargets(model=Path(args.model).resolve().name, ttft_p90_s=args.ttft_p90, itl_p90_s=args.itl_p90,
+        slo = SLOTargets(model=prefill.served_model_name, ttft_p90_s=args.ttft_p90, itl_p90_s=args.itl_p90,
                          max_prefill_replicas=max(args.max_prefill, args.prefill),
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         autoscale = Autoscale(slo, *load_planner(args))

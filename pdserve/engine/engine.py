@@ -36,7 +36,7 @@ from pdserve.engine.request import KVRole, Request
 from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator, skip_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer, find_tokenizer
 from pdserve.kernels.select import select_backend
 
 logger = logging.getLogger("pdserve.engine")
@@ -92,7 +92,7 @@ class LLMEngine:
                 "do not read an FP8 KV cache yet"
             )
         self.model = load_model(mc, self.device, self.backend)
-        self.tokenizer = Tokenizer.from_pretrained(mc.path) if (mc.path / "tokenizer.json").is_file() else None
+        self.tokenizer = find_tokenizer(mc.path)
         self.eos_token_ids = _eos_token_ids(mc, self.tokenizer)
 
         spec = self.model.kv_cache_spec(cfg.block_size)

@@ -81,7 +81,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
+        """The configuration of a Hugging Face model directory, or of a GGUF file (``*.gguf``)."""
         path = Path(path)
+        if path.suffix.lower() == ".gguf":
+            from pdserve.engine.gguf.config import gguf_model_config  # it imports this module
+
+            return gguf_model_config(path, dtype)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")

@@ -71,6 +71,17 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
+def find_tokenizer(model: str | Path) -> Tokenizer | None:
+    """The tokenizer of a model: a GGUF file's embedded one, a directory's tokenizer.json, or
+    None when a directory has no tokenizer.json (token-id prompts only)."""
+    model = Path(model)
+    if model.suffix.lower() == ".gguf":
+        from pdserve.engine.gguf.tokenizer import load_gguf_tokenizer  # it imports this module
+
+        return load_gguf_tokenizer(model)
+    return Tokenizer.from_pretrained(model) if (model / TOKENIZER_FILE).is_file() else None
+
+
 def _load_backend(path: Path) -> tokenizers.Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file not found: {path}")

@@ -3,7 +3,7 @@
 A request is validated once, here, so that a bad one never reaches a worker: the model must be
 served, the prompt non-empty, inside the vocabulary and the context window, ``max_tokens``
 within what the window leaves, and the sampling values valid (``SamplingParams`` names the
-field). Text prompts are tokenized here with the model's ``tokenizer.json``, read from the
+field). Text prompts are tokenized here with the model's ``tokenizer.json`` (or a GGUF file's own), read from the
 ``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens; the
 same tokenizer turns the workers' token ids into the client's text (``TextStream``).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer, find_tokenizer
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import inference_pb2
 
@@ -169,10 +169,10 @@ class ModelCatalog:
         path = Path(self.tokenizer_path or model.model_path)
         key = str(path)
         if key not in self._tokenizers:
-            self._tokenizers[key] = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+            self._tokenizers[key] = find_tokenizer(path)
             if self._tokenizers[key] is None:
                 logger.warning(
-                    "no tokenizer.json at %s: text prompts for %s are refused, completions have no text",
+                    "no tokenizer at %s (tokenizer.json or a GGUF file): text prompts for %s are refused, completions have no text",
                     path, model.name,
                 )
         return self._tokenizers[key]

@@ -64,11 +64,15 @@ def up(spec: UpSpec) -> int:
     """Serve until SIGINT or SIGTERM (0), or until a child fails to start, or the frontend or
     the registry dies past its restarts (1); workers that die are restarted meanwhile.
 
-    Raises ValueError, before anything starts, when the model directory has no config.json,
-    the frontend's port is taken, or no etcd is given and none is installed to run.
+    Raises ValueError, before anything starts, when the model is neither a GGUF file nor a
+    directory with a config.json, the frontend's port is taken, or no etcd is given and none
+    is installed to run.
     """
-    model = spec.cluster.decode.model
-    if not (Path(model) / "config.json").is_file():
+    model = Path(spec.cluster.decode.model)
+    if model.suffix.lower() == ".gguf":
+        if not model.is_file():
+            raise ValueError(f"GGUF file not found: {model}")
+    elif not (model / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
     frontend = spec.cluster.frontend
     _check_port_free(frontend.host, frontend.port, "--port")

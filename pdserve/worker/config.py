@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
+from pdserve.engine.default_model import served_name
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.rpc.tls import ClusterTLS
 
@@ -18,9 +18,10 @@ from pdserve.rpc.tls import ClusterTLS
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
     role: prefill or decode (a str is taken as its Role).
-    model: the Hugging Face model directory.
+    model: the Hugging Face model directory or GGUF file.
     etcd: the registry's URL.
-    model_name: the served name (default: the directory's name).
+    model_name: the served name (default: ``default_model.served_name``: the directory's name,
+        a GGUF file's less its quantization suffix, SmolLM2-135M-Instruct for the default model).
     host / port: where the gRPC server listens (port 0: a free one).
     advertise_host: the host others reach it at (default: ``host``, or the hostname for 0.0.0.0).
     worker_id: its name in the registry and NIXL (default: role-hostname-pid).
@@ -71,7 +72,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or Path(self.model).resolve().name
+        return self.model_name or served_name(self.model)
 
     @property
     def id(self) -> str:

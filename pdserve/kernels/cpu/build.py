@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pdserve.cache import cache_root
+
 # -march=native: the library is built on the machine that runs it (the cache key holds the
 # CPU's flags). -fassociative-math lets reductions vectorize; the kernels' exp uses fmaf
 # so that reassociation cannot change it. No -ffast-math: infinities and NaN must behave.
@@ -36,16 +38,7 @@ class CpuKernelsUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    if root:
-        return Path(root) / "cpu_kernels"
-    base = os.environ.get("XDG_CACHE_HOME")
-    if not base:
-        try:
-            base = Path.home() / ".cache"
-        except RuntimeError:  # no home directory (some containers): a per-user temporary one
-            base = Path(tempfile.gettempdir()) / f"pdserve-{os.getuid()}"
-    return Path(base) / "pdserve" / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 @functools.cache

@@ -1,0 +1,69 @@
+"""The README's main job on the default model: `pdserve up` with no --model, then `pdserve
+generate --target ... --prompt ...`; the served tokens equal transformers' on the same GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine.default_model import DEFAULT_MODEL_NAME
+from tests.e2e.deployment import UpProcess
+from tests.utils.gguf_files import default_model
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+
+
+def test_up_serves_the_default_model_as_transformers_runs_it(tmp_path, smollm2_reference):
+    default_model()
+    up = UpProcess("up", "--port", "0", "--disaggregation", "always", "--threads-per-worker", "1",
+                   "--max-num-seqs", "4", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+                   env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    try:
+        _, port = up.wait_up(timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--prompt", PROMPT,
+             "--model-name", DEFAULT_MODEL_NAME, "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+             "--ignore-eos", "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr + up.output
+        served = json.loads(result.stdout)
+        up.process.send_signal(signal.SIGINT)
+        assert up.process.wait(60) == 0, up.output
+    finally:
+        up.close()
+    tokenizer = smollm2_reference.tokenizer
+    expected, num_clear = smollm2_reference.greedy(tokenizer(PROMPT).input_ids, MAX_TOKENS)
+    assert served["breakdown"]["disaggregated"] and served["breakdown"]["kv_transfer_bytes"] > 0
+    assert served["token_ids"][:num_clear] == expected[:num_clear]
+    assert served["text"] == tokenizer.decode(served["token_ids"]) and "Paris" in served["text"]
+
+
+@pytest.mark.parametrize("command", [["up", "--port", "0"], ["generate", "--prompt", "Hi"], ["decode", "--etcd", "x"]])
+def test_a_missing_default_model_says_how_to_get_it(tmp_path, command):
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "pdserve", *command], capture_output=True, text=True, timeout=60,
+                            env=env)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"the default model ({DEFAULT_MODEL_NAME}) is not at {tmp_path}" in result.stderr
+    assert "scripts/setup.sh" in result.stderr
+
+
+def test_bad_gguf_files_are_one_clear_line(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "x.gguf"), "--port", "0"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and f"GGUF file not found: {tmp_path / 'x.gguf'}" in missing.stderr
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(default_model().read_bytes()[:5000])
+    result = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", str(cut), "--prompt", "Hi"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{cut}: truncated: " in result.stderr and "at offset " in result.stderr
