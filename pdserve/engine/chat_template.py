@@ -1,7 +1,8 @@
 """A model's chat template: found in its directory, rendered with Jinja2 as transformers renders it.
 
 Hugging Face models keep the template in ``chat_template.jinja`` or under ``chat_template`` in
-``tokenizer_config.json`` (a string, or a list of named templates of which "default" is used).
+``tokenizer_config.json`` (a string, or a list of named templates of which "default" is used);
+a GGUF file keeps it in its metadata (``tokenizer.chat_template``).
 ``render_chat`` renders it in a sandboxed Jinja2 environment with the same settings and helpers
 transformers gives templates (``trim_blocks``, ``lstrip_blocks``, loop controls, ``tojson``
 that keeps non-ASCII text, ``raise_exception``, ``strftime_now``) and the tokenizer's special
@@ -38,6 +39,10 @@ def load_chat_template(model_path: str | Path) -> str | None:
 
     Raises ValueError naming the file when one is there but unreadable.
     """
+    if _is_gguf(model_path):
+        from pdserve.engine.gguf.tokenizer import gguf_chat_template  # torch: a frontend imports it only for GGUF
+
+        return gguf_chat_template(model_path)
     directory = Path(model_path)
     template_file = directory / TEMPLATE_FILE
     if template_file.is_file():
@@ -56,6 +61,10 @@ def load_chat_template(model_path: str | Path) -> str | None:
 
 def load_special_tokens(model_path: str | Path) -> dict[str, str]:
     """The special tokens templates refer to by name (``bos_token``, ``eos_token``, ...)."""
+    if _is_gguf(model_path):
+        from pdserve.engine.gguf.tokenizer import gguf_special_tokens
+
+        return gguf_special_tokens(model_path)
     tokens = {}
     for key, value in _tokenizer_config(Path(model_path)).items():
         if key in _SPECIAL_TOKEN_KEYS:
@@ -85,6 +94,10 @@ def render_chat(
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
         # The template's own Python-level failure on these messages (e.g. None where it wants text).
         raise ChatTemplateError(f"chat template: {type(exc).__name__}: {exc}") from None
+
+
+def _is_gguf(model_path: str | Path) -> bool:
+    return Path(model_path).suffix.lower() == ".gguf"
 
 
 @lru_cache(maxsize=16)

@@ -101,6 +101,20 @@ def gguf_chat_template(path: str | Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def gguf_special_tokens(path: str | Path) -> dict[str, str]:
+    """The text of the special tokens chat templates use as variables (``bos_token``,
+    ``eos_token``, ``unk_token``, ``pad_token``) that GGUF file ``path`` names."""
+    with GGUFFile(path) as file:
+        meta = file.metadata
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    found = {}
+    for variable, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if index is not None and 0 <= index < len(tokens):
+            found[variable] = tokens[index]
+    return found
+
+
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer embedded in GGUF file ``path``."""
     with GGUFFile(path) as file:
