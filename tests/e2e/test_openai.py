@@ -99,6 +99,49 @@ def test_sdk_completions_and_chat_greedy_text_equals_the_offline_engine(served):
     deployment.wait_registered(_idle, 10, "every block free")
 
 
+def test_logprobs_equal_the_offline_engine_in_both_shapes_streamed_or_not(served):
+    # The first token's logprobs come from the prefill worker, the rest from decode.
+    deployment, path = served
+    client = _client(deployment)
+    tokenizer = Tokenizer.from_pretrained(path)
+    prompt = "The quick brown fox"
+    want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    want_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+
+    def check(tokens, logprobs, tops) -> None:
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx([w.token_logprob for w in want.logprobs], abs=1e-4)
+        # Tokens of one text (a lone byte's "\ufffd") share a key, as in OpenAI's own shape.
+        want_tops = [{tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in reversed(w.top)}
+                     for w in want.logprobs]  # fmt: skip
+        assert len(tops) == len(want_tops)
+        for top, want_top in zip(tops, want_tops):
+            assert top == pytest.approx(want_top, abs=1e-4)
+
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    got = client.completions.create(**kwargs).choices[0].logprobs
+    check(got.tokens, got.token_logprobs, got.top_logprobs)
+    assert got.text_offset == [sum(map(len, want_tokens[:i])) for i in range(len(want_tokens))]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    check([t for c in chunks if c for t in c.tokens], [v for c in chunks if c for v in c.token_logprobs],
+          [t for c in chunks if c for t in c.top_logprobs])  # fmt: skip
+
+    text = render_chat(load_chat_template(path), MESSAGES, special_tokens=load_special_tokens(path))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    want = LLM(str(path)).generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    want_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    check([c.token for c in content], [c.logprob for c in content],
+          [{t.token: t.logprob for t in reversed(c.top_logprobs)} for c in content])  # fmt: skip
+    assert content[0].bytes == list(content[0].token.encode())
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    deployment.wait_registered(_idle, 10, "every block free")
+
+
 def test_several_prompts_and_choices_and_the_models_list(served):
     deployment, _ = served
     client = _client(deployment)
@@ -146,7 +189,8 @@ def test_errors_have_openai_shape_and_status_and_name_the_field(served):
         ("/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
         ("/completions", {"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
         ("/completions", {"prompt": [1, 2, 320]}, 400, "prompt"),
-        ("/completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+        ("/completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
+        ("/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
         ("/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ("/completions", {"model": "no-such-model", "prompt": "Hi"}, 404, "model"),

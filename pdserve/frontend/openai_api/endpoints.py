@@ -27,6 +27,7 @@ from pdserve.frontend.gateway import Admitted, Gateway
 from pdserve.frontend.openai_api import protocol
 from pdserve.frontend.openai_api.choices import Event, admit_all, collect_unless_disconnected, first_event, merged
 from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.frontend.openai_api.logprobs import TokenText
 from pdserve.frontend.openai_api.output import SSE_DONE, Output, sse
 
 
@@ -55,8 +56,6 @@ class ChatTemplates:
 async def completions(gateway: Gateway, request: Request, body: bytes) -> Response:
     req: protocol.CompletionRequest = protocol.decode(body, protocol.CompletionRequest)
     protocol.check_common(req)
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs is not supported yet", param="logprobs")
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, req.n):
@@ -67,21 +66,23 @@ async def completions(gateway: Gateway, request: Request, body: bytes) -> Respon
         raise ApiError(400, f"{len(prompts)} prompts x n = {req.n} choices: at most {protocol.MAX_CHOICES} a request",
                        param="n")  # fmt: skip
     options = protocol.sampling_options(req, req.max_tokens)
+    if req.logprobs is not None:
+        options.logprobs = protocol.top_logprobs(req.logprobs, "logprobs")
     base = uuid.uuid4().hex
     requests = [protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}")
                 for i, p in enumerate(prompts) for j in range(req.n)]  # fmt: skip
     admitted = await admit_all(gateway, requests)
     echo = [_echo_text(admitted[i * req.n], p) for i, p in enumerate(prompts)] if req.echo else None
     output = Output("completion", _model_name(admitted), len(requests), req.n, echo=echo,
-                    include_usage=_include_usage(req))  # fmt: skip
+                    include_usage=_include_usage(req), token_text=_token_text(admitted, req.logprobs is not None))  # fmt: skip
     return await _respond(request, req.stream, admitted, output)
 
 
 async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: Request, body: bytes) -> Response:
     req: protocol.ChatRequest = protocol.decode(body, protocol.ChatRequest)
     protocol.check_common(req)
-    if req.logprobs or req.top_logprobs is not None:
-        raise ApiError(400, "logprobs is not supported yet", param="logprobs" if req.logprobs else "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
@@ -105,10 +106,13 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     options = protocol.sampling_options(req, max_tokens)
+    if req.logprobs:
+        options.logprobs = protocol.top_logprobs(req.top_logprobs or 0, "top_logprobs")
     base = uuid.uuid4().hex
     requests = [protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}") for j in range(req.n)]
     admitted = await admit_all(gateway, requests, add_special_tokens=False, fill_context=max_tokens is None)
-    output = Output("chat", model.name, req.n, req.n, include_usage=_include_usage(req))
+    output = Output("chat", model.name, req.n, req.n, include_usage=_include_usage(req),
+                    token_text=_token_text(admitted, req.logprobs))  # fmt: skip
     return await _respond(request, req.stream, admitted, output)
 
 
@@ -179,6 +183,16 @@ def _echo_text(admitted: Admitted, prompt: str | list[int]) -> str:
         return prompt
     tokenizer = admitted.flow.request.tokenizer
     return tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer is not None else ""
+
+
+def _token_text(admitted: list[Admitted], wanted: bool) -> TokenText | None:
+    """A token's text for the logprobs objects, when the request asked for logprobs."""
+    if not wanted:
+        return None
+    tokenizer = admitted[0].flow.request.tokenizer
+    if tokenizer is None:
+        return str  # no tokenizer: the id stands for the token
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _model_name(admitted: list[Admitted]) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.frontend.openai_api.logprobs import ChoiceLogprobs, TokenText
 from pdserve.v1 import inference_pb2
 
 Kind = Literal["completion", "chat"]
@@ -27,10 +28,11 @@ class Output:
     num_choices / n: all choices, and choices per prompt (choice i answers prompt i // n).
     echo: per prompt, the text to put before its completions (completions' ``echo``), or None.
     include_usage: streaming: each chunk has ``usage`` (null), and a last chunk has the totals.
+    token_text: a token's text, when the request asked for logprobs; None: ``logprobs`` is null.
     """
 
     def __init__(self, kind: Kind, model: str, num_choices: int, n: int, *, echo: list[str] | None = None,
-                 include_usage: bool = False) -> None:  # fmt: skip
+                 include_usage: bool = False, token_text: TokenText | None = None) -> None:  # fmt: skip
         self.kind = kind
         self.model = model
         self.n = n
@@ -41,6 +43,10 @@ class Output:
         self.texts = [""] * num_choices
         self.finals: list[inference_pb2.Final | None] = [None] * num_choices
         self._started = [False] * num_choices
+        self.logprobs: list[ChoiceLogprobs] | None = None
+        if token_text is not None:
+            offsets = [len(echo[i // n]) if echo is not None else 0 for i in range(num_choices)]
+            self.logprobs = [ChoiceLogprobs(kind, token_text, offset) for offset in offsets]
 
     # ---- streaming -------------------------------------------------------------------------
     def chunk(self, index: int, message: inference_pb2.GenerateResponse) -> dict[str, Any] | None:
@@ -52,16 +58,19 @@ class Output:
             text = self.echo[index // self.n] + text
         final = message.final if message.HasField("final") else None
         self.finals[index] = final or self.finals[index]
+        if self.logprobs is not None:
+            self.logprobs[index].add(message.token_ids, message.logprobs)
         if not text and final is None and not (first and self.kind == "chat"):
             return None
         choice: dict[str, Any] = {"index": index}
+        logprobs = self.logprobs[index].body() if self.logprobs is not None else None
         if self.kind == "completion":
-            choice |= {"text": text, "logprobs": None}
+            choice |= {"text": text, "logprobs": logprobs}
         else:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice |= {"delta": delta, "logprobs": None}
+            choice |= {"delta": delta, "logprobs": logprobs}
         choice["finish_reason"] = final.finish_reason if final is not None else None
         body = self._envelope(chunk=True, choices=[choice])
         if final is not None:
@@ -74,6 +83,8 @@ class Output:
 
     # ---- whole response --------------------------------------------------------------------
     def add(self, index: int, message: inference_pb2.GenerateResponse) -> None:
+        if self.logprobs is not None:
+            self.logprobs[index].add(message.token_ids, message.logprobs)
         if message.HasField("final"):
             self.finals[index] = message.final
 
@@ -82,10 +93,11 @@ class Output:
         for index, final in enumerate(self.finals):
             assert final is not None, f"choice {index} ended without a final message"
             text = final.text if self.echo is None else self.echo[index // self.n] + final.text
+            logprobs = self.logprobs[index].body(everything=True) if self.logprobs is not None else None
             if self.kind == "completion":
-                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None}
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             else:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None}
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choices.append(choice | {"finish_reason": final.finish_reason})
         breakdowns = [self._breakdown(i, f) for i, f in enumerate(self.finals) if f is not None]
         return self._envelope(chunk=False, choices=choices) | {"usage": self.usage(), "pdserve": {"choices": breakdowns}}

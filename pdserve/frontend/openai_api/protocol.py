@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.frontend.openai_api.errors import ApiError
 from pdserve.v1 import inference_pb2
 
@@ -115,6 +116,13 @@ def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb
             raise ApiError(400, f"stop_token_ids[{index}] = {token} is not a token id", param="stop_token_ids")
     options.stop_token_ids.extend(request.stop_token_ids or [])
     return options
+
+
+def top_logprobs(value: int, name: str) -> int:
+    """How many top logprobs a token (0: the token's own only), refused past what the wire carries."""
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(400, f"{name} = {value}: must be from 0 to {MAX_LOGPROBS}", param=name)
+    return value
 
 
 def prompts(prompt: Any) -> list[str | list[int]]:
