@@ -23,6 +23,11 @@ DEFAULT_PORT = 2379
 # asyncio.timeout raises TimeoutError past ours.
 ETCD_ERRORS: tuple[type[Exception], ...] = (aetcd.exceptions.ClientError, TimeoutError)
 
+# Each client dials on its own: by default gRPC shares a process's connections to one address
+# among its channels, so a new client to an etcd that just came back inherited the old
+# channel's failure and its reconnect back-off ("Connection refused" for seconds).
+_CHANNEL_OPTIONS = {"grpc.use_local_subchannel_pool": 1}
+
 # Any key does for the probe: a read of a missing key is the cheapest round trip etcd serves.
 _PROBE_KEY = b"/pdserve/probe"
 
@@ -77,7 +82,7 @@ async def connect(url: str, timeout_s: float = 3.0) -> aetcd.Client:
     ``timeout_s`` too, a second guard under the callers' ``asyncio.timeout``.
     """
     endpoint = EtcdEndpoint.parse(url)
-    client = aetcd.Client(endpoint.host, endpoint.port, timeout=timeout_s)
+    client = aetcd.Client(endpoint.host, endpoint.port, timeout=timeout_s, options=_CHANNEL_OPTIONS)
     try:
         async with asyncio.timeout(timeout_s):
             await client.get(_PROBE_KEY)

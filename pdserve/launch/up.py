@@ -65,12 +65,14 @@ def up(spec: UpSpec) -> int:
     the registry dies past its restarts (1); workers that die are restarted meanwhile.
 
     Raises ValueError, before anything starts, when the model directory has no config.json,
-    the frontend's port is taken, or no etcd is given and none is installed to run.
+    the frontend's port or ``metrics_port`` is taken, or no etcd is given and none is installed to run.
     """
     model = spec.cluster.decode.model
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"no config.json in model directory {model}")
-    _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port)
+    _check_port_free(spec.cluster.frontend.host, spec.cluster.frontend.port, "--port")
+    if spec.metrics_port is not None:
+        _check_port_free(spec.cluster.frontend.host, spec.metrics_port, "--up-metrics-port")
     if spec.cluster.etcd is None:
         try:
             find_etcd()
@@ -90,15 +92,15 @@ def _with_thread_share(spec: UpSpec) -> UpSpec:
     return replace(spec, cluster=replace(cluster, prefill=shared(cluster.prefill), decode=shared(cluster.decode)))
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail now, not after every worker has loaded its model, when the frontend's port is taken."""
+def _check_port_free(host: str, port: int, option: str) -> None:
+    """Fail now, not after every worker has loaded its model, when a port ``up`` serves is taken."""
     if port == 0:
         return
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as exc:
-        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+        raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
                          "choose another port, or 0 for any free one") from None  # fmt: skip
 
 
@@ -121,17 +123,18 @@ async def _serve(spec: UpSpec) -> int:
     except ChildFailed as exc:  # the cluster already stopped what it had started
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 1
-    if spec.metrics_port is not None:
-        host = spec.cluster.frontend.host
-        metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
-        print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
-    assert cluster.frontend is not None
-    registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
-    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
-          f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
-    autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
+    autoscaler = None
     failed = loop.create_task(cluster.failed.wait())
     try:
+        if spec.metrics_port is not None:
+            host = spec.cluster.frontend.host
+            metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
+            print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
+        assert cluster.frontend is not None
+        registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
+        print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}; "
+              f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
+        autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
             print(f"pdserve up: {cluster.failure}; stopping", flush=True)
