@@ -20,6 +20,11 @@ from aetcd.watcher import Watcher
 
 from pdserve.rpc.tls import ClientTLS
 
+# Each client dials on its own: by default gRPC shares a process's connections to one address
+# among its channels, so a new client to an etcd that just came back inherited the old
+# channel's failure and its reconnect back-off ("Connection refused" for seconds).
+_CHANNEL_OPTIONS = {"grpc.use_local_subchannel_pool": 1}
+
 
 class EtcdAuth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Attributes:
@@ -43,10 +48,11 @@ class EtcdAuth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def client(self, host: str, port: int, *, use_tls: bool, timeout_s: float) -> aetcd.Client:
         """An aetcd client (not yet connected) to ``host:port``, over TLS when ``use_tls``."""
         if not use_tls:
-            return aetcd.Client(host, port, username=self.user, password=self.password, timeout=timeout_s)
+            return aetcd.Client(host, port, username=self.user, password=self.password, timeout=timeout_s,
+                                options=_CHANNEL_OPTIONS)  # fmt: skip
         tls = self.tls or ClientTLS()
         return _TLSClient(host, port, username=self.user, password=self.password, timeout=timeout_s,
-                          credentials=tls.grpc_credentials(), options=dict(tls.grpc_options()))  # fmt: skip
+                          credentials=tls.grpc_credentials(), options=_CHANNEL_OPTIONS | dict(tls.grpc_options()))  # fmt: skip
 
 
 class _TLSClient(aetcd.Client):

@@ -65,8 +65,8 @@ def up(spec: UpSpec) -> int:
     the registry dies past its restarts (1); workers that die are restarted meanwhile.
 
     Raises ValueError, before anything starts, when the model is neither a GGUF file nor a
-    directory with a config.json, the frontend's port is taken, or no etcd is given and none
-    is installed to run.
+    directory with a config.json, a port ``up`` serves (the frontend's, ``metrics_port``) is
+    taken, or no etcd is given and none is installed to run.
     """
     model = Path(spec.cluster.decode.model)
     if model.suffix.lower() == ".gguf":
@@ -78,6 +78,8 @@ def up(spec: UpSpec) -> int:
     _check_port_free(frontend.host, frontend.port, "--port")
     if frontend.http_port is not None:
         _check_port_free(frontend.host, frontend.http_port, "--http-port")
+    if spec.metrics_port is not None:
+        _check_port_free(frontend.host, spec.metrics_port, "--up-metrics-port")
     if spec.cluster.etcd is None:
         try:
             find_etcd()
@@ -98,7 +100,7 @@ def _with_thread_share(spec: UpSpec) -> UpSpec:
 
 
 def _check_port_free(host: str, port: int, option: str) -> None:
-    """Fail now, not after every worker has loaded its model, when a frontend port is taken."""
+    """Fail now, not after every worker has loaded its model, when a port ``up`` serves is taken."""
     if port == 0:
         return
     try:
@@ -128,18 +130,19 @@ async def _serve(spec: UpSpec) -> int:
     except ChildFailed as exc:  # the cluster already stopped what it had started
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 1
-    if spec.metrics_port is not None:
-        host = spec.cluster.frontend.host
-        metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
-        print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
-    assert cluster.frontend is not None
-    registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
-    http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
-    print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
-          f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
-    autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
+    autoscaler = None
     failed = loop.create_task(cluster.failed.wait())
     try:
+        if spec.metrics_port is not None:
+            host = spec.cluster.frontend.host
+            metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
+            print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
+        assert cluster.frontend is not None
+        registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
+        http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
+        print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
+              f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
+        autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
             print(f"pdserve up: {cluster.failure}; stopping", flush=True)
