@@ -74,7 +74,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             authorization = authorization.decode(errors="replace")
         if not self.keys.allows(authorization):
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, ApiKeys.problem(authorization))
-        wait_s = self.limiter.acquire(authorization) if self.limiter is not None else 0.0
+        # Without keys every client shares one bucket (metadata of its choosing picks none).
+        bucket = authorization if self.keys.required else None
+        wait_s = self.limiter.acquire(bucket) if self.limiter is not None else 0.0
         if wait_s > 0:
             return _refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, RateLimiter.problem(wait_s))
         return handler

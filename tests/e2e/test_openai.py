@@ -217,9 +217,12 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
                 "stream": True}  # fmt: skip
         headers = {"Authorization": f"Bearer {KEY}"}
         with httpx2.stream("POST", f"{frontend.http_url}/completions", json=body, headers=headers, timeout=60) as first:
-            assert next(line for line in first.iter_lines() if line.startswith("data: "))  # in flight
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response, and the server aborts it
+            line = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(line.removeprefix("data: "))["choices"][0]["finish_reason"] is None, line  # in flight
             refused = httpx2.post(f"{frontend.http_url}/completions", json=body, headers=headers, timeout=30)
-            assert refused.status_code == 429 and "max_queued_requests" in refused.json()["error"]["message"]
+            assert refused.status_code == 429 and "max_queued_requests" in refused.json()["error"]["message"], (
+                refused.text[:2000])
     finally:
         frontend.close()
     empty = Frontend(etcd_server.url)  # a registry without any worker

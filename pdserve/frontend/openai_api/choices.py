@@ -21,6 +21,7 @@ from pdserve.frontend.openai_api.errors import ApiError
 from pdserve.v1 import inference_pb2
 
 Event = tuple[int, inference_pb2.GenerateResponse]
+_BUFFERED_MESSAGES = 16  # per choice, between its flow and the client
 
 
 async def admit_all(
@@ -42,17 +43,20 @@ async def admit_all(
 
 async def merged(admitted: Sequence[Admitted]) -> AsyncIterator[Event]:
     """Every choice's messages as they come; a choice's FlowError (or any error) ends them all."""
-    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | None, Exception | None]] = asyncio.Queue()
+    # Bounded: a client that stops reading stops its flows, as gRPC's flow control does.
+    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | None, Exception | None]] = asyncio.Queue(
+        maxsize=_BUFFERED_MESSAGES * len(admitted)
+    )
 
     async def pump(index: int, choice: Admitted) -> None:
         try:
             async with aclosing(choice.responses()) as stream:
                 async for response in stream:
-                    queue.put_nowait((index, response, None))
+                    await queue.put((index, response, None))
         except Exception as exc:  # a FlowError, or a bug: either way the reader raises it
-            queue.put_nowait((index, None, exc))
+            await queue.put((index, None, exc))
             return
-        queue.put_nowait((index, None, None))
+        await queue.put((index, None, None))
 
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(pump(index, choice)) for index, choice in enumerate(admitted)]
