@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.common import add_engine_args, from_options
+from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 
 DESCRIPTION = """Load the model with the given engine options, time prefill at several prompt
