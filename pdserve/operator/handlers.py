@@ -117,7 +117,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     import-time default, which read ``$KUBECONFIG`` before the command line was parsed)."""
     c = _current().configuration
     # Through the client's own getter: an in-cluster configuration re-reads the rotated token there.
-    credential = c.get_api_key_with_prefix("authorization") or ""
+    # (kubernetes >= 37 keeps it under "BearerToken"; a hand-made configuration may use "authorization").
+    credential = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization") or ""
     scheme, _, token = credential.partition(" ") if " " in credential else (None, "", credential)
     return kopf.ConnectionInfo(
         server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl, scheme=scheme, token=token or None,

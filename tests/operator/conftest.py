@@ -102,3 +102,10 @@ def make_pods_ready(kube: Kube, namespace: str, selector: str) -> int:
         kube.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status",
                       body={"status": status}, content_type="application/merge-patch+json")  # fmt: skip
     return len(pods)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The test server's certificate is self-signed, and its clients do not verify it.
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning"))

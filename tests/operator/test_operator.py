@@ -138,6 +138,9 @@ def test_replicas_scale_the_pool_and_engine_args_roll_it(kube, operator, namespa
     prefill_sets = kube.list(f"/apis/apps/v1/namespaces/{namespace}/replicasets",
                              f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=prefill")  # fmt: skip
     assert len(prefill_sets) == 1  # the other pool did not roll
+    registry = operator.metrics.registry
+    assert registry.get_sample_value("pdserve_operator_reconciles_total", {"outcome": "ok"}) > 0
+    assert registry.get_sample_value("pdserve_operator_reconcile_seconds_count") > 0
 
 
 def test_a_deleted_child_comes_back_and_a_deleted_resource_takes_its_children(kube, operator, namespace) -> None:

@@ -126,7 +126,7 @@ class KubeServer:
         configuration = k8s.Configuration()
         configuration.host = self.url
         configuration.verify_ssl = False
-        configuration.api_key = {"authorization": f"Bearer {token}"}
+        configuration.api_key = {"BearerToken": f"Bearer {token}"}  # where load_kube_config puts it
         return configuration
 
     def close(self) -> None:
