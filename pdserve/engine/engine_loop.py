@@ -119,17 +119,21 @@ class EngineLoop:
         kv_role: KVRole = KVRole.LOCAL,
         *,
         pin_s: float | None = None,
+        generated_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (from the engine) for one it cannot serve.
 
-        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes (``LLMEngine.add_request``).
+        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes; ``generated_token_ids``
+        resume a request begun elsewhere (both: ``LLMEngine.add_request``).
         """
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error!r}")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, kv_role, pin_s=pin_s))
+            await self._call(lambda: self.engine.add_request(
+                request_id, prompt, params, kv_role, pin_s=pin_s, generated_token_ids=generated_token_ids
+            ))  # fmt: skip
         except BaseException:
             # Cancelled while queued, the add still runs on the engine thread: the abort queued
             # behind it ends the request there (a no-op if the add failed).

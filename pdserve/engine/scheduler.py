@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
-from pdserve.engine.request import KVRole, Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv.block_size
-            if request.kv_role is KVRole.CONSUMER and not request.output_token_ids:
-                # The prompt's KV comes from a peer: hold blocks for all of it, compute nothing.
+            if request.awaits_kv:
+                # The KV comes from a peer: hold blocks for all of it, compute nothing.
                 if not self.kv.allocate(request.request_id, request.num_tokens, cached):
                     break
                 self.waiting.popleft()
