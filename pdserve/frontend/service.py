@@ -36,7 +36,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
         self.config = config
         self.catalog = ModelCatalog(config.tokenizer)
-        self.routing = Routing(view, Router(config.router), WorkerChannels())
+        self.routing = Routing(view, Router(config.router), WorkerChannels(), config.max_migrations)
         self.num_in_flight = 0
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)
@@ -116,6 +116,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _record(self, model: str, flow: RequestFlow, code: grpc.StatusCode) -> None:
         m = self.metrics
         m.requests.labels(model, code.name).inc()
+        if flow.num_migrations:
+            m.migrations.labels(model).inc(flow.num_migrations)
         if code == grpc.StatusCode.CANCELLED:  # the caller left: neither a latency nor a failure of ours
             return
         b, gaps = flow.breakdown, flow.token_gaps()

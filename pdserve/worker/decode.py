@@ -77,7 +77,10 @@ class DecodeService(WorkerServicer):
         request_id = request.request_id
         role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
         try:
-            stream = await engine_loop.add(request_id, list(request.prompt_token_ids), params, role)
+            stream = await engine_loop.add(
+                request_id, list(request.prompt_token_ids), params, role,
+                generated_token_ids=list(request.generated_token_ids),
+            )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         done = False
@@ -87,13 +90,15 @@ class DecodeService(WorkerServicer):
                 deadline = received_at + source.pull_within_s
                 started, stats, ended = await self._pull(request_id, source, peer, stream, deadline, context)
                 if ended is not None:  # the engine ended the request before it got blocks
-                    yield self._response(ended, source, stats)
+                    yield self._response(ended, source, stats, is_first=False)
                     done = True
                     return
                 yield worker_pb2.DecodeResponse(started=started)
+            num_resumed = len(request.generated_token_ids)
             async for output in stream.outputs():
-                response = self._response(output, source, stats)
-                if source is None and output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
+                is_first = bool(output.new_token_ids) and len(output.token_ids) == num_resumed + len(output.new_token_ids)
+                response = self._response(output, source, stats, is_first)
+                if source is None and is_first:
                     response.started.CopyFrom(self._local_start(output))  # with the first token
                 yield response
             done = True
@@ -177,10 +182,11 @@ class DecodeService(WorkerServicer):
         metrics.request_ended(output.finish_reason or "abort")
 
     def _response(
-        self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
+        self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None, is_first: bool
     ) -> worker_pb2.DecodeResponse:
+        """``is_first``: ``output`` holds the request's first token here (after any it resumed with)."""
         new_tokens = output.new_token_ids
-        if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
+        if source is not None and is_first:
             new_tokens = new_tokens[1:]  # the first token came from the prefill worker; never send it twice
         response = worker_pb2.DecodeResponse(token_ids=new_tokens)
         if output.finished:
