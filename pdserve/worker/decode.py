@@ -112,12 +112,12 @@ class DecodeService(WorkerServicer):
             info = PeerInfo.decode(source.peer_info)
         except msgspec.DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_source.peer_info does not decode: {exc}")
-        if not agent.has_peer(info.agent_name):
-            try:
-                await agent.add_peer(info)
-            except LayoutMismatch as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
-        return info
+        # Always through add_peer: a peer known by this name but with other metadata is a restarted
+        # process (same worker id, same address): its old NIXL state is dropped and it is loaded anew.
+        try:
+            return await agent.add_peer(info)
+        except LayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
 
     async def _pull(
         self,
