@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,17 @@ class Deployment:
         decode: int,
         model_name: str,
         disaggregation: Disaggregation,
+        prefill_options: dict[str, Any] | None = None,
+        decode_options: dict[str, Any] | None = None,
     ) -> None:
+        """``prefill_options`` / ``decode_options``: ``WorkerConfig`` fields that differ from the defaults here."""
         self.etcd = etcd
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
                               num_threads=1)  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
-            prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
+            prefill=msgspec.structs.replace(worker, **(prefill_options or {})),
+            decode=msgspec.structs.replace(worker, role="decode", **(decode_options or {})),
             frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30,
         ))  # fmt: skip
@@ -95,6 +100,53 @@ class Deployment:
 
     def kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
         os.kill(child.process.pid, sig)
+
+    def restart(self, child: Child) -> Child:
+        """Start a new worker in dead ``child``'s place, with the same configuration; returns it."""
+        role = child.name.rsplit("-", 1)[0]
+        self.run(child.process.wait(), timeout=10)
+        pool = self.cluster.workers[role]
+        pool.remove(child)
+        counts = {r: len(self.cluster.workers[r]) for r in ("prefill", "decode")}
+        counts[role] += 1
+        self.run(self.cluster.scale(counts["prefill"], counts["decode"]), timeout=180)
+        return pool[-1]
+
+    @staticmethod
+    def worker_metrics(entry: WorkerEntry) -> dict[str, float]:
+        """The worker's Prometheus gauges and counters, by name (labels dropped: one worker each)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{entry.metrics_port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values.setdefault(name.split("{")[0], float(value))
+        return values
+
+    def wait_whole(self, timeout: float) -> None:
+        """Until every live registered worker, read from its /metrics, is idle with no KV block used
+        or pinned (a dead one whose lease has not run out yet answers no scrape, and is skipped)."""
+
+        def state() -> dict[str, tuple[float, float, float]]:
+            found = {}
+            for entry in self.registered():
+                try:
+                    m = self.worker_metrics(entry)
+                except OSError:
+                    continue
+                found[entry.worker_id] = (m["pdserve_kv_blocks_used"], m["pdserve_held_requests"],
+                                          m["pdserve_running_requests"])  # fmt: skip
+            return found
+
+        deadline = time.monotonic() + timeout
+        while True:
+            now = state()
+            if not any(any(values) for values in now.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not whole {timeout}s on (blocks used, held, running): {now}")
+            time.sleep(0.2)
 
     def registered(self) -> list[WorkerEntry]:
         """The workers etcd lists for this deployment's model, read now."""
