@@ -78,6 +78,7 @@ class Chaos:
     worker_restarts: int = 0
     etcd_restarts: int = 0
     stopped: set[int] = field(default_factory=set)  # pids paused now
+    killed: set[int] = field(default_factory=set)  # pids killed and not reaped yet (returncode lags)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes and restarts under way
     restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -170,7 +171,10 @@ async def _load(stub: Any, args: argparse.Namespace, rng: random.Random, until: 
 
 # ---- faults --------------------------------------------------------------------------------------
 def _running(cluster: LocalCluster, chaos: Chaos, role: Role) -> list[Child]:
-    return [c for c in cluster.workers[role] if c.process.returncode is None and c.process.pid not in chaos.stopped]
+    return [
+        c for c in cluster.workers[role]
+        if c.process.returncode is None and c.process.pid not in chaos.stopped | chaos.killed
+    ]  # fmt: skip
 
 
 def _own(chaos: Chaos, coro: Any) -> None:
@@ -192,6 +196,7 @@ async def _pause(child: Child, seconds: float, chaos: Chaos) -> None:
 async def _restart(cluster: LocalCluster, child: Child, role: Role, delay_s: float, chaos: Chaos) -> None:
     start = time.monotonic()
     await child.process.wait()
+    chaos.killed.discard(child.process.pid)
     await asyncio.sleep(delay_s)
     async with chaos.restart_lock:  # one scale at a time: each counts the pools as they are
         cluster.workers[role].remove(child)
@@ -221,6 +226,7 @@ async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namesp
         victim = rng.choice(_running(cluster, chaos, role))
         if kind == "kill":
             _log(f"SIGKILL {victim.name} (pid {victim.process.pid})")
+            chaos.killed.add(victim.process.pid)
             os.kill(victim.process.pid, signal.SIGKILL)
             _own(chaos, _restart(cluster, victim, role, args.restart_delay, chaos))
         else:

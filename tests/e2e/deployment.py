@@ -52,6 +52,18 @@ def bound_port(line: str) -> int:
     return int(found.group(1))
 
 
+def scrape(port: int | None) -> dict[str, float]:
+    """The Prometheus series served on ``port``, by name, labels dropped (the first series of each name)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values.setdefault(name.split("{")[0], float(value))
+    return values
+
+
 class Deployment:
     def __init__(
         self,
@@ -64,8 +76,10 @@ class Deployment:
         disaggregation: Disaggregation,
         prefill_options: dict[str, Any] | None = None,
         decode_options: dict[str, Any] | None = None,
+        frontend_options: dict[str, Any] | None = None,
     ) -> None:
-        """``prefill_options`` / ``decode_options``: ``WorkerConfig`` fields that differ from the defaults here."""
+        """``prefill_options`` / ``decode_options`` / ``frontend_options``: ``WorkerConfig`` and
+        ``FrontendConfig`` fields that differ from the defaults here."""
         self.etcd = etcd
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
@@ -73,7 +87,9 @@ class Deployment:
         self.cluster = LocalCluster(ClusterSpec(
             prefill=msgspec.structs.replace(worker, **(prefill_options or {})),
             decode=msgspec.structs.replace(worker, role="decode", **(decode_options or {})),
-            frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation)), etcd=etcd,
+            frontend=FrontendConfig(etcd=etcd, port=0, router=RouterConfig(disaggregation=disaggregation),
+                                    **(frontend_options or {})),
+            etcd=etcd,
             start_timeout_s=120, stop_timeout_s=30,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
@@ -115,14 +131,8 @@ class Deployment:
     @staticmethod
     def worker_metrics(entry: WorkerEntry) -> dict[str, float]:
         """The worker's Prometheus gauges and counters, by name (labels dropped: one worker each)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{entry.metrics_port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                values.setdefault(name.split("{")[0], float(value))
-        return values
+        return scrape(entry.metrics_port)
+
 
     def wait_whole(self, timeout: float) -> None:
         """Until every live registered worker, read from its /metrics, is idle with no KV block used

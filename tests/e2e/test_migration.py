@@ -6,6 +6,7 @@ always``), real etcd, real NIXL; the reference is the offline engine."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.v1 import inference_pb2
-from tests.e2e.deployment import Deployment, long_context_copy
+from tests.e2e.deployment import Deployment, long_context_copy, scrape
 from tests.e2e.prompts import shared_prefix_prompts
 
 pytestmark = pytest.mark.slow
@@ -31,9 +32,12 @@ MESSAGES_BEFORE_KILL = 4  # every stream has this many messages before the kill:
 @pytest.fixture(scope="module")
 def cluster(checkpoints, etcd_url, tmp_path_factory):
     path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), 4096)
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=2, model_name=MODEL,
-                            disaggregation="always")  # fmt: skip
-    yield deployment, path
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
+    deployment = Deployment(str(path), etcd_url, prefill=1, decode=2, model_name=MODEL, disaggregation="always",
+                            frontend_options={"metrics_port": metrics_port})  # fmt: skip
+    yield deployment, path, metrics_port
     deployment.close()
 
 
@@ -45,7 +49,7 @@ def _params(i: int) -> dict[str, Any]:
 
 
 def test_sigkill_of_a_decode_worker_mid_stream_loses_no_request_and_no_token(cluster):
-    deployment, path = cluster
+    deployment, path, metrics_port = cluster
     prompts = shared_prefix_prompts(NUM_GREEDY + len(SEEDS), seed=3)
     count = len(prompts)
     expected = LLM(str(path)).generate(prompts, [SamplingParams(**_params(i)) for i in range(count)])
@@ -92,6 +96,7 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_no_request_and_no_token(clu
             assert move.from_worker.endswith(victim_id_suffix) and not b.decode_worker.endswith(victim_id_suffix)
             assert move.to_worker == b.decode_worker and 0 < move.tokens_streamed < MAX_TOKENS
     assert migrated, "no stream was on the killed worker"
+    assert scrape(metrics_port)["pdserve_migrations_total"] == migrated  # the frontend counted each move
 
     # The dead worker leaves routing; the survivors end whole: nothing running, nothing pinned.
     deployment.wait_registered(
