@@ -318,7 +318,8 @@ async def _run(args: argparse.Namespace, model: str, etcd: EtcdServer) -> dict[s
             loads = [_load(stub, args, random.Random(rng.random()), until, outcomes) for _ in range(args.concurrency)]
             await asyncio.gather(_inject(cluster, etcd, args, rng, until, chaos), *loads)
             seconds = time.monotonic() - began
-            for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):  # every pause resumed, every restart done
+            # Every pause resumed, every restart done.
+            for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):
                 if failure is not None:
                     _log(f"a resume or restart failed: {failure!r}")
         leaked = await _idle_and_whole(etcd.url)

@@ -132,7 +132,7 @@ class RequestFlow:
         return self.breakdown.migrations
 
     async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        failed = self._failed
+        failed = self._failed  # decode workers whose stream broke, in order; _attempt excludes them
         while True:
             try:
                 async for message in self._attempt():
@@ -256,7 +256,8 @@ class RequestFlow:
             try:
                 await stub.Release(worker_pb2.ReleaseRequest(request_id=prefilled.request_id), timeout=5.0)
             except grpc.aio.AioRpcError as exc:
-                logger.info("release of %s on %s: %s", prefilled.request_id, prefilled.worker.worker_id, exc.code().name)
+                where = prefilled.worker.worker_id
+                logger.info("release of %s on %s: %s", prefilled.request_id, where, exc.code().name)
 
         self.routing.channels.in_background(release())
 

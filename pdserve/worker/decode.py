@@ -96,7 +96,8 @@ class DecodeService(WorkerServicer):
                 yield worker_pb2.DecodeResponse(started=started)
             num_resumed = len(request.generated_token_ids)
             async for output in stream.outputs():
-                is_first = bool(output.new_token_ids) and len(output.token_ids) == num_resumed + len(output.new_token_ids)
+                num_new = len(output.new_token_ids)
+                is_first = num_new > 0 and len(output.token_ids) == num_resumed + num_new
                 response = self._response(output, source, stats, is_first)
                 if source is None and is_first:
                     response.started.CopyFrom(self._local_start(output))  # with the first token

@@ -133,7 +133,6 @@ class Deployment:
         """The worker's Prometheus gauges and counters, by name (labels dropped: one worker each)."""
         return scrape(entry.metrics_port)
 
-
     def wait_whole(self, timeout: float) -> None:
         """Until every live registered worker, read from its /metrics, is idle with no KV block used
         or pinned (a dead one whose lease has not run out yet answers no scrape, and is skipped)."""

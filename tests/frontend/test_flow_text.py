@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from pdserve.engine.load import EngineLoad
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.catalog import ModelCatalog
-from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.flow import RequestFlow, Routing
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FakeWorker, Script, serving
 from tests.utils.aio import run_scenario
