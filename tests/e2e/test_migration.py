@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 MODEL = "e2e-migration"
 LEASE_TTL_S = 3.0
 DEADLINE_S = 120.0
-MAX_TOKENS = 400
-NUM_GREEDY = 8
+MAX_TOKENS = 300  # the scenario: 12 greedy streams of 300 tokens, one decode worker SIGKILLed
+NUM_GREEDY = 12
 SEEDS = (11, 12)  # two seeded, sampled streams besides the greedy ones
 MESSAGES_BEFORE_KILL = 4  # every stream has this many messages before the kill: all are mid-stream
 
