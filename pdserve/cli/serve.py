@@ -180,6 +180,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=seconds,
         help="deadline of a request whose caller set none (default: {default:g}s)",
     )  # fmt: skip
+    add_field_option(
+        parser, "--max-migrations", FrontendConfig, "max_migrations", type=int,
+        help="times a request whose decode worker failed mid-stream goes on on another decode worker, keeping the "
+        "tokens already streamed (default: {default}; 0: never)",
+    )  # fmt: skip
     add_field_option(parser, "--tokenizer", FrontendConfig, "tokenizer",
                      help="tokenizer directory (default: the workers' model directory)")  # fmt: skip
     add_field_option(parser, "--metrics-port", FrontendConfig, "metrics_port", type=port_or_off,

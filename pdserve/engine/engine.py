@@ -140,23 +140,35 @@ class LLMEngine:
         kv_role: KVRole = KVRole.LOCAL,
         *,
         pin_s: float | None = None,
+        generated_token_ids: list[int] | None = None,
     ) -> Request:
         """Queue a request; raises ValueError for a prompt the engine cannot serve.
 
         A PRODUCER gives ``pin_s``: its blocks stay pinned for the peer that long at most.
+        ``generated_token_ids`` resumes a request begun elsewhere (a migrated one): they are
+        its first output tokens, computed here with the prompt (or pulled, as a CONSUMER), and
+        count as output for ``max_tokens`` and the penalties; a seeded request's generator
+        skips the draws they took, so it goes on with the tokens it would have drawn there.
         """
-        request = self._new_request(request_id, prompt, params, kv_role, pin_s)
+        request = self._new_request(request_id, prompt, params, kv_role, pin_s, generated_token_ids)
         self.scheduler.add(request)
         return request
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, kv_role: KVRole, pin_s: float | None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_role: KVRole,
+        pin_s: float | None,
+        generated_token_ids: list[int] | None,
     ) -> Request:
         if request_id in self._requests or request_id in self.scheduler.pins:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if kv_role is KVRole.PRODUCER and not (pin_s is not None and pin_s > 0):
             raise ValueError(f"a producer request needs pin_s > 0, got {pin_s!r}")
         token_ids = self._prompt_token_ids(prompt)
+        generated = self._generated_token_ids(token_ids, generated_token_ids or [], params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -166,17 +178,24 @@ class LLMEngine:
             kv_role=kv_role,
             pin_s=pin_s,
         )
+        request.resume(generated)
+        if request.generator is not None and not params.is_greedy:
+            for _ in generated:
+                skip_draw(request.generator, self.model_config.vocab_size)
         self._requests[request_id] = request
         return request
 
-    def admit_consumer(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int] | None:
+    def admit_consumer(
+        self, request_id: str, prompt: list[int], params: SamplingParams, generated_token_ids: list[int] | None = None
+    ) -> tuple[list[int], int] | None:
         """Decode role: queue a CONSUMER and give it blocks at once, outside any step.
 
         Returns its block ids and the prompt tokens already in this engine's prefix cache when
         it got them, so its pull can start now; None when it waits for a seat or blocks (a later
-        step lists it in ``StepOutput.awaiting_kv``). Raises ValueError like ``add_request``.
+        step lists it in ``StepOutput.awaiting_kv``). Raises ValueError like ``add_request``, and
+        takes its ``generated_token_ids`` too.
         """
-        request = self._new_request(request_id, prompt, params, KVRole.CONSUMER, None)
+        request = self._new_request(request_id, prompt, params, KVRole.CONSUMER, None, generated_token_ids)
         if not self.scheduler.admit_consumer(request):
             return None
         request.first_scheduled_time = time.monotonic()
@@ -208,6 +227,27 @@ class LLMEngine:
                 f"prompt needs {needed} KV blocks but the cache holds {self.block_pool.num_blocks}; raise kv_cache_memory"
             )
         return token_ids
+
+    def _generated_token_ids(self, prompt: list[int], generated: list[int], params: SamplingParams) -> list[int]:
+        """Check a resumed request's generated tokens: in the vocabulary, short of its limits."""
+        vocab = self.model_config.vocab_size
+        for index, token in enumerate(generated):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"generated_token_ids[{index}] = {token!r} is outside the vocabulary [0, {vocab})")
+        if len(generated) >= params.max_tokens:
+            raise ValueError(
+                f"generated_token_ids has {len(generated)} tokens: max_tokens ({params.max_tokens}) leaves none to generate"
+            )
+        if len(prompt) + len(generated) >= self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)}) and generated_token_ids ({len(generated)}) fill the context window "
+                f"(max_model_len {self.max_model_len}): no room for another token"
+            )
+        if self.kv.num_blocks_for(len(prompt) + len(generated) + 1) > self.block_pool.num_blocks:
+            raise ValueError(
+                f"prompt and generated_token_ids need more than the cache's {self.block_pool.num_blocks} KV blocks"
+            )
+        return list(generated)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request at any point and free everything it holds, its pin included."""

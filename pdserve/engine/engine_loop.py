@@ -133,12 +133,14 @@ class EngineLoop:
         kv_role: KVRole = KVRole.LOCAL,
         *,
         pin_s: float | None = None,
+        generated_token_ids: list[int] | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (from the engine) for one it cannot serve.
 
-        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes (``LLMEngine.add_request``).
-        A CONSUMER is given blocks at once when a seat and blocks are free, even while a step
-        runs (``LLMEngine.admit_consumer``): its stream then starts with the ``KVAwaited``.
+        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes; ``generated_token_ids``
+        resume a request begun elsewhere (both: ``LLMEngine.add_request``). A CONSUMER is given
+        blocks at once when a seat and blocks are free, even while a step runs
+        (``LLMEngine.admit_consumer``): its stream then starts with the ``KVAwaited``.
         """
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error!r}")
@@ -147,11 +149,13 @@ class EngineLoop:
         engine = self.engine
         try:
             if kv_role is KVRole.CONSUMER:
-                admitted = await self._admit(lambda: engine.admit_consumer(request_id, prompt, params))
+                admitted = await self._admit(lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids))
                 if admitted is not None:
                     stream._put(KVAwaited(*admitted))
             else:
-                await self._call(lambda: engine.add_request(request_id, prompt, params, kv_role, pin_s=pin_s))
+                await self._call(lambda: engine.add_request(
+                    request_id, prompt, params, kv_role, pin_s=pin_s, generated_token_ids=generated_token_ids
+                ))  # fmt: skip
         except BaseException:
             # Cancelled while queued, the add still runs: the abort queued behind it, on the
             # same thread, ends the request there (a no-op if the add failed).

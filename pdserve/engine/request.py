@@ -62,8 +62,21 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def awaits_kv(self) -> bool:
+        """A CONSUMER whose KV (prompt, and any tokens it resumed with) is still to come from a
+        peer; once it has run, a preemption makes it recompute here like any other."""
+        return self.kv_role is KVRole.CONSUMER and self.num_preemptions == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def resume(self, generated_token_ids: list[int]) -> None:
+        """Take the output tokens generated for this request elsewhere (before any of its own)."""
+        assert not self.output_token_ids, "a request resumes before it generates"
+        self.token_ids.extend(generated_token_ids)
+        self.output_token_ids.extend(generated_token_ids)
+        self.output_logprobs.extend([None] * len(generated_token_ids))
 
     def append_output(self, token_id: int, logprobs: Logprobs | None) -> None:
         self.token_ids.append(token_id)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
-from pdserve.engine.request import KVRole, Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request.token_ids)
             num_cached = len(cached) * self.kv.block_size
-            if request.kv_role is KVRole.CONSUMER and not request.output_token_ids:
+            if request.awaits_kv:
                 if not self._hold_for_kv(request, cached):
                     break
                 self.waiting.popleft()
@@ -149,7 +149,7 @@ class Scheduler:
         or no blocks now, or requests queue ahead of it (first-come first-served): it waits,
         and a later ``schedule`` admits it and lists it in ``SchedulerOutput.awaiting_kv``.
         """
-        assert request.kv_role is KVRole.CONSUMER and not request.output_token_ids
+        assert request.awaits_kv
         if not self.waiting and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             if self._hold_for_kv(request, self.kv.find_cached_prefix(request.token_ids)):
                 return True
@@ -157,7 +157,8 @@ class Scheduler:
         return False
 
     def _hold_for_kv(self, request: Request, cached: list[int]) -> bool:
-        """The prompt's KV comes from a peer: hold blocks for all of it, compute nothing."""
+        """The KV (prompt, and any tokens it resumed with) comes from a peer: hold blocks for all
+        of it, compute nothing."""
         if not self.kv.allocate(request.request_id, request.num_tokens, cached):
             return False
         request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.kv.block_size

@@ -53,6 +53,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_queued_requests: requests in flight past which new ones get RESOURCE_EXHAUSTED.
     request_timeout_s: the deadline of a request whose caller set none (or a longer one).
     tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
+    max_migrations: times a request whose decode worker's stream broke may go on on another
+        decode worker (with the tokens already streamed), within its deadline; 0: never.
     metrics_port: Prometheus /metrics port (0: a free one; None: off).
     stats_window_s: the span of the live percentiles published in etcd for ``pdserve status``
         and the planner; the planner's interval is the natural choice.
@@ -75,6 +77,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_queued_requests: int = 1024
     request_timeout_s: float = 600.0
     tokenizer: str | None = None
+    max_migrations: int = 2
     metrics_port: int | None = 0
     stats_window_s: float = 10.0
     tls: ServerTLS | None = None
@@ -100,5 +103,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if not self.stats_window_s > 0:
             raise ValueError(f"stats_window_s must be > 0, got {self.stats_window_s}")

@@ -7,6 +7,16 @@
 Without a prefill worker (conditional disaggregation said so, or ``off``) the decode worker
 computes the prompt itself. Every call carries what is left of the request's deadline.
 
+A decode worker's stream that breaks before the request ends (the worker died, its call
+failed, its pull failed) migrates the request: the flow routes it again, excluding the
+workers that failed it, with the prompt plus every token already streamed
+(``generated_token_ids``), so the KV is rebuilt there or on a prefill worker, and the next
+token continues the client's one stream; the engine counts those tokens for ``max_tokens``
+and the penalties and skips a seeded request's draws for them, so the tokens are those an
+unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
+deadline; then UNAVAILABLE naming every worker tried. Each attempt has its own request id
+(``ID``, then ``ID.m1``...), so a late ``Release`` or an old pin never meets a new one.
+
 The prefill worker's engine owns the pinned blocks: the decode worker's completion notices
 free them, or their deadline. The frontend keeps no state about them, and has one rule: when
 a flow that prefilled ends before the decode worker reported the pull done (its
@@ -58,13 +68,24 @@ class FlowError(Exception):
         self.message = message
 
 
+class _Broken(Exception):
+    """A decode worker's stream broke before the request ended: it may go on elsewhere."""
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(f"{worker_id}: {reason}")
+        self.worker_id = worker_id
+        self.reason = reason
+
+
 @dataclass
 class Routing:
-    """What the frontend shares with every request: registry view, router, channels."""
+    """What the frontend shares with every request: registry view, router, channels, and how
+    many times a request may move to another decode worker (``FrontendConfig.max_migrations``)."""
 
     view: RegistryView
     router: Router
     channels: WorkerChannels
+    max_migrations: int = 2
 
 
 @dataclass
@@ -73,6 +94,7 @@ class _Prefilled:
     response: worker_pb2.PrefillResponse
     sent_at: float
     attempts: int
+    request_id: str  # the attempt's
 
 
 class RequestFlow:
@@ -88,7 +110,10 @@ class RequestFlow:
         self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
         self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
         self._cached_tokens = 0  # prompt tokens the prompt's worker found in its prefix cache
-        self._decode_started = False  # the decode worker reported the start (after the pull, if any)
+        self._decode_started = False  # this attempt's decode worker reported the start (after the pull, if any)
+        self._attempt_id = request_id  # the request id the workers see on this attempt
+        self._migration: inference_pb2.Migration | None = None  # this attempt's, when it is a migration
+        self._failed: list[str] = []  # decode workers whose stream broke, in order
 
     @property
     def num_tokens(self) -> int:
@@ -101,19 +126,57 @@ class RequestFlow:
             raise FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {self.request_id} passed its deadline")
         return remaining
 
+    @property
+    def num_migrations(self) -> int:
+        """Times the request moved to another decode worker so far."""
+        return self.breakdown.migrations
+
     async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        failed = self._failed  # decode workers whose stream broke, in order; _attempt excludes them
+        while True:
+            try:
+                async for message in self._attempt():
+                    yield message
+                return
+            except _Broken as broken:
+                failed.append(broken.worker_id)
+                logger.warning("decode of %s broke on %s after %d tokens", self.request_id, broken, self.num_tokens)
+                if self.num_tokens >= self.request.params.max_tokens:  # only the final message was lost
+                    yield self._final(inference_pb2.GenerateResponse(), "length")
+                    return
+                if len(failed) > self.routing.max_migrations:
+                    raise FlowError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode failed on {', '.join(failed)} (last: {broken.reason}); "
+                        f"gave up after {self.routing.max_migrations} migrations (max_migrations)",
+                    ) from None
+                self._attempt_id = f"{self.request_id}.m{len(failed)}"
+                self._migration = inference_pb2.Migration(
+                    from_worker=broken.worker_id, tokens_streamed=self.num_tokens, reason=broken.reason
+                )
+
+    async def _attempt(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """One try at the request, on a decode worker that has not failed it, from the tokens streamed so far."""
+        failed = self._failed
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
+        self._decode_started = False
         try:
-            decode = router.choose_decode(view.workers(Role.DECODE, model))
-            choice = router.choose_prefill(view.workers(Role.PREFILL, model), self.request.token_ids,
+            decode = router.choose_decode(view.workers(Role.DECODE, model), exclude=failed)
+            choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
                                            knobs=view.knobs(model))  # fmt: skip
         except NoWorker as exc:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}") from None
+            tried = f" (decode failed on {', '.join(failed)})" if failed else ""
+            raise FlowError(
+                grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}{tried}"
+            ) from None
         prefilled = await self._prefill(choice) if choice is not None else None
+        if self._migration is not None:
+            self._migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
             if prefilled is not None:
-                self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
+                if not self.breakdown.ttft_ms:
+                    self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 self._token_times.append((time.monotonic(), 1))
                 pr = prefilled.response
                 first_logprobs = [pr.first_token_logprobs] if pr.HasField("first_token_logprobs") else []
@@ -127,6 +190,14 @@ class RequestFlow:
         finally:
             if prefilled is not None and not self._decode_started:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
+
+    @property
+    def _is_first_attempt(self) -> bool:
+        return self._attempt_id == self.request_id
+
+    def _known_token_ids(self) -> list[int]:
+        """The prompt and the tokens streamed so far: what a migrated attempt's KV is built from."""
+        return [*self.request.token_ids, *self.output.token_ids]
 
     # ---- prefill -----------------------------------------------------------------------------------
     async def _prefill(self, choice: PrefillChoice) -> _Prefilled | None:
@@ -157,25 +228,27 @@ class RequestFlow:
 
     async def _prefill_on(self, choice: PrefillChoice, attempt: int) -> _Prefilled:
         router = self.routing.router
-        num_tokens = len(self.request.token_ids)
+        num_tokens = len(self._known_token_ids())
         stub = self.routing.channels.stub(choice.worker.endpoint)
         message = worker_pb2.PrefillRequest(
-            request_id=self.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling()
-        )
+            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            generated_token_ids=self.output.token_ids,
+        )  # fmt: skip
         sent_at = time.monotonic()
         router.prefill_started(choice, num_tokens)
         try:
             response = await stub.Prefill(message, timeout=self._timeout())
         finally:
             router.prefill_done(choice, num_tokens)
-        b = self.breakdown
-        b.disaggregated = True
-        b.prefill_worker = response.worker_id
-        b.prefill_attempts = attempt
-        b.queue_ms = (sent_at - self.arrival) * 1e3 + response.queue_ms
-        b.prefill_ms = response.prefill_ms
-        self._cached_tokens = response.num_cached_tokens
-        return _Prefilled(choice.worker, response, time.monotonic(), attempt)
+        if self._is_first_attempt:  # the figures describe the request's first attempt
+            b = self.breakdown
+            b.disaggregated = True
+            b.prefill_worker = response.worker_id
+            b.prefill_attempts = attempt
+            b.queue_ms = (sent_at - self.arrival) * 1e3 + response.queue_ms
+            b.prefill_ms = response.prefill_ms
+            self._cached_tokens = response.num_cached_tokens
+        return _Prefilled(choice.worker, response, time.monotonic(), attempt, self._attempt_id)
 
     def _release(self, prefilled: _Prefilled) -> None:
         """Unpin the prompt's blocks on the prefill worker, in the background, best effort."""
@@ -183,9 +256,10 @@ class RequestFlow:
 
         async def release() -> None:
             try:
-                await stub.Release(worker_pb2.ReleaseRequest(request_id=self.request_id), timeout=5.0)
+                await stub.Release(worker_pb2.ReleaseRequest(request_id=prefilled.request_id), timeout=5.0)
             except grpc.aio.AioRpcError as exc:
-                logger.info("release of %s on %s: %s", self.request_id, prefilled.worker.worker_id, exc.code().name)
+                where = prefilled.worker.worker_id
+                logger.info("release of %s on %s: %s", prefilled.request_id, where, exc.code().name)
 
         self.routing.channels.in_background(release())
 
@@ -194,8 +268,10 @@ class RequestFlow:
         self, decode: WorkerEntry, prefilled: _Prefilled | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         message = worker_pb2.DecodeRequest(
-            request_id=self.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling()
-        )
+            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            # The prefill worker's token (the last one streamed) comes in kv_source.
+            generated_token_ids=self.output.token_ids if prefilled is None else self.output.token_ids[:-1],
+        )  # fmt: skip
         if prefilled is not None:
             pr = prefilled.response
             pin_left = pr.hold_seconds - (time.monotonic() - prefilled.sent_at) - _PIN_MARGIN_S
@@ -208,32 +284,39 @@ class RequestFlow:
                     pull_within_s=max(pin_left, 0.0),
                 )  # fmt: skip
             )
-        tried: list[str] = []
+        refused: list[str] = []
         while True:
-            tried.append(decode.worker_id)
-            received = False
+            self._migrated_to(decode)
             try:
                 async for response in self._decode_on(decode, message, prefilled):
-                    received = True
                     yield response
                 return
             except grpc.aio.AioRpcError as exc:
-                # Another worker may take it only if this one never started it.
-                refused = refusal_reason(exc) == DRAINING
-                local_and_unstarted = prefilled is None and exc.code() == grpc.StatusCode.UNAVAILABLE
-                if received or len(tried) > 1 or not (refused or local_and_unstarted):
-                    raise FlowError(
-                        grpc.StatusCode.UNAVAILABLE if exc.code() in _RETRYABLE else exc.code(),
-                        f"decode on {decode.worker_id} failed: {exc.details()}",
-                    ) from None
-                try:
-                    decode = self.routing.router.choose_decode(
-                        self.routing.view.workers(Role.DECODE, self.request.model.name), exclude=tried
-                    )
-                except NoWorker:
-                    raise FlowError(
-                        grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} failed: {exc.details()}"
-                    ) from None
+                # A draining worker refused it before starting anything: another may take it as it is.
+                if refusal_reason(exc) == DRAINING and not refused:
+                    refused.append(decode.worker_id)
+                    try:
+                        decode = self.routing.router.choose_decode(
+                            self.routing.view.workers(Role.DECODE, self.request.model.name),
+                            exclude=[*self._failed, *refused],
+                        )
+                        continue
+                    except NoWorker:
+                        pass
+                if exc.code() in _RETRYABLE:  # the worker or its call broke: the request may migrate
+                    raise _Broken(decode.worker_id, f"{exc.code().name} {exc.details()}") from None
+                raise FlowError(exc.code(), f"decode on {decode.worker_id} failed: {exc.details()}") from None
+
+    def _migrated_to(self, decode: WorkerEntry) -> None:
+        """Record this attempt's decode worker in its migration (the first time it is known)."""
+        if self._migration is None:
+            return
+        self._migration.to_worker = decode.worker_id
+        if not self._migration.prefill_worker:
+            self._migration.prefill_worker = decode.worker_id
+        self.breakdown.migration_history.append(self._migration)
+        self.breakdown.migrations += 1
+        self._migration = None  # recorded once; a refusal's second worker is not a second migration
 
     async def _decode_on(
         self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, prefilled: _Prefilled | None
@@ -258,7 +341,7 @@ class RequestFlow:
                 if prefilled is None and not self.breakdown.ttft_ms and out.token_ids:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 yield out
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"decode on {decode.worker_id} ended without a final message")
+            raise _Broken(decode.worker_id, "the stream ended without a final message")
         finally:
             call.cancel()
             router.decode_done(decode)
@@ -266,6 +349,8 @@ class RequestFlow:
     def _started(self, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
         """The decode worker began the request: after the pull, or with a prompt computed there."""
         self._decode_started = True
+        if not self._is_first_attempt:
+            return
         b = self.breakdown
         b.kv_transfer_ms = started.kv_transfer_ms
         b.kv_transfer_bytes = started.kv_transfer_bytes
@@ -281,7 +366,7 @@ class RequestFlow:
         b = self.breakdown
         if decode is not None:
             b.decode_worker = decode.worker_id
-            if not b.disaggregated:
+            if not b.prefill_worker:
                 b.prefill_worker = decode.worker_id
         b.e2e_ms = (time.monotonic() - self.arrival) * 1e3
         if not b.ttft_ms:

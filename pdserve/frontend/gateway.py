@@ -51,8 +51,8 @@ class Gateway:
     def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
         self.config = config
         self.catalog = ModelCatalog(config.tokenizer, config.max_prompt_chars)
-        self.routing = Routing(view, Router(config.router),
-                               WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client))  # fmt: skip
+        channels = WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client)
+        self.routing = Routing(view, Router(config.router), channels, config.max_migrations)
         self.num_in_flight = 0
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)
@@ -124,6 +124,8 @@ class Gateway:
     def _record(self, flow: RequestFlow, code: grpc.StatusCode) -> None:
         model, m = flow.request.model.name, self.metrics
         m.requests.labels(model, code.name).inc()
+        if flow.num_migrations:
+            m.migrations.labels(model).inc(flow.num_migrations)
         if code == grpc.StatusCode.CANCELLED:  # the caller left: neither a latency nor a failure of ours
             return
         b, gaps = flow.breakdown, flow.token_gaps()

@@ -26,7 +26,12 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stop: list[str] | None) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
-        self.num_tokens = 0  # tokens given to the client so far
+        self.token_ids: list[int] = []  # tokens given to the client so far
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the client was given so far."""
+        return len(self.token_ids)
 
     @property
     def stopped(self) -> bool:
@@ -43,7 +48,7 @@ class TextStream:
         if self._detokenizer is not None:
             num_taken, text = self._detokenizer.add_until_stop(token_ids)
             token_ids = token_ids[:num_taken]
-        self.num_tokens += len(token_ids)
+        self.token_ids += token_ids
         return inference_pb2.GenerateResponse(token_ids=token_ids, text=text, logprobs=logprobs[: len(token_ids)])
 
     def finish(self, message: inference_pb2.GenerateResponse, finish_reason: str) -> inference_pb2.GenerateResponse:

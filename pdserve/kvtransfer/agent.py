@@ -6,8 +6,10 @@ whole KV pool (``KVCache.data``, one tensor) once in ``start`` and deregisters i
 ``close``. A poller task watches posted transfers and incoming notifications, only while
 there is something to watch.
 
-Peers are cached by agent name: ``add_peer`` checks the peer's layout *before* loading its
-NIXL metadata (a mismatch never reaches NIXL), and ``remove_peer`` — called when the peer's
+Peers are cached by agent name and identity: ``add_peer`` checks the peer's layout *before*
+loading its NIXL metadata (a mismatch never reaches NIXL), returns the cached peer only when
+its whole ``PeerInfo`` is the same (a restarted process keeps its name, never its NIXL
+metadata, and is re-loaded), and ``remove_peer`` — called when the peer's
 registration disappears — releases everything held for it and fails its in-flight transfers
 at once, which is how a dead peer is noticed before a transfer's own deadline.
 
@@ -97,6 +99,7 @@ class KVAgent:
         self._unreleased: list[Any] = []
         self._handlers: list[tuple[NotificationHandler, Callable[[], bool]]] = []
         self._wake = asyncio.Event()
+        self._adding = asyncio.Lock()
         self._poller: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -177,11 +180,17 @@ class KVAgent:
         """
         peer = PeerInfo.decode(info) if isinstance(info, bytes) else info
         check_compatible(self.layout, peer.layout)
+        async with self._adding:  # concurrent first pulls from one peer load it once
+            return await self._add_peer(peer)
+
+    async def _add_peer(self, peer: PeerInfo) -> PeerInfo:
         known = self._peers.get(peer.agent_name)
         if known is not None:
-            if known.agent_metadata == peer.agent_metadata:
+            if known == peer:
                 return known
-            await self.remove_peer(peer.agent_name, reason="peer re-registered")
+            # The same name with other metadata (a new NIXL address, a new KV pool): the process
+            # restarted. Nothing of the old one may be used again: its in-flight transfers fail.
+            await self.remove_peer(peer.agent_name, reason="peer restarted (its metadata changed)")
         loaded = await self.call(_load_peer, peer.agent_metadata)
         if loaded != peer.agent_name:
             await self.call(lambda nx: nx.remove_remote_agent(loaded))

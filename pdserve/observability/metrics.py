@@ -146,6 +146,8 @@ class FrontendMetrics:
         self.e2e_seconds = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", ["model"],
                                      buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.requests = Counter("pdserve_requests", "Requests ended, by gRPC status", ["model", "code"], registry=r)
+        self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a stream broke "
+                                  "(one per move)", ["model"], registry=r)  # fmt: skip
         self.kv_transfer_share = Histogram("pdserve_kv_transfer_ttft_share", "KV transfer time over TTFT",
                                            ["model"], buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)  # fmt: skip
         queue = Gauge("pdserve_queue_length", "Requests in flight at the frontend", registry=r)

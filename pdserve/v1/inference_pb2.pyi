@@ -109,7 +109,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LatencyBreakdown(_message.Message):
-    __slots__ = ("prefill_worker", "decode_worker", "disaggregated", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes", "ttft_ms", "e2e_ms", "prefill_attempts")
+    __slots__ = ("prefill_worker", "decode_worker", "disaggregated", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes", "ttft_ms", "e2e_ms", "prefill_attempts", "migrations", "migration_history")
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class LatencyBreakdown(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_HISTORY_FIELD_NUMBER: _ClassVar[int]
     prefill_worker: str
     decode_worker: str
     disaggregated: bool
@@ -130,7 +132,23 @@ class LatencyBreakdown(_message.Message):
     ttft_ms: float
     e2e_ms: float
     prefill_attempts: int
-    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_attempts: _Optional[int] = ...) -> None: ...
+    migrations: int
+    migration_history: _containers.RepeatedCompositeFieldContainer[Migration]
+    def __init__(self, prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prefill_attempts: _Optional[int] = ..., migrations: _Optional[int] = ..., migration_history: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
+
+class Migration(_message.Message):
+    __slots__ = ("from_worker", "to_worker", "prefill_worker", "tokens_streamed", "reason")
+    FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TO_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    from_worker: str
+    to_worker: str
+    prefill_worker: str
+    tokens_streamed: int
+    reason: str
+    def __init__(self, from_worker: _Optional[str] = ..., to_worker: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., tokens_streamed: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

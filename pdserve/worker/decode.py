@@ -78,7 +78,10 @@ class DecodeService(WorkerServicer):
         request_id = request.request_id
         role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
         try:
-            stream = await engine_loop.add(request_id, list(request.prompt_token_ids), params, role)
+            stream = await engine_loop.add(
+                request_id, list(request.prompt_token_ids), params, role,
+                generated_token_ids=list(request.generated_token_ids),
+            )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         done = False
@@ -88,17 +91,20 @@ class DecodeService(WorkerServicer):
             if source is not None and peer is not None:
                 started, stats, ended = await self._pull(request_id, source, peer, stream, received_at, context)
                 if ended is not None:  # the engine ended the request before it got blocks
-                    yield self._response(ended, source, stats)
+                    yield self._response(ended, source, stats, is_first=False)
                     done = True
                     return
                 resumed_at = time.monotonic()
                 yield worker_pb2.DecodeResponse(started=started)
+            num_resumed = len(request.generated_token_ids)
             async for output in stream.outputs():
                 if resumed_at is not None:
                     self.runtime.metrics.resume_seconds.observe(time.monotonic() - resumed_at)
                     resumed_at = None
-                response = self._response(output, source, stats)
-                if source is None and output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
+                num_new = len(output.new_token_ids)
+                is_first = num_new > 0 and len(output.token_ids) == num_resumed + num_new
+                response = self._response(output, source, stats, is_first)
+                if source is None and is_first:
                     response.started.CopyFrom(self._local_start(output))  # with the first token
                 yield response
             done = True
@@ -112,12 +118,12 @@ class DecodeService(WorkerServicer):
             info = PeerInfo.decode(source.peer_info)
         except msgspec.DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_source.peer_info does not decode: {exc}")
-        if not agent.has_peer(info.agent_name):
-            try:
-                await agent.add_peer(info)
-            except LayoutMismatch as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
-        return info
+        # Always through add_peer: a peer known by this name but with other metadata is a restarted
+        # process (same worker id, same address): its old NIXL state is dropped and it is loaded anew.
+        try:
+            return await agent.add_peer(info)
+        except LayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
 
     async def _pull(
         self,
@@ -183,10 +189,11 @@ class DecodeService(WorkerServicer):
         metrics.request_ended(output.finish_reason or "abort")
 
     def _response(
-        self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None
+        self, output: RequestOutput, source: worker_pb2.KVSource | None, stats: TransferStats | None, is_first: bool
     ) -> worker_pb2.DecodeResponse:
+        """``is_first``: ``output`` holds the request's first token here (after any it resumed with)."""
         new_tokens, new_logprobs = output.new_token_ids, output.new_logprobs
-        if source is not None and len(output.token_ids) == len(new_tokens) and new_tokens:
+        if source is not None and is_first:
             # The first token (and its logprobs) came from the prefill worker; never send it twice.
             new_tokens, new_logprobs = new_tokens[1:], new_logprobs[1:]
         response = worker_pb2.DecodeResponse(token_ids=new_tokens, logprobs=tokens_logprobs(new_logprobs))

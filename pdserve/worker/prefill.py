@@ -44,8 +44,9 @@ class PrefillService(WorkerServicer):
         try:
             params = sampling_params(request.sampling)
             stream = await engine_loop.add(
-                request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER, pin_s=self.runtime.config.hold_s
-            )
+                request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER,
+                pin_s=self.runtime.config.hold_s, generated_token_ids=list(request.generated_token_ids),
+            )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -73,7 +74,7 @@ class PrefillService(WorkerServicer):
         metrics.request_ended("prefilled")
         response = worker_pb2.PrefillResponse(
             worker_id=self.runtime.worker_id,
-            first_token_id=final.token_ids[0],
+            first_token_id=final.token_ids[-1],  # after any it resumed with
             block_ids=final.held_block_ids,
             num_cached_tokens=final.num_cached_tokens,
             queue_ms=(scheduled - final.arrival_time) * 1e3,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,6 @@ from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.launch.supervisor import RestartPolicy
@@ -55,6 +55,18 @@ def bound_port(line: str) -> int:
     return int(found.group(1))
 
 
+def scrape(port: int | None) -> dict[str, float]:
+    """The Prometheus series served on ``port``, by name, labels dropped (the first series of each name)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values.setdefault(name.split("{")[0], float(value))
+    return values
+
+
 class Deployment:
     def __init__(
         self,
@@ -67,30 +79,30 @@ class Deployment:
         disaggregation: Disaggregation,
         restart: RestartPolicy = RestartPolicy(max_restarts=0),
         worker_fields: dict[str, Any] | None = None,
+        prefill_fields: dict[str, Any] | None = None,
+        decode_fields: dict[str, Any] | None = None,
         frontend_fields: dict[str, Any] | None = None,
         client_tls: ClientTLS | None = None,
         etcd_auth: EtcdAuth = EtcdAuth(),
         api_keys: tuple[str, ...] = (),
-        prefill_engine: EngineConfig | None = None,
-        decode_engine: EngineConfig | None = None,
     ) -> None:
-        """``prefill_engine`` and ``decode_engine``: each role's engine options (default the defaults).
-        ``restart``: by default a child that dies stays dead (tests kill workers to see the
+        """``restart``: by default a child that dies stays dead (tests kill workers to see the
         rest cope); pass a policy to have them restarted as ``pdserve up`` does.
-        ``worker_fields`` and ``frontend_fields`` add to the children's configurations (TLS,
-        etcd credentials); ``client_tls`` is how the test's client reaches the public API, and
-        ``etcd_auth`` how the test reads the registry."""
+        ``worker_fields`` (both roles), ``prefill_fields``, ``decode_fields`` and
+        ``frontend_fields``: ``WorkerConfig`` and ``FrontendConfig`` fields that differ from the
+        defaults here (TLS, etcd credentials, engine options). ``client_tls`` is how the test's
+        client reaches the public API, and ``etcd_auth`` how the test reads the registry."""
         self.etcd = etcd
         self.etcd_auth = etcd_auth
         self.model_name = model_name
         worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
-                              num_threads=1, engine=prefill_engine or EngineConfig(), **(worker_fields or {}))  # fmt: skip
+                              num_threads=1, **(worker_fields or {}))  # fmt: skip
         frontend = FrontendConfig(etcd=etcd, port=0, http_port=0, api_keys=list(api_keys),
                                   router=RouterConfig(disaggregation=disaggregation), **(frontend_fields or {}))  # fmt: skip
         self.cluster = LocalCluster(ClusterSpec(
-            prefill=worker, decode=msgspec.structs.replace(worker, role="decode", engine=decode_engine or EngineConfig()),
-            frontend=frontend, etcd=etcd,
-            start_timeout_s=120, stop_timeout_s=30, restart=restart,
+            prefill=msgspec.structs.replace(worker, **(prefill_fields or {})),
+            decode=msgspec.structs.replace(worker, role="decode", **(decode_fields or {})),
+            frontend=frontend, etcd=etcd, start_timeout_s=120, stop_timeout_s=30, restart=restart,
         ))  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -121,6 +133,48 @@ class Deployment:
 
     def kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
         os.kill(child.process.pid, sig)
+
+    def restart(self, child: Child) -> Child:
+        """Start a new worker in dead ``child``'s place, with the same configuration; returns it
+        (as ``pdserve up``'s supervisor would, for a deployment made with no restarts)."""
+        role = child.name.rsplit("-", 1)[0]
+        self.run(child.process.wait(), timeout=10)
+        pool = self.cluster.workers[role]
+        if child in pool:  # the supervisor drops a child it gave up on (no restarts: at once)
+            pool.remove(child)
+        counts = {r: len(self.cluster.workers[r]) for r in ("prefill", "decode")}
+        counts[role] += 1
+        self.run(self.cluster.scale(counts["prefill"], counts["decode"]), timeout=180)
+        return pool[-1]
+
+    @staticmethod
+    def worker_metrics(entry: WorkerEntry) -> dict[str, float]:
+        """The worker's Prometheus gauges and counters, by name (labels dropped: one worker each)."""
+        return scrape(entry.metrics_port)
+
+    def wait_whole(self, timeout: float) -> None:
+        """Until every live registered worker, read from its /metrics, is idle with no KV block used
+        or pinned (a dead one whose lease has not run out yet answers no scrape, and is skipped)."""
+
+        def state() -> dict[str, tuple[float, float, float]]:
+            found = {}
+            for entry in self.registered():
+                try:
+                    m = self.worker_metrics(entry)
+                except OSError:
+                    continue
+                found[entry.worker_id] = (m["pdserve_kv_blocks_used"], m["pdserve_held_requests"],
+                                          m["pdserve_running_requests"])  # fmt: skip
+            return found
+
+        deadline = time.monotonic() + timeout
+        while True:
+            now = state()
+            if not any(any(values) for values in now.values()):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not whole {timeout}s on (blocks used, held, running): {now}")
+            time.sleep(0.2)
 
     def registered(self) -> list[WorkerEntry]:
         """The workers etcd lists for this deployment's model, read now."""

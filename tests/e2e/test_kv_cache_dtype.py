@@ -27,7 +27,7 @@ def test_fp8_kv_over_disaggregation_moves_a_quarter_of_the_bytes_and_equals_offl
         [PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     )[0]
     deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-fp8-kv", disaggregation="always",
-                            prefill_engine=FP8, decode_engine=FP8)  # fmt: skip
+                            prefill_fields={"engine": FP8}, decode_fields={"engine": FP8})  # fmt: skip
     try:
         result = deployment.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
         assert result["token_ids"] == want.token_ids
@@ -44,7 +44,7 @@ def test_fp8_kv_over_disaggregation_moves_a_quarter_of_the_bytes_and_equals_offl
 def test_a_cache_dtype_mismatch_is_refused_before_anything_moves(checkpoints, etcd_url):
     path, _ = checkpoints("llama")
     deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-fp8-mismatch",
-                            disaggregation="always", prefill_engine=FP8)  # fmt: skip
+                            disaggregation="always", prefill_fields={"engine": FP8})  # fmt: skip
     try:
         request = inference_pb2.GenerateRequest(
             model="e2e-fp8-mismatch", token_ids=inference_pb2.TokenIds(ids=PROMPT),

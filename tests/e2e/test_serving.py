@@ -94,6 +94,7 @@ def test_generate_cli_against_the_server_prints_the_contract_json(llama):
     for key in ("prefill_worker", "decode_worker", "queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes"):
         assert key in b, key
     assert b["prefill_worker"] != b["decode_worker"] and b["kv_transfer_bytes"] > 0
+    assert (b["migrations"], b["migration_history"]) == (0, [])  # nothing broke
 
 
 def test_text_prompts_stream_text(llama):

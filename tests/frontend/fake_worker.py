@@ -29,6 +29,7 @@ from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 FIRST_TOKEN_ID = 7  # what a fake prefill worker answers unless its script says otherwise
+COUNTING_BASE = 100  # a counting script's first output token
 VOCAB_SIZE = 1000
 MAX_MODEL_LEN = 1024
 _STOP_GRACE_S = 1.0
@@ -56,13 +57,20 @@ class Script:
         draining: refuse every Prefill and Decode as a draining worker does.
         untyped_refusal: with ``draining``, refuse without saying why (``refuse_untyped``).
         first_token_id: what Prefill answers.
-        tokens: Decode streams these, one a message, then its final message.
+        tokens: Decode streams these, one a message, then its final message (a migrated request:
+            those after the ones it was generated).
         token_gap_s: Decode waits this long before each token after the first.
         decode_error: Decode fails with this code after ``tokens`` instead of finishing.
         stall: answer no Prefill, and send nothing after ``tokens`` in Decode, until the
             caller cancels the call or its deadline passes.
         pull_stalls: Decode from a ``kv_source`` never finishes its pull: it sends nothing,
             not even the ``DecodeStarted`` a real decode worker sends once the pull is done.
+        counting: the request's n-th output token is ``COUNTING_BASE + n`` (a model whose
+            continuation is checkable): Prefill answers the one after its ``generated_token_ids``,
+            Decode streams those after its own (and the kv_source's) up to ``max_tokens``; ``tokens``
+            is not used.
+        fail_after: Decode fails with UNAVAILABLE, as a dying worker's stream does, after streaming
+            this many tokens.
     """
 
     prefill_error: grpc.StatusCode | None = None
@@ -74,6 +82,8 @@ class Script:
     decode_error: grpc.StatusCode | None = None
     stall: bool = False
     pull_stalls: bool = False
+    counting: bool = False
+    fail_after: int | None = None
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -133,8 +143,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(self.script.prefill_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
+            num_generated = len(request.generated_token_ids)
+            if self.script.counting:
+                first = COUNTING_BASE + num_generated
+            else:  # the output is the first token, then ``tokens``
+                first = [self.script.first_token_id, *self.script.tokens][num_generated]
             return worker_pb2.PrefillResponse(
-                worker_id=self.worker_id, first_token_id=self.script.first_token_id, block_ids=[0, 1], hold_seconds=30.0
+                worker_id=self.worker_id, first_token_id=first, block_ids=[0, 1], hold_seconds=30.0
             )
         finally:
             self.num_in_flight -= 1
@@ -159,7 +174,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await asyncio.Event().wait()
                 # A real decode worker reports the pull as soon as it is done.
                 yield worker_pb2.DecodeResponse(started=worker_pb2.DecodeStarted(kv_transfer_ms=1.0))
-            for index, token_id in enumerate(self.script.tokens):
+            for index, token_id in enumerate(self._tokens(request)):
+                if index == self.script.fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} died")
                 if index and self.script.token_gap_s:
                     await asyncio.sleep(self.script.token_gap_s)
                 yield worker_pb2.DecodeResponse(token_ids=[token_id])
@@ -174,6 +191,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.num_in_flight -= 1
 
+    def _tokens(self, request: worker_pb2.DecodeRequest) -> list[int]:
+        """What Decode streams: the output after what the request was generated (and the kv_source's token)."""
+        num_generated = len(request.generated_token_ids)
+        if self.script.counting:
+            start = num_generated + request.HasField("kv_source")
+            return [COUNTING_BASE + n for n in range(start, request.sampling.max_tokens)]
+        # Prefilled, the output is the first token, then ``tokens``; computed here, ``tokens``.
+        return list(self.script.tokens[num_generated:])
+
     async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
         if self.script.untyped_refusal:
             await refuse_untyped(context, self.worker_id)
@@ -187,9 +213,10 @@ async def serving(
     workers: Sequence[FakeWorker],
     disaggregation: str = "always",
     model_path: str = "/nonexistent/fake-model",
+    max_migrations: int = 2,
 ) -> AsyncIterator[Routing]:
     """Start and register ``workers`` (serving ``model`` from ``model_path``, where the frontend
-    looks for its tokenizer); yield the frontend's routing over them.
+    looks for its tokenizer); yield the frontend's routing over them (``max_migrations`` a flow).
 
     On the way out the channels are closed first, which waits for the flow's background
     Releases, so the workers' records are complete once the block is left.
@@ -197,7 +224,7 @@ async def serving(
     etcd = EtcdConnection(etcd_url)
     view = RegistryView(etcd)
     config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
-    routing = Routing(view, Router(config, seed=0), WorkerChannels())
+    routing = Routing(view, Router(config, seed=0), WorkerChannels(), max_migrations=max_migrations)
     try:
         for worker in workers:
             await worker.start(etcd_url, model, model_path)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from pdserve.engine.load import EngineLoad
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.catalog import ModelCatalog
-from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.flow import RequestFlow, Routing
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FakeWorker, Script, serving
 from tests.utils.aio import run_scenario
@@ -121,13 +120,40 @@ def test_only_a_typed_draining_refusal_lets_another_decode_worker_take_the_reque
         async with serving(etcd_url, model, [prefill, draining, taker], model_path=tokenizer_dir) as routing:
             return await generate(routing, model, [])
 
-    if refusal == "untyped":  # the details read the same, but nothing says the call was refused unstarted
-        with pytest.raises(FlowError) as error:
-            run_scenario(main(), timeout_s=60)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE and "decode on d1 failed" in error.value.message
-        assert (len(draining.decodes), len(taker.decodes)) == (1, 0)
-        return
     messages = run_scenario(main(), timeout_s=60)
     assert text_of(messages) == (tokens, TEXT)
-    assert messages[-1].final.breakdown.decode_worker == "d2"
+    breakdown = messages[-1].final.breakdown
+    assert breakdown.decode_worker == "d2"
+    if refusal == "untyped":  # the details read the same, but nothing says the call was refused unstarted:
+        # the request migrates (a new prefill, the first attempt's pin released) instead of being handed over
+        assert breakdown.migrations == 1 and breakdown.migration_history[0].from_worker == "d1"
+        assert [p.request_id for p in prefill.prefills] == ["r1", "r1.m1"] and prefill.releases == ["r1"]
+    else:
+        assert breakdown.migrations == 0 and len(prefill.prefills) == 1
     assert (len(draining.decodes), len(taker.decodes)) == (1, 1)
+
+
+@pytest.mark.parametrize("stop", [[], [", and"]], ids=["no-stop", "stop-across-the-migration"])
+def test_a_migrated_stream_reads_as_one_text_and_a_stop_string_across_the_break_still_ends_it(
+    etcd_url, tokenizer_dir, tokens, model, stop
+):
+    """d1 dies after " world" (its second token): d2 goes on from "," (the tokens already streamed
+    are its generated_token_ids), and ", and" spans the two workers."""
+    prefill = FakeWorker("p1", "prefill", speaking(tokens))
+    dying = FakeWorker("d1", "decode", speaking(tokens, fail_after=1))
+    taker = FakeWorker("d2", "decode", speaking(tokens), load=EngineLoad(running=5))
+
+    async def main():
+        async with serving(etcd_url, model, [prefill, dying, taker], model_path=tokenizer_dir) as routing:
+            return await generate(routing, model, stop)
+
+    messages = run_scenario(main(), timeout_s=60)
+    final = messages[-1].final
+    assert final.breakdown.migrations == 1 and final.breakdown.migration_history[0].tokens_streamed == 2
+    assert list(taker.decodes[0].generated_token_ids) == tokens[:2]
+    if not stop:
+        assert text_of(messages) == (tokens, TEXT) and final.text == TEXT
+        return
+    ids, text = text_of(messages)
+    assert (text, final.text, final.finish_reason) == ("Hello world", "Hello world", "stop")
+    assert ids == tokens[: len(ids)] and final.usage.completion_tokens == len(ids)

@@ -1,0 +1,356 @@
+"""Chaos soak: a deployment under steady load while workers are killed and paused and etcd restarts.
+
+It starts a real etcd (loopback, its own data directory) and a deployment with ``LocalCluster``,
+the code behind ``pdserve up`` (frontend and workers as child processes), and runs a closed loop
+of ``--concurrency`` greedy streams for ``--duration`` seconds. Meanwhile, every
+``--fault-interval`` seconds on average (exponential gaps, ``--seed``), one fault:
+
+  kill   SIGKILL a worker; this script restarts it ``--restart-delay`` later with the same
+         configuration, as a supervisor would (``pdserve up`` does not restart children yet);
+  pause  SIGSTOP a worker for 1 s to twice the transfer deadline, then SIGCONT;
+  etcd   stop etcd and start it again on the same ports and data (leases survive).
+
+A worker is a victim only while another of its role is up and running, so the deployment can
+always serve. Every request has a deadline (``--deadline``); one that has not ended
+``HANG_GRACE_S`` after it counts as hung. Afterwards every paused worker is resumed, the load
+stops, and once the workers are idle each one's KV blocks still used or pinned are read from
+its /metrics: leaked blocks, which must be 0.
+
+Reported (``--json``: one object): requests sent, completed, migrated (completed after at least
+one migration), failed by cause (``deadline``: DEADLINE_EXCEEDED; ``migrations``: UNAVAILABLE
+after the migration attempts ran out; anything else is ``unexplained``, with its message),
+hung; leaked blocks per surviving worker; faults and restarts; p99 TTFT of the requests that
+began during a fault (from its start until its worker is back, or etcd is) and of the others.
+
+    python bench/chaos.py --duration 600 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.discovery.etcd import EtcdConnection  # noqa: E402
+from pdserve.discovery.registry import Role, WorkerEntry  # noqa: E402
+from pdserve.discovery.registry_view import RegistryView  # noqa: E402
+from pdserve.frontend.config import FrontendConfig, RouterConfig  # noqa: E402
+from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from pdserve.worker.config import WorkerConfig  # noqa: E402
+from tests.utils.etcd_server import EtcdServer  # noqa: E402
+
+MODEL = "chaos"
+HANG_GRACE_S = 15.0  # past its deadline, a request still open is hung
+IDLE_TIMEOUT_S = 60.0  # after the load: how long the workers get to be idle and whole
+
+
+@dataclass
+class Outcome:
+    started: float
+    status: str  # "OK", a gRPC code's name, or "HUNG"
+    ttft_s: float | None = None
+    migrations: int = 0
+    detail: str = ""
+
+
+@dataclass
+class Chaos:
+    """The faults injected, each as (kind, target, start, end) once over, and the restarts done."""
+
+    windows: list[tuple[str, str, float, float]] = field(default_factory=list)
+    worker_restarts: int = 0
+    etcd_restarts: int = 0
+    stopped: set[int] = field(default_factory=set)  # pids paused now
+    killed: set[int] = field(default_factory=set)  # pids killed and not reaped yet (returncode lags)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes and restarts under way
+    restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def during(self, at: float) -> bool:
+        return any(start <= at <= end for _, _, start, end in self.windows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a model directory (default: a tiny random Llama written to a temp dir)")
+    parser.add_argument("--prefill", type=int, default=2, help="prefill workers (default: 2)")
+    parser.add_argument("--decode", type=int, default=2, help="decode workers (default: 2)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default: 60)")
+    parser.add_argument("--concurrency", type=int, default=6, help="streams in flight (default: 6)")
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 96), metavar=("MIN", "MAX"),
+                        help="output tokens per request, uniform (default: 16 96)")  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(8, 120), metavar=("MIN", "MAX"),
+                        help="prompt tokens per request, uniform (default: 8 120)")  # fmt: skip
+    parser.add_argument("--deadline", type=float, default=30.0, help="each request's deadline, s (default: 30)")
+    parser.add_argument("--fault-interval", type=float, default=8.0, help="mean seconds between faults (default: 8)")
+    parser.add_argument("--restart-delay", type=float, default=2.0, help="a killed worker's restart delay (default: 2)")
+    parser.add_argument("--transfer-timeout", type=float, default=5.0, help="decode's KV pull deadline (default: 5)")
+    parser.add_argument("--hold", type=float, default=15.0, help="prefill's pin deadline, s (default: 15)")
+    parser.add_argument("--seed", type=int, default=0, help="faults and workload (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _log(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _tiny_model(directory: Path) -> str:
+    from tests.utils.checkpoints import write_checkpoint
+
+    write_checkpoint(directory, "llama")
+    return str(directory)
+
+
+async def _registered(etcd_url: str) -> list[WorkerEntry]:
+    etcd = EtcdConnection(etcd_url)
+    view = RegistryView(etcd)
+    try:
+        await view.start()
+        return view.workers(model=MODEL)
+    finally:
+        await view.close()
+        await etcd.close()
+
+
+def _metrics(entry: WorkerEntry) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{entry.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values.setdefault(name.split("{")[0], float(value))
+    return values
+
+
+# ---- load ----------------------------------------------------------------------------------------
+async def _stream(stub: Any, request: inference_pb2.GenerateRequest, deadline_s: float) -> Outcome:
+    outcome = Outcome(time.monotonic(), "HUNG")
+    try:
+        async with asyncio.timeout(deadline_s + HANG_GRACE_S):
+            async for response in stub.Generate(request, timeout=deadline_s):
+                if response.token_ids and outcome.ttft_s is None:
+                    outcome.ttft_s = time.monotonic() - outcome.started
+                if response.HasField("final"):
+                    outcome.migrations = response.final.breakdown.migrations
+        outcome.status = "OK"
+    except TimeoutError:
+        outcome.detail = f"open {deadline_s + HANG_GRACE_S:g} s after it was sent"
+    except grpc.aio.AioRpcError as exc:
+        outcome.status, outcome.detail = exc.code().name, exc.details() or ""
+    return outcome
+
+
+async def _load(stub: Any, args: argparse.Namespace, rng: random.Random, until: float, out: list[Outcome]) -> None:
+    while time.monotonic() < until:
+        prompt = [rng.randrange(2, 200) for _ in range(rng.randint(*args.prompt_tokens))]
+        request = inference_pb2.GenerateRequest(
+            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+            sampling=inference_pb2.SamplingOptions(max_tokens=rng.randint(*args.max_tokens), temperature=0,
+                                                   ignore_eos=True),
+        )  # fmt: skip
+        out.append(await _stream(stub, request, args.deadline))
+
+
+# ---- faults --------------------------------------------------------------------------------------
+def _running(cluster: LocalCluster, chaos: Chaos, role: Role) -> list[Child]:
+    return [
+        c for c in cluster.workers[role]
+        if c.process.returncode is None and c.process.pid not in chaos.stopped | chaos.killed
+    ]  # fmt: skip
+
+
+def _own(chaos: Chaos, coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    chaos.tasks.add(task)
+    task.add_done_callback(chaos.tasks.discard)
+
+
+async def _pause(child: Child, seconds: float, chaos: Chaos) -> None:
+    start = time.monotonic()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(child.process.pid, signal.SIGCONT)
+        chaos.stopped.discard(child.process.pid)
+        chaos.windows.append(("pause", child.name, start, time.monotonic()))
+
+
+async def _restart(cluster: LocalCluster, child: Child, role: Role, delay_s: float, chaos: Chaos) -> None:
+    start = time.monotonic()
+    await child.process.wait()
+    chaos.killed.discard(child.process.pid)
+    await asyncio.sleep(delay_s)
+    async with chaos.restart_lock:  # one scale at a time: each counts the pools as they are
+        cluster.workers[role].remove(child)
+        counts = {r: len(cluster.workers[r]) + (r == role) for r in Role}
+        await cluster.scale(counts[Role.PREFILL], counts[Role.DECODE])
+    chaos.worker_restarts += 1
+    chaos.windows.append(("kill", child.name, start, time.monotonic()))
+
+
+async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namespace, rng: random.Random,
+                  until: float, chaos: Chaos) -> None:  # fmt: skip
+    while True:
+        await asyncio.sleep(rng.expovariate(1 / args.fault_interval))
+        if time.monotonic() >= until:
+            return
+        kind = rng.choice(("kill", "kill", "pause", "pause", "etcd"))
+        if kind == "etcd":
+            start = time.monotonic()
+            _log("restarting etcd")
+            await asyncio.to_thread(etcd.restart)
+            chaos.etcd_restarts += 1
+            chaos.windows.append(("etcd", "etcd", start, time.monotonic()))
+            continue
+        role = rng.choice([r for r in Role if len(_running(cluster, chaos, r)) >= 2] or [None])
+        if role is None:
+            continue  # no role has a worker to spare now
+        victim = rng.choice(_running(cluster, chaos, role))
+        if kind == "kill":
+            _log(f"SIGKILL {victim.name} (pid {victim.process.pid})")
+            chaos.killed.add(victim.process.pid)
+            os.kill(victim.process.pid, signal.SIGKILL)
+            _own(chaos, _restart(cluster, victim, role, args.restart_delay, chaos))
+        else:
+            seconds = rng.uniform(1.0, 2 * args.transfer_timeout)
+            _log(f"SIGSTOP {victim.name} (pid {victim.process.pid}) for {seconds:.1f} s")
+            chaos.stopped.add(victim.process.pid)
+            os.kill(victim.process.pid, signal.SIGSTOP)
+            _own(chaos, _pause(victim, seconds, chaos))
+
+
+# ---- the run -------------------------------------------------------------------------------------
+async def _idle_and_whole(etcd_url: str) -> dict[str, int]:
+    """Each registered worker's KV blocks used or pinned, once all are 0 or IDLE_TIMEOUT_S passed."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        leaked = {}
+        for entry in await _registered(etcd_url):
+            m = await asyncio.to_thread(_metrics, entry)
+            leaked[entry.worker_id] = int(m["pdserve_kv_blocks_used"] + m["pdserve_held_requests"])
+        if not any(leaked.values()) or time.monotonic() > deadline:
+            return leaked
+        await asyncio.sleep(0.5)
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 1)
+
+
+def _report(args: argparse.Namespace, outcomes: list[Outcome], chaos: Chaos, leaked: dict[str, int],
+            live: dict[str, int], seconds: float) -> dict[str, Any]:  # fmt: skip
+    failed = [o for o in outcomes if o.status not in ("OK", "HUNG")]
+    causes = {"deadline": 0, "migrations": 0, "unexplained": 0}
+    unexplained = []
+    for o in failed:
+        if o.status == "DEADLINE_EXCEEDED":
+            causes["deadline"] += 1
+        elif o.status == "UNAVAILABLE" and "max_migrations" in o.detail:
+            causes["migrations"] += 1
+        else:
+            causes["unexplained"] += 1
+            unexplained.append(f"{o.status}: {o.detail}")
+    ok = [o for o in outcomes if o.status == "OK"]
+    faults = {kind: sum(w[0] == kind for w in chaos.windows) for kind in ("kill", "pause", "etcd")}
+    return {
+        "duration_s": round(seconds, 1),
+        "deployment": {"prefill": args.prefill, "decode": args.decode, "concurrency": args.concurrency,
+                       "deadline_s": args.deadline, "transfer_timeout_s": args.transfer_timeout,
+                       "hold_s": args.hold, "fault_interval_s": args.fault_interval, "seed": args.seed},
+        "sent": len(outcomes),
+        "completed": len(ok),
+        "migrated": sum(o.migrations > 0 for o in ok),
+        "migrations": sum(o.migrations for o in outcomes),
+        "failed": len(failed),
+        "failed_by_cause": causes,
+        "unexplained_failures": unexplained[:20],
+        "hung": sum(o.status == "HUNG" for o in outcomes),
+        "leaked_blocks": leaked,
+        "faults": faults,
+        "restarts": {"workers": chaos.worker_restarts, "etcd": chaos.etcd_restarts},
+        "live_workers_at_end": live,
+        "ttft_p99_ms": {
+            "during_faults": _p99([o.ttft_s for o in ok if o.ttft_s is not None and chaos.during(o.started)]),
+            "outside_faults": _p99([o.ttft_s for o in ok if o.ttft_s is not None and not chaos.during(o.started)]),
+        },
+    }  # fmt: skip
+
+
+async def _run(args: argparse.Namespace, model: str, etcd: EtcdServer) -> dict[str, Any]:
+    worker = WorkerConfig(role="prefill", model=model, etcd="", model_name=MODEL, lease_ttl_s=3.0, num_threads=1,
+                          hold_s=args.hold, transfer_timeout_s=args.transfer_timeout)  # fmt: skip
+    frontend = FrontendConfig(etcd="", port=0, router=RouterConfig(disaggregation="always"),
+                              request_timeout_s=args.deadline)  # fmt: skip
+    cluster = LocalCluster(ClusterSpec(prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
+                                       frontend=frontend, etcd=etcd.url, start_timeout_s=180))  # fmt: skip
+    rng = random.Random(args.seed)
+    chaos = Chaos()
+    outcomes: list[Outcome] = []
+    await cluster.start(args.prefill, args.decode)
+    try:
+        assert cluster.frontend is not None
+        async with grpc.aio.insecure_channel(cluster.frontend.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            began = time.monotonic()
+            until = began + args.duration
+            _log(f"load for {args.duration:g} s, {args.concurrency} streams, a fault every ~{args.fault_interval:g} s")
+            loads = [_load(stub, args, random.Random(rng.random()), until, outcomes) for _ in range(args.concurrency)]
+            await asyncio.gather(_inject(cluster, etcd, args, rng, until, chaos), *loads)
+            seconds = time.monotonic() - began
+            # Every pause resumed, every restart done.
+            for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):
+                if failure is not None:
+                    _log(f"a resume or restart failed: {failure!r}")
+        leaked = await _idle_and_whole(etcd.url)
+        entries = await _registered(etcd.url)
+        live = {role: sum(e.role == role for e in entries) for role in ("prefill", "decode")}
+        return _report(args, outcomes, chaos, leaked, live, seconds)
+    finally:
+        for pid in chaos.stopped:
+            os.kill(pid, signal.SIGCONT)
+        await cluster.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
+        model = args.model or _tiny_model(Path(tmp) / "model")
+        etcd = EtcdServer(Path(tmp)).start()
+        try:
+            return asyncio.run(_run(args, model, etcd))
+        finally:
+            etcd.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    report = run(args)
+    if args.json:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:>22}: {value}")
+
+
+if __name__ == "__main__":
+    main()

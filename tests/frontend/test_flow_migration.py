@@ -1,0 +1,125 @@
+"""A decode worker's stream that breaks mid-request migrates the request: the client sees one
+stream, no token twice and none lost, and the breakdown says where it went; bounded by
+``max_migrations`` and the deadline.
+
+Scripted workers (``fake_worker.FakeWorker``) with a ``counting`` script: the request's n-th
+output token is ``COUNTING_BASE + n``, so a continuation that skipped, repeated or restarted
+tokens shows in the stream. ``fail_after`` breaks a worker's stream as a dying worker's does.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.v1 import inference_pb2
+from tests.frontend.fake_worker import COUNTING_BASE, FakeWorker, Script, serving
+from tests.frontend.test_flow import (
+    BUSY_DECODE,
+    SCENARIO_TIMEOUT_S,
+    final_of,
+    flow_error,
+    new_flow,
+    run_flow,
+    token_ids,
+)
+from tests.utils.aio import run_scenario
+
+MAX_TOKENS = 8  # new_flow's
+EXPECTED = [COUNTING_BASE + n for n in range(MAX_TOKENS)]
+BUSY_DECODE_2 = BUSY_DECODE.__class__(running=8)  # tried after d1 and d2
+
+
+def _decode(worker_id: str, fail_after: int | None = None, busy: int = 0) -> FakeWorker:
+    load = [BUSY_DECODE.__class__(), BUSY_DECODE, BUSY_DECODE_2][busy]
+    return FakeWorker(worker_id, "decode", Script(counting=True, fail_after=fail_after), load=load)
+
+
+@pytest.mark.parametrize("disaggregation", ["always", "off"], ids=["kv-from-prefill-worker", "prompt-on-decode-worker"])
+def test_a_stream_that_breaks_mid_request_goes_on_on_another_decode_worker(
+    etcd_url: str, model: str, disaggregation: str
+) -> None:
+    prefill = FakeWorker("p1", "prefill", Script(counting=True))
+    failing, taker = _decode("d1", fail_after=3), _decode("d2", busy=1)
+
+    async def body() -> tuple[str, list[inference_pb2.GenerateResponse]]:
+        async with serving(etcd_url, model, [prefill, failing, taker], disaggregation) as routing:
+            flow = new_flow(routing, model)
+            return flow.request_id, await run_flow(flow)
+
+    request_id, responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED  # one stream: none twice, none lost
+    final = final_of(responses)
+    assert (final.finish_reason, final.usage.completion_tokens) == ("length", MAX_TOKENS)
+    b = final.breakdown
+    streamed = 4 if disaggregation == "always" else 3  # the prefill worker's first token, then d1's three
+    assert b.decode_worker == "d2" and b.migrations == 1
+    assert [(m.from_worker, m.to_worker, m.tokens_streamed) for m in b.migration_history] == [("d1", "d2", streamed)]
+    assert "UNAVAILABLE d1 died" in b.migration_history[0].reason
+    continued = taker.decodes[0]
+    assert continued.request_id == f"{request_id}.m1"  # never the broken attempt's id
+    assert list(continued.prompt_token_ids) == list(failing.decodes[0].prompt_token_ids)
+    if disaggregation == "always":  # the KV is rebuilt on a prefill worker, which samples the next token
+        assert b.prefill_worker == "p1" and b.migration_history[0].prefill_worker == "p1"
+        assert [list(p.generated_token_ids) for p in prefill.prefills] == [[], EXPECTED[:streamed]]
+        assert list(continued.generated_token_ids) == EXPECTED[:streamed]  # and the prefill worker's token in kv_source
+        assert continued.kv_source.first_token_id == EXPECTED[streamed]
+    else:  # the KV is rebuilt on the new decode worker itself
+        assert b.migration_history[0].prefill_worker == "d2"
+        assert list(continued.generated_token_ids) == EXPECTED[:streamed] and not continued.HasField("kv_source")
+
+
+def test_migration_gives_up_after_max_migrations_naming_every_worker_tried(etcd_url: str, model: str) -> None:
+    workers = [_decode("d1", fail_after=1), _decode("d2", fail_after=1, busy=1), _decode("d3", fail_after=1, busy=2)]
+    received: list[inference_pb2.GenerateResponse] = []
+
+    async def body() -> None:
+        async with serving(etcd_url, model, workers, "off", max_migrations=2) as routing:
+            flow = new_flow(routing, model)
+            with pytest.raises(Exception) as caught:
+                async for response in flow.run():
+                    received.append(response)
+            raise caught.value
+
+    with pytest.raises(Exception) as caught:
+        run_scenario(body(), SCENARIO_TIMEOUT_S)
+    error = caught.value
+    assert getattr(error, "code", None) == grpc.StatusCode.UNAVAILABLE
+    assert "d1, d2, d3" in error.message and "max_migrations" in error.message
+    assert token_ids(received) == EXPECTED[:3]  # each worker streamed one token, each the next
+    assert [len(w.decodes) for w in workers] == [1, 1, 1]
+
+
+def test_no_migration_when_max_migrations_is_zero(etcd_url: str, model: str) -> None:
+    failing, other = _decode("d1", fail_after=2), _decode("d2", busy=1)
+
+    async def body():
+        async with serving(etcd_url, model, [failing, other], "off", max_migrations=0) as routing:
+            return await flow_error(new_flow(routing, model))
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.UNAVAILABLE and "d1" in error.message
+    assert other.decodes == []
+
+
+def test_no_other_decode_worker_is_unavailable_naming_the_failed_one(etcd_url: str, model: str) -> None:
+    async def body():
+        async with serving(etcd_url, model, [_decode("d1", fail_after=2)], "off") as routing:
+            return await flow_error(new_flow(routing, model))
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "no decode worker is available" in error.message and "decode failed on d1" in error.message
+
+
+def test_a_stream_broken_after_its_last_token_ends_without_a_migration(etcd_url: str, model: str) -> None:
+    """Only the final message was lost: max_tokens were streamed, so the request is over."""
+    failing, other = _decode("d1", fail_after=MAX_TOKENS), _decode("d2", busy=1)
+
+    async def body():
+        async with serving(etcd_url, model, [failing, other], "off") as routing:
+            return await run_flow(new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED and final_of(responses).finish_reason == "length"
+    assert other.decodes == []
