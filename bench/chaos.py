@@ -5,8 +5,8 @@ the code behind ``pdserve up`` (frontend and workers as child processes), and ru
 of ``--concurrency`` greedy streams for ``--duration`` seconds. Meanwhile, every
 ``--fault-interval`` seconds on average (exponential gaps, ``--seed``), one fault:
 
-  kill   SIGKILL a worker; this script restarts it ``--restart-delay`` later with the same
-         configuration, as a supervisor would (``pdserve up`` does not restart children yet);
+  kill   SIGKILL a worker; the cluster's supervisor (as in ``pdserve up``) restarts it after
+         its back-off (``--restart-delay`` for the first crash in a row, doubling after);
   pause  SIGSTOP a worker for 1 s to twice the transfer deadline, then SIGCONT;
   etcd   stop etcd and start it again on the same ports and data (leases survive).
 
@@ -52,6 +52,7 @@ from pdserve.discovery.registry import Role, WorkerEntry  # noqa: E402
 from pdserve.discovery.registry_view import RegistryView  # noqa: E402
 from pdserve.frontend.config import FrontendConfig, RouterConfig  # noqa: E402
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.launch.supervisor import RestartPolicy  # noqa: E402
 from pdserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from pdserve.worker.config import WorkerConfig  # noqa: E402
 from tests.utils.etcd_server import EtcdServer  # noqa: E402
@@ -59,6 +60,7 @@ from tests.utils.etcd_server import EtcdServer  # noqa: E402
 MODEL = "chaos"
 HANG_GRACE_S = 15.0  # past its deadline, a request still open is hung
 IDLE_TIMEOUT_S = 60.0  # after the load: how long the workers get to be idle and whole
+RESTART_TIMEOUT_S = 120.0  # how long a killed worker's restart may take (back-off, model load)
 
 
 @dataclass
@@ -80,7 +82,6 @@ class Chaos:
     stopped: set[int] = field(default_factory=set)  # pids paused now
     killed: set[int] = field(default_factory=set)  # pids killed and not reaped yet (returncode lags)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes and restarts under way
-    restart_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def during(self, at: float) -> bool:
         return any(start <= at <= end for _, _, start, end in self.windows)
@@ -99,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="prompt tokens per request, uniform (default: 8 120)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=30.0, help="each request's deadline, s (default: 30)")
     parser.add_argument("--fault-interval", type=float, default=8.0, help="mean seconds between faults (default: 8)")
-    parser.add_argument("--restart-delay", type=float, default=2.0, help="a killed worker's restart delay (default: 2)")
+    parser.add_argument("--restart-delay", type=float, default=2.0,
+                        help="the supervisor's first restart back-off, s (default: 2)")  # fmt: skip
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="decode's KV pull deadline (default: 5)")
     parser.add_argument("--hold", type=float, default=15.0, help="prefill's pin deadline, s (default: 15)")
     parser.add_argument("--seed", type=int, default=0, help="faults and workload (default: 0)")
@@ -193,15 +195,13 @@ async def _pause(child: Child, seconds: float, chaos: Chaos) -> None:
         chaos.windows.append(("pause", child.name, start, time.monotonic()))
 
 
-async def _restart(cluster: LocalCluster, child: Child, role: Role, delay_s: float, chaos: Chaos) -> None:
-    start = time.monotonic()
-    await child.process.wait()
-    chaos.killed.discard(child.process.pid)
-    await asyncio.sleep(delay_s)
-    async with chaos.restart_lock:  # one scale at a time: each counts the pools as they are
-        cluster.workers[role].remove(child)
-        counts = {r: len(cluster.workers[r]) + (r == role) for r in Role}
-        await cluster.scale(counts[Role.PREFILL], counts[Role.DECODE])
+async def _restarted(child: Child, chaos: Chaos) -> None:
+    """Until the supervisor has the killed ``child`` serving again (a new process, listening)."""
+    start, killed = time.monotonic(), child.process.pid
+    async with asyncio.timeout(RESTART_TIMEOUT_S):
+        while child.process.pid == killed or not child.is_alive or not child.address:
+            await asyncio.sleep(0.1)
+    chaos.killed.discard(killed)
     chaos.worker_restarts += 1
     chaos.windows.append(("kill", child.name, start, time.monotonic()))
 
@@ -228,7 +228,7 @@ async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namesp
             _log(f"SIGKILL {victim.name} (pid {victim.process.pid})")
             chaos.killed.add(victim.process.pid)
             os.kill(victim.process.pid, signal.SIGKILL)
-            _own(chaos, _restart(cluster, victim, role, args.restart_delay, chaos))
+            _own(chaos, _restarted(victim, chaos))
         else:
             seconds = rng.uniform(1.0, 2 * args.transfer_timeout)
             _log(f"SIGSTOP {victim.name} (pid {victim.process.pid}) for {seconds:.1f} s")
@@ -302,8 +302,10 @@ async def _run(args: argparse.Namespace, model: str, etcd: EtcdServer) -> dict[s
                           hold_s=args.hold, transfer_timeout_s=args.transfer_timeout)  # fmt: skip
     frontend = FrontendConfig(etcd="", port=0, router=RouterConfig(disaggregation="always"),
                               request_timeout_s=args.deadline)  # fmt: skip
+    # Restarts never given up on: the soak kills the same slot again and again.
+    restart = RestartPolicy(max_restarts=10_000, min_backoff_s=args.restart_delay)
     cluster = LocalCluster(ClusterSpec(prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
-                                       frontend=frontend, etcd=etcd.url, start_timeout_s=180))  # fmt: skip
+                                       frontend=frontend, etcd=etcd.url, start_timeout_s=180, restart=restart))  # fmt: skip
     rng = random.Random(args.seed)
     chaos = Chaos()
     outcomes: list[Outcome] = []
