@@ -44,14 +44,27 @@ if [ ${#missing[@]} -gt 0 ]; then
     $sudo apt-get install -y "${missing[@]}"
 fi
 
+# The Debian archive this machine's apt already uses (its sources name it, as a one-line
+# sources.list or a deb822 .sources file): "$1" is the archive's path, debian or debian-security.
+debian_mirror() {
+    grep -hoE "https?://[^ ]+/$1/?( |$)" /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+        /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n 1 | tr -d ' ' || true
+}
+
 build_kube() {
     local apt_dir="$work/apt" keyring=/usr/share/keyrings/debian-archive-keyring.gpg
     mkdir -p "$apt_dir/lists/partial" "$apt_dir/archives/partial" "$apt_dir/sources.list.d"
+    local main security
+    main="$(debian_mirror debian)" security="$(debian_mirror debian-security)"
+    if [ -z "$main" ] || [ -z "$security" ]; then
+        echo "k8s_test_env: no Debian archive (debian, debian-security) in this machine's apt sources" >&2
+        exit 1
+    fi
     cat >"$apt_dir/sources.list" <<SOURCES
-deb [signed-by=$keyring] http://deb.debian.org/debian bullseye main
-deb-src [signed-by=$keyring] http://deb.debian.org/debian bookworm main
-deb-src [signed-by=$keyring] http://deb.debian.org/debian bookworm-updates main
-deb-src [signed-by=$keyring] http://deb.debian.org/debian-security bookworm-security main
+deb [signed-by=$keyring] $main bullseye main
+deb-src [signed-by=$keyring] $main bookworm main
+deb-src [signed-by=$keyring] $main bookworm-updates main
+deb-src [signed-by=$keyring] $security bookworm-security main
 SOURCES
     local apt_opts=(
         -o "Dir::Etc::SourceList=$apt_dir/sources.list"
