@@ -80,7 +80,7 @@ class Chaos:
     worker_restarts: int = 0
     etcd_restarts: int = 0
     stopped: set[int] = field(default_factory=set)  # pids paused now
-    killed: set[int] = field(default_factory=set)  # pids killed and not reaped yet (returncode lags)
+    restarting: set[str] = field(default_factory=set)  # workers killed and not serving again yet
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # resumes and restarts under way
 
     def during(self, at: float) -> bool:
@@ -175,7 +175,7 @@ async def _load(stub: Any, args: argparse.Namespace, rng: random.Random, until: 
 def _running(cluster: LocalCluster, chaos: Chaos, role: Role) -> list[Child]:
     return [
         c for c in cluster.workers[role]
-        if c.process.returncode is None and c.process.pid not in chaos.stopped | chaos.killed
+        if c.is_alive and c.process.pid not in chaos.stopped and c.name not in chaos.restarting
     ]  # fmt: skip
 
 
@@ -195,13 +195,13 @@ async def _pause(child: Child, seconds: float, chaos: Chaos) -> None:
         chaos.windows.append(("pause", child.name, start, time.monotonic()))
 
 
-async def _restarted(child: Child, chaos: Chaos) -> None:
+async def _restarted(child: Child, num_starts: int, chaos: Chaos) -> None:
     """Until the supervisor has the killed ``child`` serving again (a new process, listening)."""
-    start, killed = time.monotonic(), child.process.pid
+    start = time.monotonic()
     async with asyncio.timeout(RESTART_TIMEOUT_S):
-        while child.process.pid == killed or not child.is_alive or not child.address:
+        while child.num_starts == num_starts:
             await asyncio.sleep(0.1)
-    chaos.killed.discard(killed)
+    chaos.restarting.discard(child.name)
     chaos.worker_restarts += 1
     chaos.windows.append(("kill", child.name, start, time.monotonic()))
 
@@ -226,9 +226,9 @@ async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namesp
         victim = rng.choice(_running(cluster, chaos, role))
         if kind == "kill":
             _log(f"SIGKILL {victim.name} (pid {victim.process.pid})")
-            chaos.killed.add(victim.process.pid)
+            chaos.restarting.add(victim.name)
             os.kill(victim.process.pid, signal.SIGKILL)
-            _own(chaos, _restarted(victim, chaos))
+            _own(chaos, _restarted(victim, victim.num_starts, chaos))
         else:
             seconds = rng.uniform(1.0, 2 * args.transfer_timeout)
             _log(f"SIGSTOP {victim.name} (pid {victim.process.pid}) for {seconds:.1f} s")

@@ -42,6 +42,7 @@ class Child:
     address: the address its last start printed after "listening on".
     http_url: the OpenAI API base URL it printed on that line (a frontend's), else "".
     output: its last lines, for an error report.
+    num_starts: how many times it became ready (a restart that listened counts).
     """
 
     name: str
@@ -52,6 +53,7 @@ class Child:
     process: asyncio.subprocess.Process | None = None
     address: str = ""
     http_url: str = ""
+    num_starts: int = 0
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
     reader: asyncio.Task[None] | None = None
 
@@ -76,6 +78,7 @@ class Child:
             self.address = rest.split()[0].rstrip(";")
             found = re.search(r"https?://\S+", rest)
             self.http_url = found.group(0) if found else ""
+            self.num_starts += 1
         except (TimeoutError, ChildFailed) as exc:
             await self.stop()
             last = "\n  ".join(self.output) or "(no output)"
