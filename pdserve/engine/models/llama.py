@@ -47,9 +47,7 @@ class GQAttention:
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
-        k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
-        self.backend.write_kv(cache, k, v, meta.slot_mapping)
+        q = self.backend.rope_write_kv(q, k, v, positions, self.cos_sin, cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
