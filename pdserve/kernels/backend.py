@@ -129,6 +129,19 @@ class Backend(ABC):
     ) -> None:
         """Store k, v [T, Hkv, D] into layer_cache [num_blocks, 2, Hkv, block_size, D]."""
 
+    def rope_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        layer_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate q and k (GPT-NeoX pairs), store k and v (``write_kv``); returns the rotated q.
+
+        One call, so that a backend can fuse the three (``CpuBackend`` does); q may be rotated
+        in place.
+        """
+        q = self.rotary(q, positions, cos_sin, interleaved=False)
+        self.write_kv(layer_cache, self.rotary(k, positions, cos_sin, interleaved=False), v, slot_mapping)
+        return q
+
     @abstractmethod
     def paged_attention(
         self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float

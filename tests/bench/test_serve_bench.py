@@ -99,6 +99,9 @@ def test_compare_run_reports_both_deployments_side_by_side(checkpoints):
     assert disaggregated["kv_transfer_bytes_mean"] > 0 and disaggregated["server"]["kv_transfer_ms"]["p50"] > 0
     share = disaggregated["kv_transfer_share_of_ttft"]
     assert share["n"] == 4 and share["median"] > 0 and colocated["kv_transfer_share_of_ttft"] is None
+    handoff = disaggregated["handoff_ms"]  # the decode worker's phases, warm-up requests included
+    assert handoff["num_requests"] >= 4 and handoff["pull_mean"] > 0 and handoff["resume_mean"] > 0
+    assert "handoff_ms" not in colocated
     # Both deployments saw the same workload.
     assert disaggregated["prompt_tokens"] == colocated["prompt_tokens"]
     assert disaggregated["output_tokens"] == colocated["output_tokens"]

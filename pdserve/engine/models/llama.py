@@ -50,12 +50,12 @@ class GQAttention:
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
-        k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
         if not kv_quant.is_fp8(cache):
-            self.backend.write_kv(cache, k, v, meta.slot_mapping)
+            q = self.backend.rope_write_kv(q, k, v, positions, self.cos_sin, cache, meta.slot_mapping)
             out = self.backend.paged_attention(q, cache, meta, self.scale)
         else:
+            q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
+            k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
             s = self.kv_scales
             self.backend.write_kv(cache, kv_quant.quantize(k, s.k_scale), kv_quant.quantize(v, s.v_scale), meta.slot_mapping)
             out = self.backend.paged_attention(q, cache, meta, self.scale * s.k_scale)

@@ -8,6 +8,11 @@
   plain layout runs at a third of the machine's speed; the repacked GEMM is 1.1–3× faster
   (2048 rows to 32; bench/RESULTS.md), the same float32 arithmetic.
 
+- **RMSNorm** (with its residual add) and **rotary embedding with the KV cache write** run
+  ``layer_ops.c``: one pass each instead of the handful of torch ops (and temporaries) the
+  reference spends per layer, which on a decode step of a deep, narrow model cost more than
+  the arithmetic.
+
 Everything else is the reference. Tensors other than float32 take the reference path: the
 kernels are float32 only, which is what CPUs run fast.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels.backend import AttentionMetadata
+from pdserve.kernels.cpu import layer_ops
 from pdserve.kernels.cpu.paged_decode import load, paged_decode
 from pdserve.kernels.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
 
@@ -26,6 +32,7 @@ class CpuBackend(TorchBackend):
 
     def __init__(self) -> None:
         load()  # compile now, so that a missing compiler shows at start-up, not mid-request
+        layer_ops.load()
         self.repacks_weights = _onednn_linear_works()
 
     def prepare_weight(self, weight):
@@ -42,6 +49,25 @@ class CpuBackend(TorchBackend):
         if lm_head.is_mkldnn:
             return self.linear(hidden, lm_head)
         return super().logits(hidden, lm_head)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps, residual)
+        if residual is not None and (residual.dtype != torch.float32 or residual.stride(-1) != 1):
+            return super().rms_norm(x, weight, eps, residual)
+        return layer_ops.rms_norm(x, weight.contiguous(), eps, residual)
+
+    def rope_write_kv(self, q, k, v, positions, cos_sin, layer_cache, slot_mapping):
+        dim = q.shape[-1]
+        fits = (
+            _is_float32(q, layer_cache) and k.dtype == v.dtype == cos_sin.dtype == torch.float32
+            and cos_sin.shape[1] == dim and cos_sin.is_contiguous()
+            and q.stride()[1:] == (dim, 1) and k.stride()[1:] == (dim, 1) and v.stride() == k.stride()
+            and layer_cache.stride(-1) == 1
+        )  # fmt: skip
+        if not fits:
+            return super().rope_write_kv(q, k, v, positions, cos_sin, layer_cache, slot_mapping)
+        return layer_ops.rope_write_kv(q, k, v, positions, cos_sin, layer_cache, slot_mapping)
 
     def paged_attention(self, q, layer_cache, meta, scale):
         if not _is_float32(q, layer_cache):
