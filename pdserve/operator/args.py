@@ -86,7 +86,7 @@ def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
     if router.prefill_saturation_tokens is not None:
         argv += ["--prefill-saturation-tokens", str(router.prefill_saturation_tokens)]
     if spec.tls is not None:
-        argv += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
+        argv += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     if spec.api_keys is not None:
         argv += ["--api-key-file", f"{API_KEY_DIR}/{spec.api_keys.key}"]
     return argv + options(fe.args)

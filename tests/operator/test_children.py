@@ -125,3 +125,27 @@ def test_every_child_is_a_valid_kubernetes_object(name: str) -> None:
     body["spec"]["planner"] = {"enabled": True, "profileConfigMap": "profile", "serviceAccountName": "planner"}
     for obj in children(body).values():
         kubernetes_validate.validate(obj, "1.25", strict=True)
+
+
+def test_every_command_line_the_operator_writes_is_one_pdserve_accepts() -> None:
+    # The spec -> argv mapping names real options: parsed by pdserve's own parser, as the pods'
+    # `pdserve @FILE` will. (Parallelism options wait for multi-rank workers; the example has none.)
+    from pdserve.cli import build_parser
+
+    body = example("llama-small.yaml")
+    body["spec"] |= {"tls": {"secretName": "llama-tls"}, "apiKeys": {"secretName": "llama-keys"},
+                     "planner": {"enabled": True, "profileConfigMap": "llama-profile"}}  # fmt: skip
+    spec = parse_spec(body)
+    argvs = {
+        "prefill": cmd.worker_args(spec, "prefill", ETCD) + cmd.pod_worker_args(),
+        "decode": cmd.worker_args(spec, "decode", ETCD) + cmd.pod_worker_args(),
+        "frontend": cmd.frontend_args(spec, ETCD),
+        "planner": cmd.planner_args(spec, "serving", "llama", ETCD),
+    }
+    parser = build_parser()
+    for component, argv in argvs.items():
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"pdserve refuses the {component} command line the operator writes: {argv}")
+    assert "--tls-cert" in argvs["frontend"] and "--api-key-file" in argvs["frontend"]
