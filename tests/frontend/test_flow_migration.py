@@ -44,7 +44,7 @@ def test_a_stream_that_breaks_mid_request_goes_on_on_another_decode_worker(
 
     async def body() -> tuple[str, list[inference_pb2.GenerateResponse]]:
         async with serving(etcd_url, model, [prefill, failing, taker], disaggregation) as routing:
-            flow = new_flow(routing, model)
+            flow = await new_flow(routing, model)
             return flow.request_id, await run_flow(flow)
 
     request_id, responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
@@ -75,7 +75,7 @@ def test_migration_gives_up_after_max_migrations_naming_every_worker_tried(etcd_
 
     async def body() -> None:
         async with serving(etcd_url, model, workers, "off", max_migrations=2) as routing:
-            flow = new_flow(routing, model)
+            flow = await new_flow(routing, model)
             with pytest.raises(Exception) as caught:
                 async for response in flow.run():
                     received.append(response)
@@ -95,7 +95,7 @@ def test_no_migration_when_max_migrations_is_zero(etcd_url: str, model: str) -> 
 
     async def body():
         async with serving(etcd_url, model, [failing, other], "off", max_migrations=0) as routing:
-            return await flow_error(new_flow(routing, model))
+            return await flow_error(await new_flow(routing, model))
 
     error = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert error.code == grpc.StatusCode.UNAVAILABLE and "d1" in error.message
@@ -105,7 +105,7 @@ def test_no_migration_when_max_migrations_is_zero(etcd_url: str, model: str) -> 
 def test_no_other_decode_worker_is_unavailable_naming_the_failed_one(etcd_url: str, model: str) -> None:
     async def body():
         async with serving(etcd_url, model, [_decode("d1", fail_after=2)], "off") as routing:
-            return await flow_error(new_flow(routing, model))
+            return await flow_error(await new_flow(routing, model))
 
     error = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert error.code == grpc.StatusCode.UNAVAILABLE
@@ -118,7 +118,7 @@ def test_a_stream_broken_after_its_last_token_ends_without_a_migration(etcd_url:
 
     async def body():
         async with serving(etcd_url, model, [failing, other], "off") as routing:
-            return await run_flow(new_flow(routing, model))
+            return await run_flow(await new_flow(routing, model))
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == EXPECTED and final_of(responses).finish_reason == "length"
