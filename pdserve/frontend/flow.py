@@ -32,6 +32,7 @@ aborts the request on the worker and frees its blocks) and sends the final messa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,8 @@ _RETRYABLE = {
 }  # fmt: skip
 # The decode worker must finish pulling this long before the prefill worker's pin runs out.
 _PIN_MARGIN_S = 2.0
+# A migrating request with no decode worker to go to looks again this often, until its deadline.
+_WORKER_WAIT_S = 0.2
 
 
 class FlowError(Exception):
@@ -162,7 +165,7 @@ class RequestFlow:
         view, router = self.routing.view, self.routing.router
         self._decode_started = False
         try:
-            decode = router.choose_decode(view.workers(Role.DECODE, model), exclude=failed)
+            decode = await self._choose_decode()
             choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
                                            knobs=view.knobs(model))  # fmt: skip
         except NoWorker as exc:
@@ -190,6 +193,18 @@ class RequestFlow:
         finally:
             if prefilled is not None and not self._decode_started:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
+
+    async def _choose_decode(self) -> WorkerEntry:
+        """This attempt's decode worker. A migrating request waits for one, within its deadline:
+        the only other decode worker may be restarting, and comes back under a new id."""
+        model, router, view = self.request.model.name, self.routing.router, self.routing.view
+        while True:
+            try:
+                return router.choose_decode(view.workers(Role.DECODE, model), exclude=self._failed)
+            except NoWorker:
+                if not self._failed or time.monotonic() + _WORKER_WAIT_S >= self.deadline:
+                    raise
+            await asyncio.sleep(_WORKER_WAIT_S)
 
     @property
     def _is_first_attempt(self) -> bool:

@@ -9,6 +9,8 @@ tokens shows in the stream. ``fail_after`` breaks a worker's stream as a dying w
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -102,12 +104,21 @@ def test_no_migration_when_max_migrations_is_zero(etcd_url: str, model: str) -> 
     assert other.decodes == []
 
 
-def test_no_other_decode_worker_is_unavailable_naming_the_failed_one(etcd_url: str, model: str) -> None:
+def test_no_other_decode_worker_waits_for_one_then_is_unavailable_naming_the_failed_one(
+    etcd_url: str, model: str
+) -> None:
+    """The only other decode worker may be restarting: the request waits for one until its
+    deadline, then fails naming the worker that failed it."""
+    deadline_s = 2.0
+
     async def body():
         async with serving(etcd_url, model, [_decode("d1", fail_after=2)], "off") as routing:
-            return await flow_error(await new_flow(routing, model))
+            started = time.monotonic()
+            error = await flow_error(await new_flow(routing, model, deadline_s))
+            return error, time.monotonic() - started
 
-    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    error, waited = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert waited >= deadline_s - 0.5
     assert error.code == grpc.StatusCode.UNAVAILABLE
     assert "no decode worker is available" in error.message and "decode failed on d1" in error.message
 
