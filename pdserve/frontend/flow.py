@@ -16,6 +16,9 @@ and the penalties and skips a seeded request's draws for them, so the tokens are
 unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
 deadline; then UNAVAILABLE naming every worker tried. Each attempt has its own request id
 (``ID``, then ``ID.m1``...), so a late ``Release`` or an old pin never meets a new one.
+A decode worker that refuses because it could not pull the KV (``KV_SOURCE_FAILED``: the
+prefill worker died or stalled) is not at fault: the next attempt avoids that prefill worker
+instead, and may decode on the same decode worker.
 
 The prefill worker's engine owns the pinned blocks: the decode worker's completion notices
 free them, or their deadline. The frontend keeps no state about them, and has one rule: when
@@ -46,7 +49,7 @@ from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
-from pdserve.rpc.status import DRAINING, refusal_reason
+from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -72,12 +75,17 @@ class FlowError(Exception):
 
 
 class _Broken(Exception):
-    """A decode worker's stream broke before the request ended: it may go on elsewhere."""
+    """A decode worker's stream broke before the request ended: it may go on elsewhere.
 
-    def __init__(self, worker_id: str, reason: str) -> None:
+    ``kv_source``: the prefill worker whose KV the decode worker could not pull. Then the decode
+    worker is fine and may take the request again; that prefill worker is the one to avoid.
+    """
+
+    def __init__(self, worker_id: str, reason: str, kv_source: str = "") -> None:
         super().__init__(f"{worker_id}: {reason}")
         self.worker_id = worker_id
         self.reason = reason
+        self.kv_source = kv_source
 
 
 @dataclass
@@ -117,6 +125,7 @@ class RequestFlow:
         self._attempt_id = request_id  # the request id the workers see on this attempt
         self._migration: inference_pb2.Migration | None = None  # this attempt's, when it is a migration
         self._failed: list[str] = []  # decode workers whose stream broke, in order
+        self._lost_sources: list[str] = []  # prefill workers whose KV could not be pulled, in order
 
     @property
     def num_tokens(self) -> int:
@@ -135,41 +144,44 @@ class RequestFlow:
         return self.breakdown.migrations
 
     async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        failed = self._failed  # decode workers whose stream broke, in order; _attempt excludes them
+        num_broken = 0
         while True:
             try:
                 async for message in self._attempt():
                     yield message
                 return
             except _Broken as broken:
-                failed.append(broken.worker_id)
+                num_broken += 1
+                if broken.kv_source:  # _attempt avoids the prefill worker, not the decode worker
+                    self._lost_sources.append(broken.kv_source)
+                else:
+                    self._failed.append(broken.worker_id)
                 logger.warning("decode of %s broke on %s after %d tokens", self.request_id, broken, self.num_tokens)
                 if self.num_tokens >= self.request.params.max_tokens:  # only the final message was lost
                     yield self._final(inference_pb2.GenerateResponse(), "length")
                     return
-                if len(failed) > self.routing.max_migrations:
+                if num_broken > self.routing.max_migrations:
                     raise FlowError(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"decode failed on {', '.join(failed)} (last: {broken.reason}); "
+                        f"{self._tried()} (last: {broken.reason}); "
                         f"gave up after {self.routing.max_migrations} migrations (max_migrations)",
                     ) from None
-                self._attempt_id = f"{self.request_id}.m{len(failed)}"
+                self._attempt_id = f"{self.request_id}.m{num_broken}"
                 self._migration = inference_pb2.Migration(
                     from_worker=broken.worker_id, tokens_streamed=self.num_tokens, reason=broken.reason
                 )
 
     async def _attempt(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """One try at the request, on a decode worker that has not failed it, from the tokens streamed so far."""
-        failed = self._failed
+        """One try at the request, on workers that have not failed it, from the tokens streamed so far."""
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
         self._decode_started = False
         try:
             decode = await self._choose_decode()
             choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
-                                           knobs=view.knobs(model))  # fmt: skip
+                                           exclude=self._lost_sources, knobs=view.knobs(model))  # fmt: skip
         except NoWorker as exc:
-            tried = f" (decode failed on {', '.join(failed)})" if failed else ""
+            tried = f" ({self._tried()})" if self._failed or self._lost_sources else ""
             raise FlowError(
                 grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}{tried}"
             ) from None
@@ -206,6 +218,13 @@ class RequestFlow:
                     raise
             await asyncio.sleep(_WORKER_WAIT_S)
 
+    def _tried(self) -> str:
+        """The workers that failed this request, for its error message."""
+        parts = [f"decode failed on {', '.join(self._failed)}"] if self._failed else []
+        if self._lost_sources:
+            parts.append(f"KV could not be pulled from {', '.join(self._lost_sources)}")
+        return "; ".join(parts)
+
     @property
     def _is_first_attempt(self) -> bool:
         return self._attempt_id == self.request_id
@@ -233,7 +252,8 @@ class RequestFlow:
             if attempt == 1:
                 try:
                     others = view.workers(Role.PREFILL, self.request.model.name)
-                    current = router.choose_prefill(others, self.request.token_ids, exclude=[choice.worker.worker_id],
+                    current = router.choose_prefill(others, self._known_token_ids(),
+                                                    exclude=[*self._lost_sources, choice.worker.worker_id],
                                                     knobs=view.knobs(self.request.model.name))  # fmt: skip
                 except NoWorker:
                     current = None
@@ -307,8 +327,11 @@ class RequestFlow:
                     yield response
                 return
             except grpc.aio.AioRpcError as exc:
+                reason = refusal_reason(exc)
+                if reason == KV_SOURCE_FAILED and prefilled is not None:
+                    raise _Broken(decode.worker_id, exc.details(), kv_source=prefilled.worker.worker_id) from None
                 # A draining worker refused it before starting anything: another may take it as it is.
-                if refusal_reason(exc) == DRAINING and not refused:
+                if reason == DRAINING and not refused:
                     refused.append(decode.worker_id)
                     try:
                         decode = self.routing.router.choose_decode(

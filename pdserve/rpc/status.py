@@ -16,6 +16,7 @@ from pdserve.v1 import worker_pb2
 # A binary metadata key (gRPC requires the "-bin" suffix for bytes values).
 REFUSAL_KEY = "pdserve-refusal-bin"
 DRAINING = worker_pb2.Refusal.REASON_DRAINING
+KV_SOURCE_FAILED = worker_pb2.Refusal.REASON_KV_SOURCE_FAILED
 
 
 async def refuse(

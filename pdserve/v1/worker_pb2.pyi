@@ -118,8 +118,10 @@ class Refusal(_message.Message):
         __slots__ = ()
         REASON_UNSPECIFIED: _ClassVar[Refusal.Reason]
         REASON_DRAINING: _ClassVar[Refusal.Reason]
+        REASON_KV_SOURCE_FAILED: _ClassVar[Refusal.Reason]
     REASON_UNSPECIFIED: Refusal.Reason
     REASON_DRAINING: Refusal.Reason
+    REASON_KV_SOURCE_FAILED: Refusal.Reason
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: Refusal.Reason
     def __init__(self, reason: _Optional[_Union[Refusal.Reason, str]] = ...) -> None: ...

@@ -30,6 +30,7 @@ from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats
 from pdserve.rpc.logprobs import tokens_logprobs
 from pdserve.rpc.sampling import sampling_params
+from pdserve.rpc.status import KV_SOURCE_FAILED, refuse
 from pdserve.v1 import worker_pb2
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 
@@ -157,7 +158,8 @@ class DecodeService(WorkerServicer):
             )  # fmt: skip
         except TransferFailed as exc:
             self.runtime.engine_loop.abort(request_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull from {source.worker_id} failed: {exc.reason}")
+            # Typed, so the frontend prefills again elsewhere and keeps this worker for the decode.
+            await refuse(context, KV_SOURCE_FAILED, f"KV pull from {source.worker_id} failed: {exc.reason}")
         await self.runtime.engine_loop.kv_received(request_id, source.first_token_id)
         started = worker_pb2.DecodeStarted(
             num_cached_tokens=item.num_cached_tokens, queue_ms=queue_s * 1e3,

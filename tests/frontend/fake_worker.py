@@ -25,7 +25,7 @@ from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import Routing
 from pdserve.frontend.router import Router
 from pdserve.rpc.server import RpcServer
-from pdserve.rpc.status import DRAINING, refuse
+from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 FIRST_TOKEN_ID = 7  # what a fake prefill worker answers unless its script says otherwise
@@ -71,6 +71,8 @@ class Script:
             is not used.
         fail_after: Decode fails with UNAVAILABLE, as a dying worker's stream does, after streaming
             this many tokens.
+        failed_pulls: Decode refuses this many of its first calls that carry a ``kv_source`` with
+            ``KV_SOURCE_FAILED``, as a decode worker whose pull from a dead prefill worker failed.
     """
 
     prefill_error: grpc.StatusCode | None = None
@@ -84,6 +86,7 @@ class Script:
     pull_stalls: bool = False
     counting: bool = False
     fail_after: int | None = None
+    failed_pulls: int = 0
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
@@ -170,6 +173,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if self.script.draining:
                 await self._refuse(context)
             if request.HasField("kv_source"):
+                if sum(d.HasField("kv_source") for d in self.decodes) <= self.script.failed_pulls:
+                    source = request.kv_source.worker_id
+                    await refuse(context, KV_SOURCE_FAILED, f"KV pull from {source} failed: remote disconnected")
                 if self.script.pull_stalls:
                     await asyncio.Event().wait()
                 # A real decode worker reports the pull as soon as it is done.

@@ -134,3 +134,47 @@ def test_a_stream_broken_after_its_last_token_ends_without_a_migration(etcd_url:
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == EXPECTED and final_of(responses).finish_reason == "length"
     assert other.decodes == []
+
+
+def test_a_pull_that_failed_on_a_dead_prefill_worker_prefills_again_elsewhere_and_keeps_the_decode_worker(
+    etcd_url: str, model: str
+) -> None:
+    """The decode worker refused with KV_SOURCE_FAILED: it is not at fault, so the request goes
+    back to it, prefilled on the other prefill worker; the lost one is not tried again."""
+    prefills = [FakeWorker("p1", "prefill", Script(counting=True)), FakeWorker("p2", "prefill", Script(counting=True))]
+    decode = FakeWorker("d1", "decode", Script(counting=True, failed_pulls=1))
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [*prefills, decode], "always") as routing:
+            return await run_flow(await new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED  # the first attempt's token once, then the rest
+    lost = decode.decodes[0].kv_source.worker_id
+    kept = decode.decodes[1].kv_source.worker_id
+    assert kept != lost and len(decode.decodes) == 2
+    assert [len(p.prefills) for p in prefills if p.worker_id == lost] == [1]  # never tried again
+    b = final_of(responses).breakdown
+    assert (b.decode_worker, b.migrations) == ("d1", 1)
+    [move] = b.migration_history
+    assert (move.from_worker, move.to_worker, move.prefill_worker, move.tokens_streamed) == ("d1", "d1", kept, 1)
+    assert f"KV pull from {lost} failed" in move.reason
+
+
+def test_a_pull_that_failed_with_no_other_prefill_worker_fails_at_once_naming_it(etcd_url: str, model: str) -> None:
+    """No waiting for the deadline: the decode worker is there, the prefill role has no one left."""
+    prefill, decode = (
+        FakeWorker("p1", "prefill", Script(counting=True)),
+        FakeWorker("d1", "decode", Script(failed_pulls=1)),
+    )
+
+    async def body():
+        async with serving(etcd_url, model, [prefill, decode], "always") as routing:
+            started = time.monotonic()
+            error = await flow_error(await new_flow(routing, model, deadline_s=20.0))
+            return error, time.monotonic() - started
+
+    error, took = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert took < 5.0
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "no prefill worker is available" in error.message and "KV could not be pulled from p1" in error.message
