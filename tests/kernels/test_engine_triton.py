@@ -13,6 +13,7 @@ from pdserve.kernels.block_fp8 import BlockFP8Weight
 from pdserve.kernels.torch_backend import TorchBackend
 from tests.utils.checkpoints import VOCAB
 from tests.utils.fp8_checkpoint import write_fp8_deepseek_v3
+from tests.utils.gguf_files import make_model, write_gguf
 
 
 @pytest.mark.slow
@@ -29,6 +30,19 @@ def test_triton_kernels_give_the_torch_backends_greedy_tokens(checkpoints, arch)
     got = triton_llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     triton_llm.engine.check_idle_integrity()
+
+
+@pytest.mark.slow
+def test_a_gguf_file_runs_on_the_triton_kernels(tmp_path):
+    """The default model is a GGUF file and Triton the default on a GPU: its weights load
+    dequantized on that backend too, and give the torch backend's tokens."""
+    path = write_gguf(tmp_path / "tiny.Q4_1.gguf", "llama", make_model("llama"))
+    prompts = [[5, 17, 33, 200, 7, 9], list(range(40, 57))]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    expected = LLM(str(path), kernels="torch", max_model_len=128, kv_cache_memory=2**22).generate(prompts, params)
+    triton_llm = LLM(str(path), kernels="triton", max_model_len=128, kv_cache_memory=2**22)
+    assert triton_llm.engine.backend.name == "triton"
+    assert [o.token_ids for o in triton_llm.generate(prompts, params)] == [o.token_ids for o in expected]
 
 
 class _ReferenceFP8Backend(TorchBackend):

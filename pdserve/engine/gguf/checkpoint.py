@@ -90,6 +90,10 @@ class GGUFCheckpoint:
                 names.append(f"model.layers.{parts[1]}.{module}.{parts[3]}")
         return names
 
+    def is_block_fp8(self, name: str) -> bool:
+        """Never: a GGUF file holds no block-FP8 weights, every tensor is dequantized at load."""
+        return False
+
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` dequantized to the model dtype (or ``dtype``) on the model device."""
         target = gguf_name(name)
