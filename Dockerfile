@@ -33,14 +33,17 @@ WORKDIR /home/pdserve
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]
 
-# Stage 2b: GPU runtime (the default target): torch's CUDA build and Triton from PyPI.
+# Stage 2b: GPU runtime (the default target): torch's CUDA build and Triton from PyPI. Ubuntu 24.04
+# images ship a user `ubuntu` with uid 1000, removed so that pdserve's user takes that uid; Triton
+# compiles its launcher against Python.h, hence python3-dev.
 FROM ${CUDA_IMAGE} AS cuda
 ARG TORCH_VERSION
 ENV VIRTUAL_ENV=/opt/pdserve PATH=/opt/pdserve/bin:$PATH PYTHONUNBUFFERED=1
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/pdserve \
+    && (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin pdserve
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
