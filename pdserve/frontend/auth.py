@@ -31,18 +31,25 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._keys)
 
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` value (``Bearer KEY``) carries one of the keys."""
+    def identify(self, authorization: str | None) -> str | None:
+        """Which key an ``Authorization`` value (``Bearer KEY``) carries, as ``key-N`` (its
+        position; never the key itself): the client's rate-limit bucket. ``""`` when no keys
+        are required, every client alike whatever it sends; None when it carries no key."""
         if not self._keys:
-            return True
+            return ""
         if authorization is None:
-            return False
+            return None
         scheme, _, given = authorization.strip().partition(" ")
         candidate = given.strip().encode(errors="surrogateescape")
-        matched = False
-        for key in self._keys:  # every key, always: no early exit to time
-            matched |= hmac.compare_digest(candidate, key)
-        return matched and scheme.lower() == _SCHEME
+        matched = -1
+        for index, key in enumerate(self._keys):  # every key, always: no early exit to time
+            if hmac.compare_digest(candidate, key):
+                matched = index
+        return f"key-{matched}" if matched >= 0 and scheme.lower() == _SCHEME else None
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` value (``Bearer KEY``) carries one of the keys."""
+        return self.identify(authorization) is not None
 
     @staticmethod
     def problem(authorization: str | None) -> str:
@@ -72,10 +79,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         authorization = dict(details.invocation_metadata or ()).get("authorization")
         if isinstance(authorization, bytes):
             authorization = authorization.decode(errors="replace")
-        if not self.keys.allows(authorization):
+        bucket = self.keys.identify(authorization)
+        if bucket is None:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, ApiKeys.problem(authorization))
-        # Without keys every client shares one bucket (metadata of its choosing picks none).
-        bucket = authorization if self.keys.required else None
         wait_s = self.limiter.acquire(bucket) if self.limiter is not None else 0.0
         if wait_s > 0:
             return _refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, RateLimiter.problem(wait_s))

@@ -2,13 +2,13 @@
 
 Each key may start ``rate`` requests a second on average and ``burst`` at once; a request past
 that is refused (HTTP 429 with ``Retry-After``, gRPC RESOURCE_EXHAUSTED) with how long to wait.
-Without API keys every client shares one bucket. Buckets live in memory, keyed by a digest of
-the key (the key itself is not kept here), and a key's bucket is at most one per configured key.
+Without API keys every client shares one bucket. Buckets live in memory, one per configured
+key, named by ``ApiKeys.identify`` (the key's position, never the key), so spelling the same key
+differently (``bearer KEY``, extra spaces) draws from the same bucket.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -30,13 +30,12 @@ class RateLimiter:
         if self.burst < 1:
             raise ValueError(f"burst must be >= 1, got {self.burst}")
         self._clock = clock
-        self._buckets: dict[bytes, _Bucket] = {}
+        self._buckets: dict[str, _Bucket] = {}
 
-    def acquire(self, key: str | None) -> float:
+    def acquire(self, key: str) -> float:
         """Take one request from ``key``'s bucket: 0 when allowed, else the seconds until one is."""
         now = self._clock()
-        name = hashlib.sha256((key or "").encode(errors="surrogateescape")).digest()
-        bucket = self._buckets.setdefault(name, _Bucket(float(self.burst), now))
+        bucket = self._buckets.setdefault(key, _Bucket(float(self.burst), now))
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
         if bucket.tokens >= 1:

@@ -64,8 +64,8 @@ def test_no_workers_is_unavailable_and_several_models_need_a_name():
 
 def test_a_valid_request_keeps_its_options_for_the_workers_less_the_stop_strings():
     options = inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3, stop=["\n\n"], stop_token_ids=[7])
-    valid = validate(ModelCatalog(), 
-        request(token_ids=inference_pb2.TokenIds(ids=[4, 5]), sampling=options), [entry("d1", "decode")]
+    valid = validate(
+        ModelCatalog(), request(token_ids=inference_pb2.TokenIds(ids=[4, 5]), sampling=options), [entry("d1", "decode")]
     )
     assert valid.token_ids == [4, 5] and valid.params.max_tokens == 5 and valid.params.seed == 3
     assert valid.params.stop == ["\n\n"]  # the frontend applies them to the text

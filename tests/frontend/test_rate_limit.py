@@ -10,13 +10,13 @@ from pdserve.frontend.rate_limit import RateLimiter
 def test_a_key_gets_its_burst_then_its_rate_and_other_keys_are_untouched():
     now = [0.0]
     limiter = RateLimiter(2.0, burst=3, clock=lambda: now[0])
-    assert [limiter.acquire("Bearer a") for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert limiter.acquire("Bearer a") == pytest.approx(0.5)  # one token back every 0.5 s
-    assert limiter.acquire("Bearer b") == 0.0
+    assert [limiter.acquire("key-0") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert limiter.acquire("key-0") == pytest.approx(0.5)  # one token back every 0.5 s
+    assert limiter.acquire("key-1") == 0.0
     now[0] = 0.5
-    assert limiter.acquire("Bearer a") == 0.0 and limiter.acquire("Bearer a") > 0
+    assert limiter.acquire("key-0") == 0.0 and limiter.acquire("key-0") > 0
     now[0] = 100.0  # refills up to the burst, no more
-    assert [limiter.acquire("Bearer a") == 0.0 for _ in range(4)] == [True, True, True, False]
+    assert [limiter.acquire("key-0") == 0.0 for _ in range(4)] == [True, True, True, False]
 
 
 def test_bad_settings_are_refused():

@@ -48,10 +48,10 @@ def create_app(
         async def run(request: Request) -> Response:
             try:
                 authorization = request.headers.get("authorization")
-                if not keys.allows(authorization):
+                bucket = keys.identify(authorization)
+                if bucket is None:
                     raise ApiError(401, ApiKeys.problem(authorization), code="invalid_api_key")
-                # Without keys every client shares one bucket (a header of its choosing picks none).
-                wait_s = limiter.acquire(authorization if keys.required else None) if limiter is not None else 0.0
+                wait_s = limiter.acquire(bucket) if limiter is not None else 0.0
                 if wait_s > 0:
                     return ApiError(429, RateLimiter.problem(wait_s), code="rate_limit_exceeded").response(
                         headers={"Retry-After": str(math.ceil(wait_s))}
