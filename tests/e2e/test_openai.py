@@ -76,7 +76,9 @@ def test_sdk_completions_and_chat_greedy_text_equals_the_offline_engine(served):
     want = llm.generate([prompt], greedy)[0]
     got = client.completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **GREEDY)
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
-    assert got.usage.completion_tokens == 8 and got.usage.prompt_tokens == len(Tokenizer.from_pretrained(path).encode(prompt))
+    assert got.usage.completion_tokens == 8 and got.usage.prompt_tokens == len(
+        Tokenizer.from_pretrained(path).encode(prompt)
+    )
     assert got.model_extra["pdserve"]["choices"][0]["disaggregated"] is True
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True},
                                             stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
@@ -105,7 +107,9 @@ def test_logprobs_equal_the_offline_engine_in_both_shapes_streamed_or_not(served
     client = _client(deployment)
     tokenizer = Tokenizer.from_pretrained(path)
     prompt = "The quick brown fox"
-    want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[
+        0
+    ]
     want_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
 
     def check(tokens, logprobs, tops) -> None:
@@ -150,6 +154,13 @@ def test_several_prompts_and_choices_and_the_models_list(served):
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     assert got.choices[0].text == got.choices[1].text and got.choices[2].text == got.choices[3].text  # greedy
     assert got.usage.completion_tokens == 32
+    # Seeded choices differ from each other (choice j samples with seed + j), and repeat.
+    sampled = {"max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    seeded = [c.text for c in client.completions.create(model=MODEL, prompt="Hello", n=3, seed=5, **sampled).choices]
+    assert len(set(seeded)) == 3
+    alone = [client.completions.create(model=MODEL, prompt="Hello", seed=5 + j, **sampled).choices[0].text
+             for j in range(3)]  # fmt: skip
+    assert seeded == alone
     ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
     assert [c.finish_reason for c in ids.choices] in (["length", "length"], ["length", "stop"], ["stop", "length"],
                                                       ["stop", "stop"])  # fmt: skip
@@ -205,7 +216,9 @@ def test_errors_have_openai_shape_and_status_and_name_the_field(served):
     assert _post(deployment, "/completions", None, content=b"{not json").status_code == 400
     huge = _post(deployment, "/completions", {"prompt": "x" * (17 * 2**20)})
     assert huge.status_code == 413 and "max_request_bytes" in huge.json()["error"]["message"]
-    assert httpx2.get(deployment.http_url + "/nothing-here", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    assert (
+        httpx2.get(deployment.http_url + "/nothing-here", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+    )
     assert not deployment.cluster.exited()
 
 
@@ -222,7 +235,8 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
             assert json.loads(line.removeprefix("data: "))["choices"][0]["finish_reason"] is None, line  # in flight
             refused = httpx2.post(f"{frontend.http_url}/completions", json=body, headers=headers, timeout=30)
             assert refused.status_code == 429 and "max_queued_requests" in refused.json()["error"]["message"], (
-                refused.text[:2000])
+                refused.text[:2000]
+            )
     finally:
         frontend.close()
     empty = Frontend(etcd_server.url)  # a registry without any worker
@@ -238,6 +252,7 @@ def test_a_key_past_its_rate_gets_429_on_http_and_resource_exhausted_on_grpc(ser
     frontend = Frontend(etcd_url, "--api-key", KEY, "--api-key", "sk-other", "--rate-limit", "0.2",
                         "--rate-limit-burst", "2")  # fmt: skip
     try:
+
         def models(key: str) -> httpx2.Response:
             return httpx2.get(f"{frontend.http_url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
 
@@ -262,7 +277,9 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(served):
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:  # fmt: skip
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        deployment.wait_registered(lambda ws: any(w.role == "decode" and w.load.kv_blocks_used > 0 for w in ws), 10, busy)
+        deployment.wait_registered(
+            lambda ws: any(w.role == "decode" and w.load.kv_blocks_used > 0 for w in ws), 10, busy
+        )
     deployment.wait_registered(_idle, 10, "every block free after the streaming client left")
 
     # Not streaming: the client gives up while the request still runs.

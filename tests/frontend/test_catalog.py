@@ -72,3 +72,12 @@ def test_a_valid_request_keeps_its_options_for_the_workers_less_the_stop_strings
     assert valid.options == inference_pb2.SamplingOptions(max_tokens=5, temperature=0.0, seed=3, stop_token_ids=[7])
     assert list(options.stop) == ["\n\n"]  # the caller's message is left as sent
     assert valid.tokenizer is None  # "/m" has no tokenizer.json
+
+
+def test_a_text_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized():
+    """The entry names no tokenizer: a prompt within the limit gets as far as asking for one."""
+    catalog = ModelCatalog(max_prompt_chars=10)
+    with pytest.raises(InvalidRequest, match=r"prompt: 11 characters, past the limit \(max_prompt_chars\) of 10"):
+        validate(catalog, request(text="x" * 11), [entry("d1", "decode")])
+    with pytest.raises(InvalidRequest, match="has no tokenizer.json"):
+        validate(catalog, request(text="x" * 10), [entry("d1", "decode")])

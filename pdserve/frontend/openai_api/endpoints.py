@@ -69,7 +69,7 @@ async def completions(gateway: Gateway, request: Request, body: bytes) -> Respon
     if req.logprobs is not None:
         options.logprobs = protocol.top_logprobs(req.logprobs, "logprobs")
     base = uuid.uuid4().hex
-    requests = [protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}")
+    requests = [protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}", choice=j)
                 for i, p in enumerate(prompts) for j in range(req.n)]  # fmt: skip
     admitted = await admit_all(gateway, requests)
     echo = [_echo_text(admitted[i * req.n], p) for i, p in enumerate(prompts)] if req.echo else None
@@ -113,7 +113,8 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     if req.logprobs:
         options.logprobs = protocol.top_logprobs(req.top_logprobs or 0, "top_logprobs")
     base = uuid.uuid4().hex
-    requests = [protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}") for j in range(req.n)]
+    requests = [protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}", choice=j)
+                for j in range(req.n)]  # fmt: skip
     admitted = await admit_all(gateway, requests, add_special_tokens=False, fill_context=max_tokens is None)
     output = Output("chat", model.name, req.n, req.n, include_usage=_include_usage(req),
                     token_text=_token_text(admitted, req.logprobs))  # fmt: skip

@@ -152,8 +152,12 @@ def _token_ids(values: list[Any], where: str) -> list[int]:
 
 
 def generate_request(model: str, prompt: str | list[int], options: inference_pb2.SamplingOptions,
-                     request_id: str) -> inference_pb2.GenerateRequest:  # fmt: skip
+                     request_id: str, choice: int = 0) -> inference_pb2.GenerateRequest:  # fmt: skip
+    """The request of one choice. With a seed, choice ``j`` samples with ``seed + j``: the
+    ``n`` choices differ, and the same request gives the same choices again."""
     request = inference_pb2.GenerateRequest(model=model, sampling=options, request_id=request_id)
+    if options.HasField("seed") and choice:
+        request.sampling.seed = (options.seed + choice + 2**63) % 2**64 - 2**63  # stays an int64
     if isinstance(prompt, str):
         request.text = prompt
     else:
