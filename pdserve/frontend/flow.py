@@ -207,15 +207,22 @@ class RequestFlow:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
     async def _choose_decode(self) -> WorkerEntry:
-        """This attempt's decode worker. A migrating request waits for one, within its deadline:
-        the only other decode worker may be restarting, and comes back under a new id."""
+        """This attempt's decode worker. A migrating request waits for one, within its deadline
+        (then DEADLINE_EXCEEDED): the only other decode worker may be restarting, and comes back
+        under a new id."""
         model, router, view = self.request.model.name, self.routing.router, self.routing.view
         while True:
             try:
                 return router.choose_decode(view.workers(Role.DECODE, model), exclude=self._failed)
             except NoWorker:
-                if not self._failed or time.monotonic() + _WORKER_WAIT_S >= self.deadline:
+                if not self._failed:
                     raise
+                if time.monotonic() + _WORKER_WAIT_S >= self.deadline:
+                    raise FlowError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {self.request_id} passed its deadline waiting for a decode worker of model "
+                        f"{model!r} ({self._tried()})",
+                    ) from None
             await asyncio.sleep(_WORKER_WAIT_S)
 
     def _tried(self) -> str:

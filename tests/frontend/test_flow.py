@@ -181,9 +181,11 @@ def test_a_draining_decode_worker_hands_the_request_to_another_in_one_stream(etc
 
 
 async def refused_everywhere(routing: Routing, model: str, decode: FakeWorker) -> RequestFlow:
-    """Every decode worker refuses as draining: the request fails before any pulled."""
-    flow = await new_flow(routing, model)
-    assert (await flow_error(flow)).code == grpc.StatusCode.UNAVAILABLE
+    """Every decode worker refuses as draining: the request waits for another (one may be on
+    its way, as in a rolling update) and fails at its deadline, before any pulled."""
+    flow = await new_flow(routing, model, deadline_s=2.0)
+    error = await flow_error(flow)
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED and "decode failed on d1" in error.message
     return flow
 
 

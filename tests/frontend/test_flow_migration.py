@@ -104,11 +104,11 @@ def test_no_migration_when_max_migrations_is_zero(etcd_url: str, model: str) -> 
     assert other.decodes == []
 
 
-def test_no_other_decode_worker_waits_for_one_then_is_unavailable_naming_the_failed_one(
+def test_no_other_decode_worker_waits_for_one_until_the_deadline_naming_the_failed_one(
     etcd_url: str, model: str
 ) -> None:
     """The only other decode worker may be restarting: the request waits for one until its
-    deadline, then fails naming the worker that failed it."""
+    deadline, then fails with DEADLINE_EXCEEDED naming the worker that failed it."""
     deadline_s = 2.0
 
     async def body():
@@ -119,8 +119,8 @@ def test_no_other_decode_worker_waits_for_one_then_is_unavailable_naming_the_fai
 
     error, waited = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert waited >= deadline_s - 0.5
-    assert error.code == grpc.StatusCode.UNAVAILABLE
-    assert "no decode worker is available" in error.message and "decode failed on d1" in error.message
+    assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "waiting for a decode worker" in error.message and "decode failed on d1" in error.message
 
 
 def test_a_stream_broken_after_its_last_token_ends_without_a_migration(etcd_url: str, model: str) -> None:
