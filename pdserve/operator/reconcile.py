@@ -126,6 +126,14 @@ async def _observe(kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch
                          f"spec.{role}: a group of {pool.ranks} ranks spans more than one node "
                          f"({pool.gpus_per_node} GPUs each); install LeaderWorkerSet (leaderworkerset.x-k8s.io) "
                          f"to run it"))  # fmt: skip
+    for role in ("prefill", "decode"):
+        pool = getattr(spec, role)
+        if pool.ranks > 1 or pool.enable_expert_parallel:  # options the workers do not take yet
+            problems.append(("MultiRankUnsupported",
+                             f"spec.{role}: tensorParallelSize {pool.tensor_parallel_size} x dataParallelSize "
+                             f"{pool.data_parallel_size}, enableExpertParallel {pool.enable_expert_parallel}: this "
+                             f"pdserve's workers run one rank each, so these pods cannot start; use one rank and no "
+                             f"expert parallelism until multi-rank workers are released"))  # fmt: skip
     return Observed(generation=generation, desired=wanted, ready=ready, updated=updated, stale=stale,
                     problems=problems)  # fmt: skip
 
