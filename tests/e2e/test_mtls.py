@@ -12,10 +12,13 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 
 import grpc
+import httpx2
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -80,6 +83,29 @@ def test_the_public_api_refuses_clients_without_a_certificate_of_its_ca(secured)
     # A cluster certificate is no API client certificate: the API trusts its own CA only.
     assert _generate(deployment.port, cluster.client_tls("frontend-2", ca=public.ca)) == grpc.StatusCode.UNAVAILABLE
     assert _generate(deployment.port, None) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_openai_api_is_https_only_and_needs_a_client_certificate_of_its_ca(secured):
+    deployment, _, public, other, api_client = secured
+    assert deployment.http_url.startswith("https://127.0.0.1:")
+
+    def client(cert: tuple[str, str] | None) -> openai.OpenAI:
+        context = ssl.create_default_context(cafile=public.ca)
+        if cert is not None:
+            context.load_cert_chain(*cert)
+        return openai.OpenAI(base_url=deployment.http_url, api_key="unused", max_retries=0, timeout=30,
+                             http_client=httpx2.Client(verify=context))  # fmt: skip
+
+    got = client((api_client.cert, api_client.key)).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert got.usage.completion_tokens == 2
+    stranger = other.client_tls("stranger-http", ca=public.ca)
+    for cert in (None, (stranger.cert, stranger.key)):
+        with pytest.raises(openai.APIConnectionError):
+            client(cert).models.list()
+    with pytest.raises(httpx2.HTTPError):  # plain HTTP on the TLS port
+        httpx2.get(deployment.http_url.replace("https://", "http://") + "/models", timeout=10)
 
 
 def test_workers_serve_only_cluster_members(secured):
