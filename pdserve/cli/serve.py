@@ -185,6 +185,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="times a request whose decode worker failed mid-stream goes on on another decode worker, keeping the "
         "tokens already streamed (default: {default}; 0: never)",
     )  # fmt: skip
+    add_field_option(
+        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=seconds,
+        help="how long such a request waits for a decode worker to go to when none is left (one restarting) "
+        "before it fails UNAVAILABLE (default: {default:g}s; 0: fail at once)",
+    )  # fmt: skip
     add_field_option(parser, "--tokenizer", FrontendConfig, "tokenizer",
                      help="tokenizer directory (default: the workers' model directory)")  # fmt: skip
     add_field_option(parser, "--metrics-port", FrontendConfig, "metrics_port", type=port_or_off,

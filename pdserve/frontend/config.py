@@ -55,6 +55,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     tokenizer: a tokenizer directory for text prompts (default: the workers' model directory).
     max_migrations: times a request whose decode worker's stream broke may go on on another
         decode worker (with the tokens already streamed), within its deadline; 0: never.
+    migration_wait_s: how long such a request waits for a decode worker to go to when none is
+        left (the only other one restarting, a new pod coming) before it fails UNAVAILABLE.
     metrics_port: Prometheus /metrics port (0: a free one; None: off).
     stats_window_s: the span of the live percentiles published in etcd for ``pdserve status``
         and the planner; the planner's interval is the natural choice.
@@ -78,6 +80,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     request_timeout_s: float = 600.0
     tokenizer: str | None = None
     max_migrations: int = 2
+    migration_wait_s: float = 30.0
     metrics_port: int | None = 0
     stats_window_s: float = 10.0
     tls: ServerTLS | None = None
@@ -105,5 +108,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.migration_wait_s < 0:
+            raise ValueError(f"migration_wait_s must be >= 0, got {self.migration_wait_s}")
         if not self.stats_window_s > 0:
             raise ValueError(f"stats_window_s must be > 0, got {self.stats_window_s}")

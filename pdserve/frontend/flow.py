@@ -90,13 +90,15 @@ class _Broken(Exception):
 
 @dataclass
 class Routing:
-    """What the frontend shares with every request: registry view, router, channels, and how
-    many times a request may move to another decode worker (``FrontendConfig.max_migrations``)."""
+    """What the frontend shares with every request: registry view, router, channels, how many
+    times a request may move to another decode worker, and how long it waits for one when none
+    is left (``FrontendConfig.max_migrations`` and ``migration_wait_s``)."""
 
     view: RegistryView
     router: Router
     channels: WorkerChannels
     max_migrations: int = 2
+    migration_wait_s: float = 30.0
 
 
 @dataclass
@@ -207,15 +209,16 @@ class RequestFlow:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
     async def _choose_decode(self) -> WorkerEntry:
-        """This attempt's decode worker. A migrating request waits for one, within its deadline
-        (then DEADLINE_EXCEEDED): the only other decode worker may be restarting, and comes back
-        under a new id."""
+        """This attempt's decode worker. A migrating request with none to go to waits for one
+        (the only other may be restarting, and comes back under a new id) for
+        ``Routing.migration_wait_s`` (then NoWorker) within its deadline (then DEADLINE_EXCEEDED)."""
         model, router, view = self.request.model.name, self.routing.router, self.routing.view
+        give_up = time.monotonic() + self.routing.migration_wait_s
         while True:
             try:
                 return router.choose_decode(view.workers(Role.DECODE, model), exclude=self._failed)
             except NoWorker:
-                if not self._failed:
+                if not self._failed or time.monotonic() + _WORKER_WAIT_S > give_up:
                     raise
                 if time.monotonic() + _WORKER_WAIT_S >= self.deadline:
                     raise FlowError(

@@ -52,7 +52,7 @@ class Gateway:
         self.config = config
         self.catalog = ModelCatalog(config.tokenizer, config.max_prompt_chars)
         channels = WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client)
-        self.routing = Routing(view, Router(config.router), channels, config.max_migrations)
+        self.routing = Routing(view, Router(config.router), channels, config.max_migrations, config.migration_wait_s)
         self.num_in_flight = 0
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)

@@ -220,9 +220,11 @@ async def serving(
     disaggregation: str = "always",
     model_path: str = "/nonexistent/fake-model",
     max_migrations: int = 2,
+    migration_wait_s: float = 30.0,
 ) -> AsyncIterator[Routing]:
     """Start and register ``workers`` (serving ``model`` from ``model_path``, where the frontend
-    looks for its tokenizer); yield the frontend's routing over them (``max_migrations`` a flow).
+    looks for its tokenizer); yield the frontend's routing over them (``max_migrations`` a flow, each waiting
+    ``migration_wait_s`` for a decode worker when none is left).
 
     On the way out the channels are closed first, which waits for the flow's background
     Releases, so the workers' records are complete once the block is left.
@@ -230,7 +232,7 @@ async def serving(
     etcd = EtcdConnection(etcd_url)
     view = RegistryView(etcd)
     config = RouterConfig(disaggregation=disaggregation, local_prefill_threshold_tokens=0)
-    routing = Routing(view, Router(config, seed=0), WorkerChannels(), max_migrations=max_migrations)
+    routing = Routing(view, Router(config, seed=0), WorkerChannels(), max_migrations, migration_wait_s)
     try:
         for worker in workers:
             await worker.start(etcd_url, model, model_path)

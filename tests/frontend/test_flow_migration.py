@@ -123,6 +123,23 @@ def test_no_other_decode_worker_waits_for_one_until_the_deadline_naming_the_fail
     assert "waiting for a decode worker" in error.message and "decode failed on d1" in error.message
 
 
+def test_no_decode_worker_back_within_the_migration_wait_is_unavailable_before_the_deadline(
+    etcd_url: str, model: str
+) -> None:
+    """A worker given up on never comes back: the wait is bounded by migration_wait_s too."""
+
+    async def body():
+        async with serving(etcd_url, model, [_decode("d1", fail_after=2)], "off", migration_wait_s=1.0) as routing:
+            started = time.monotonic()
+            error = await flow_error(await new_flow(routing, model, deadline_s=20.0))
+            return error, time.monotonic() - started
+
+    error, waited = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert 0.8 <= waited < 5.0
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "no decode worker is available" in error.message and "decode failed on d1" in error.message
+
+
 def test_a_stream_broken_after_its_last_token_ends_without_a_migration(etcd_url: str, model: str) -> None:
     """Only the final message was lost: max_tokens were streamed, so the request is over."""
     failing, other = _decode("d1", fail_after=MAX_TOKENS), _decode("d2", busy=1)

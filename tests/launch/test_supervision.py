@@ -172,6 +172,8 @@ def test_a_crash_loop_is_given_up_on_and_the_rest_serves_on(checkpoints, tmp_pat
         assert _metric(up, "pdserve_child_crashes", "decode-2") == 3
         assert _metric(up, "pdserve_child_gave_up", "decode-2") == 1
         assert up.process.poll() is None, "pdserve up stopped"
+        # The dead worker's entry leaves with its lease; the frontend then has no decode worker.
+        _eventually(lambda: not any(w["role"] == "decode" for w in _workers(registry)), 30, "the lease", up)
         result = _generate(port)  # the frontend answers: there is no decode worker
         assert result.returncode != 0 and "no decode worker" in result.stderr, result.stderr
         up.process.send_signal(signal.SIGTERM)
