@@ -127,6 +127,7 @@ class RequestFlow:
         self._attempt_id = request_id  # the request id the workers see on this attempt
         self._migration: inference_pb2.Migration | None = None  # this attempt's, when it is a migration
         self._failed: list[str] = []  # decode workers whose stream broke, in order
+        self._decode_worker: WorkerEntry | None = None  # this attempt's, counted in the router's load
         self._lost_sources: list[str] = []  # prefill workers whose KV could not be pulled, in order
 
     @property
@@ -187,6 +188,19 @@ class RequestFlow:
             raise FlowError(
                 grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}{tried}"
             ) from None
+        # Counted against its decode worker from the choice on, not from the decode call: requests
+        # arriving together during their prefills spread over the decode workers.
+        self._decode_worker = decode
+        router.decode_started(decode)
+        try:
+            async for message in self._prefill_then_decode(decode, choice):
+                yield message
+        finally:
+            router.decode_done(self._decode_worker)
+
+    async def _prefill_then_decode(
+        self, decode: WorkerEntry, choice: PrefillChoice | None
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         prefilled = await self._prefill(choice) if choice is not None else None
         if self._migration is not None:
             self._migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
@@ -343,11 +357,15 @@ class RequestFlow:
                 # A draining worker refused it before starting anything: another may take it as it is.
                 if reason == DRAINING and not refused:
                     refused.append(decode.worker_id)
+                    router = self.routing.router
                     try:
-                        decode = self.routing.router.choose_decode(
+                        decode = router.choose_decode(
                             self.routing.view.workers(Role.DECODE, self.request.model.name),
                             exclude=[*self._failed, *refused],
                         )
+                        router.decode_done(self._decode_worker)
+                        router.decode_started(decode)
+                        self._decode_worker = decode
                         continue
                     except NoWorker:
                         pass
@@ -369,10 +387,8 @@ class RequestFlow:
     async def _decode_on(
         self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, prefilled: _Prefilled | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        router = self.routing.router
         sent_at = time.monotonic()
         call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
-        router.decode_started(decode)
         try:
             async for response in call:
                 if response.HasField("started"):
@@ -392,7 +408,6 @@ class RequestFlow:
             raise _Broken(decode.worker_id, "the stream ended without a final message")
         finally:
             call.cancel()
-            router.decode_done(decode)
 
     def _started(self, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
         """The decode worker began the request: after the pull, or with a prompt computed there."""

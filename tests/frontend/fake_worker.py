@@ -57,6 +57,7 @@ class Script:
         draining: refuse every Prefill and Decode as a draining worker does.
         untyped_refusal: with ``draining``, refuse without saying why (``refuse_untyped``).
         first_token_id: what Prefill answers.
+        prefill_s: Prefill takes this long, as a prompt being computed does.
         tokens: Decode streams these, one a message, then its final message (a migrated request:
             those after the ones it was generated).
         token_gap_s: Decode waits this long before each token after the first.
@@ -79,6 +80,7 @@ class Script:
     draining: bool = False
     untyped_refusal: bool = False
     first_token_id: int = FIRST_TOKEN_ID
+    prefill_s: float = 0.0
     tokens: tuple[int, ...] = (11, 12, 13)
     token_gap_s: float = 0.0
     decode_error: grpc.StatusCode | None = None
@@ -146,6 +148,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(self.script.prefill_error, f"scripted failure on {self.worker_id}")
             if self.script.stall:
                 await asyncio.Event().wait()
+            await asyncio.sleep(self.script.prefill_s)
             num_generated = len(request.generated_token_ids)
             if self.script.counting:
                 first = COUNTING_BASE + num_generated

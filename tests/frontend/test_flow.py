@@ -177,6 +177,23 @@ def test_a_draining_decode_worker_hands_the_request_to_another_in_one_stream(etc
     assert prefill.releases == []  # d2 pulled the blocks; its notice frees them
 
 
+def test_requests_arriving_together_spread_over_the_decode_workers_while_they_prefill(
+    etcd_url: str, model: str
+) -> None:
+    """A request counts against its decode worker from the moment it is routed, not from its
+    decode call: eight arrivals during one long prefill land four and four."""
+    prefill = FakeWorker("p1", "prefill", Script(prefill_s=0.5))
+    decodes = [FakeWorker("d1", "decode"), FakeWorker("d2", "decode")]
+
+    async def body() -> None:
+        async with serving(etcd_url, model, [prefill, *decodes]) as routing:
+            flows = [await new_flow(routing, model) for _ in range(8)]
+            await asyncio.gather(*(run_flow(flow) for flow in flows))
+
+    run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert [len(d.decodes) for d in decodes] == [4, 4]
+
+
 # ---- release -------------------------------------------------------------------------------------
 
 
