@@ -75,13 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of each server, GiB (default: 2)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="context window (default: 2048)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to start")
+    parser.add_argument("--client-timeout", type=float, default=900.0,
+                        help="seconds a run may take; past it the round is reported unfinished (default: 900)")  # fmt: skip
     parser.add_argument("--logs", type=Path, default=None, help="keep every server's log here (default: dropped)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
-def run_client(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any]:
-    """`vllm bench serve` against ``base_url``; its saved result."""
+def run_client(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any] | None:
+    """`vllm bench serve` against ``base_url``; its saved result, or None when it did not end
+    within --client-timeout (a deployment that falls behind the rate)."""
     command = [
         str(args.peer_python), "-c", _BENCH_SERVE, "--backend", "vllm",
         "--base-url", base_url, "--endpoint", "/v1/completions", "--model", settings.model_name,
@@ -93,8 +96,11 @@ def run_client(args: argparse.Namespace, settings: Settings, base_url: str, resu
         "--goodput", f"ttft:{args.ttft_slo}", f"tpot:{args.tpot_slo}", "--disable-tqdm",
         "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
     ]  # fmt: skip
-    timeout = 120 + 4 * args.num_prompts / args.rate
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=settings.client_env())
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.client_timeout,
+                              env=settings.client_env())  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return json.loads(result.read_text())
@@ -109,15 +115,21 @@ def figures(raw: dict[str, Any]) -> dict[str, float]:
     return {k: round(float(v), 3) for k, v in kept.items()}
 
 
-def summarise(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+def summarise(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
+    """Medians over the rounds that finished; a round that did not is kept as null."""
     report: dict[str, Any] = {"deployments": {}}
     for name, rounds in runs.items():
-        medians = {key: round(statistics.median(r[key] for r in rounds), 3) for key in rounds[0]}
-        report["deployments"][name] = {"median": medians, "rounds": rounds}
+        done = [r for r in rounds if r is not None]
+        medians = {key: round(statistics.median(r[key] for r in done), 3) for key in done[0]} if done else {}
+        report["deployments"][name] = {
+            "median": medians,
+            "rounds": rounds,
+            "unfinished_rounds": len(rounds) - len(done),
+        }
     ratios = {}
     for kind in ("colocated", "disagg"):
         ours, theirs = report["deployments"].get(f"pdserve-{kind}"), report["deployments"].get(f"vllm-{kind}")
-        if ours and theirs:
+        if ours and theirs and ours["median"] and theirs["median"]:
             ratios[kind] = {key: round(ours["median"][key] / theirs["median"][key], 3)
                             for key in ours["median"] if theirs["median"][key]}  # fmt: skip
     report["pdserve_over_vllm"] = ratios
@@ -143,14 +155,14 @@ def main() -> None:
                             threads=args.threads, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
                             logs=args.logs or work_dir, start_timeout_s=args.start_timeout)  # fmt: skip
         settings.logs.mkdir(parents=True, exist_ok=True)
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.deployments}
+        runs: dict[str, list[dict[str, float] | None]] = {name: [] for name in args.deployments}
         for round_index in range(args.rounds):
             order = args.deployments if round_index % 2 == 0 else list(reversed(args.deployments))
             for name in order:
                 started = time.monotonic()
                 with Deployment(name, settings) as base_url:
                     raw = run_client(args, settings, base_url, work_dir / f"{name}-{round_index}.json")
-                runs[name].append(figures(raw))
+                runs[name].append(None if raw is None else figures(raw))
                 print(f"round {round_index + 1} {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)",
                       file=sys.stderr, flush=True)  # fmt: skip
     report = summarise(runs)
