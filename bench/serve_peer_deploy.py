@@ -130,15 +130,18 @@ class Deployment:
         workers = ["--prefill", "1", "--decode", "1", "--disaggregation", "always"] if disaggregated else \
                   ["--prefill", "0", "--decode", "1", "--disaggregation", "off"]  # fmt: skip
         threads = max(1, s.threads // 2) if disaggregated else s.threads
+        log = s.logs / f"{self.name}-up.log"
+        offset = log.stat().st_size if log.exists() else 0  # the log of an earlier round comes first
         process = self._spawn("up", [
             str(s.python), "-m", "pdserve", "up", "--model", str(s.model), "--port", "0", "--http-port", "0",
             *workers, "--threads-per-worker", str(threads), "--dtype", "float32",
             "--kv-cache-memory", f"{s.kv_cache_gib}GiB", "--max-model-len", str(s.max_model_len),
         ])  # fmt: skip
-        log = self._processes[-1][2]
         deadline = time.monotonic() + s.start_timeout_s
         while time.monotonic() < deadline:
-            found = re.search(r"OpenAI API on (http://\S+)/v1", log.read_text(errors="replace"))
+            with log.open("rb") as out:
+                out.seek(offset)
+                found = re.search(r"OpenAI API on (http://\S+)/v1", out.read().decode(errors="replace"))
             if found:
                 return found.group(1)
             if process.poll() is not None:
