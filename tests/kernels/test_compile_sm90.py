@@ -25,7 +25,7 @@ F32_PTRS = {"part_out_ptr", "part_lse_ptr", "weights_ptr", "logits_ptr", "bias_p
 FLOATS = {"scale_log2", "eps", "scaling"}
 
 
-def _compile(kernel, constexprs: dict, dtype: str = "bf16") -> None:
+def _compile(kernel, constexprs: dict, dtype: str = "bf16", types: dict | None = None) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -38,12 +38,14 @@ def _compile(kernel, constexprs: dict, dtype: str = "bf16") -> None:
             signature[p.name] = INT_PTRS.get(p.name) or ("*fp32" if p.name in F32_PTRS else f"*{dtype}")
         else:
             signature[p.name] = "fp32" if p.name in FLOATS else "i32"
+    signature.update(types or {})
     constants = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
     triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
 
 
 def compile_all() -> None:
     from pdserve.kernels import (
+        block_fp8_gemm,
         kv_write,
         mla_decode,
         mla_extend,
@@ -81,6 +83,12 @@ def compile_all() -> None:
     _compile(moe_gemm._down_kernel, gemm)
     _compile(moe_combine._combine_kernel, dict(BLOCK=1024))
     _compile(moe_combine._scatter_add_kernel, dict(BLOCK=1024))
+    # DeepSeek-V3's 128x128 blocks: FP8 operands, float32 scales, bf16 bias and output.
+    fp8 = {"xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16"}
+    _compile(block_fp8_gemm._gemm_kernel, dict(HAS_BIAS=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+             types=fp8)  # fmt: skip
+    _compile(block_fp8_gemm._quantize_kernel, dict(BLOCK_K=128),
+             types={"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "fp8_max": "fp32"})  # fmt: skip
 
 
 def _has_ptxas() -> bool:
