@@ -173,7 +173,6 @@ class ModelCatalog:
             if self._tokenizers[key] is None:
                 logger.warning(
                     "no tokenizer at %s (tokenizer.json or a GGUF file): text prompts for %s are refused, completions have no text",
-                    path,
-                    model.name,
+                    path, model.name,
                 )
         return self._tokenizers[key]

@@ -85,11 +85,7 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
-    if (
-        req.max_tokens is not None
-        and req.max_completion_tokens is not None
-        and req.max_tokens != req.max_completion_tokens
-    ):
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, "max_tokens and max_completion_tokens differ: set one", param="max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     model = _model(gateway, req.model)

@@ -100,10 +100,7 @@ class Output:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choices.append(choice | {"finish_reason": final.finish_reason})
         breakdowns = [self._breakdown(i, f) for i, f in enumerate(self.finals) if f is not None]
-        return self._envelope(chunk=False, choices=choices) | {
-            "usage": self.usage(),
-            "pdserve": {"choices": breakdowns},
-        }
+        return self._envelope(chunk=False, choices=choices) | {"usage": self.usage(), "pdserve": {"choices": breakdowns}}
 
     # ---- shared ----------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
