@@ -300,7 +300,7 @@ def _report(args: argparse.Namespace, outcomes: list[Outcome], chaos: Chaos, lea
 async def _run(args: argparse.Namespace, model: str, etcd: EtcdServer) -> dict[str, Any]:
     worker = WorkerConfig(role="prefill", model=model, etcd="", model_name=MODEL, lease_ttl_s=3.0, num_threads=1,
                           hold_s=args.hold, transfer_timeout_s=args.transfer_timeout)  # fmt: skip
-    frontend = FrontendConfig(etcd="", port=0, router=RouterConfig(disaggregation="always"),
+    frontend = FrontendConfig(etcd="", port=0, http_port=None, router=RouterConfig(disaggregation="always"),
                               request_timeout_s=args.deadline)  # fmt: skip
     # Restarts never given up on: the soak kills the same slot again and again.
     restart = RestartPolicy(max_restarts=10_000, min_backoff_s=args.restart_delay)

@@ -169,7 +169,7 @@ def test_drain_needs_a_cluster_certificate(secured, secure_etcd):
 def test_up_with_cluster_certificates_serves_its_embedded_registry_over_mtls_too(checkpoints, tmp_path):
     ca, public = CertificateAuthority(tmp_path, "cluster"), CertificateAuthority(tmp_path, "public")
     node, api = ca.cluster_tls("node"), public.server_tls("api")
-    up = UpProcess("up", "--model", str(checkpoints("llama")[0]), "--port", "0", "--disaggregation", "always",
+    up = UpProcess("up", "--model", str(checkpoints("llama")[0]), "--port", "0", "--http-port", "0", "--disaggregation", "always",
                    "--threads-per-worker", "1", "--cluster-ca", node.ca, "--cluster-cert", node.cert,
                    "--cluster-key", node.key, "--tls-cert", api.cert, "--tls-key", api.key)  # fmt: skip
     try:

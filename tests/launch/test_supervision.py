@@ -94,7 +94,7 @@ def _metric(up: UpProcess, name: str, child: str) -> float:
 
 
 def _start(tmp_path: Path, model: Path, *args: str) -> tuple[UpProcess, str, int]:
-    up = UpProcess("up", "--model", str(model), "--port", "0", "--disaggregation", "always", "--threads-per-worker",
+    up = UpProcess("up", "--model", str(model), "--port", "0", "--http-port", "-1", "--disaggregation", "always", "--threads-per-worker",
                    "1", "--restart-backoff", "0.2s", *args, env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
     line, port = up.wait_up()
     registry = re.search(r"registry (\S+) \(embedded\)", line).group(1)
