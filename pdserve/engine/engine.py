@@ -25,19 +25,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KV_FP8_DTYPE, KVCache, KVCacheSpec
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models import load_model
+from pdserve.engine.model_setup import setup_model
 from pdserve.engine.request import KVRole, Request
 from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator, skip_draw
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.step_plan import GroupStart
 from pdserve.engine.tokenizer import Tokenizer, find_tokenizer
-from pdserve.kernels.select import select_backend
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -74,38 +75,38 @@ class LLMEngine:
     """``clock`` times the pins' deadlines (tests pass their own)."""
 
     def __init__(
-        self, model: str, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+        self,
+        model: str,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        parallel: ParallelState = SINGLE_RANK,
     ) -> None:
+        """``parallel``: rank 0 of a tensor-parallel group (the other ranks run ``follow_steps``)
+        or one data-parallel rank; a single rank by default."""
         self.config = config or EngineConfig()
         cfg = self.config
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        self.parallel = parallel
+        setup = setup_model(model, cfg, parallel)
+        self.device, self.model_config, self.backend, self.model = (
+            setup.device, setup.model_config, setup.backend, setup.model
         )
-        self.model_config = ModelConfig.from_pretrained(model, dtype=cfg.dtype)
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
-        torch.manual_seed(cfg.seed)
-        self.backend = select_backend(cfg.kernels, self.device)
-        if cfg.kv_cache_dtype == "fp8_e4m3" and not self.backend.reads_fp8_kv:
-            raise ValueError(
-                f"kv_cache_dtype 'fp8_e4m3' runs on the torch and cpu kernels; the {self.backend.name} kernels "
-                "do not read an FP8 KV cache yet"
-            )
-        self.model = load_model(mc, self.device, self.backend)
         self.tokenizer = find_tokenizer(mc.path)
         self.eos_token_ids = _eos_token_ids(mc, self.tokenizer)
 
-        spec = self.model.kv_cache_spec(cfg.block_size)
-        if cfg.kv_cache_dtype == "fp8_e4m3":
-            spec = replace(spec, dtype=KV_FP8_DTYPE)  # the attention layers scale values in and out
+        spec = setup.kv_spec
         num_blocks = spec.num_blocks_for(self._kv_budget(spec))
+        if parallel.tp_size > 1:
+            parallel.channel.send(GroupStart(num_blocks=num_blocks))
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, cfg.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv, clock=clock
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, parallel)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         logger.info(
@@ -200,6 +201,10 @@ class LLMEngine:
             return None
         request.first_scheduled_time = time.monotonic()
         return list(self.kv.block_table(request_id)), request.num_cached_tokens
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> None:
+        """Raise the ValueError ``add_request`` would for this prompt, without adding it."""
+        self._generated_token_ids(self._prompt_token_ids(prompt), [], params)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -337,6 +342,7 @@ class LLMEngine:
                 request.first_scheduled_time = now
         awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
         if not sched.scheduled:
+            self.runner.idle()
             return StepOutput(outputs, awaiting)
         inputs = self.runner.prepare(sched.scheduled)
         with while_running or nullcontext():
@@ -395,6 +401,10 @@ class LLMEngine:
         output = self._output(request, new)
         self._requests.pop(request.request_id, None)
         return output
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (they are waiting for steps)."""
+        self.runner.stop_followers()
 
     def check_idle_integrity(self) -> None:
         """Assert the pool is consistent and, with nothing running or pinned, wholly free."""

@@ -1,6 +1,10 @@
 """Turns a scheduled batch into model inputs, runs the model, returns the logits to sample.
 
-Inputs are built with numpy on the host and moved to the device once per step.
+Inputs are built with numpy on the host and moved to the device once per step. In a
+tensor-parallel group rank 0 plans each step and sends the plan (``StepPlan``) to the other
+ranks, which run the same batch on their share of the model (``follow``). Data-parallel ranks
+each run their own batches; before each step they agree whether anyone has tokens, and a rank
+without any takes part in the expert-parallel exchanges with an empty batch.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models import DecoderModel
 from pdserve.engine.request import Request
+from pdserve.engine.step_plan import StepPlan, array
 from pdserve.kernels.backend import AttentionMetadata
 
 
@@ -27,15 +33,28 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: KVCache, kv: KVCacheManager, device: torch.device) -> None:
+    def __init__(
+        self, model: DecoderModel, kv_cache: KVCache, kv: KVCacheManager | None, device: torch.device,
+        parallel: ParallelState = SINGLE_RANK,
+    ) -> None:  # fmt: skip
+        """``kv`` is rank 0's block tables (None on the other tensor-parallel ranks)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.device = device
+        self.parallel = parallel
         self.block_size = kv_cache.spec.block_size
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInputs:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
+        plan, sampling = self.plan(scheduled)
+        if self.parallel.tp_size > 1:
+            self.parallel.channel.send(plan)
+        inputs = self.inputs(plan)
+        inputs.sampling_requests = sampling
+        return inputs
+
+    def plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, list[Request]]:
         bs = self.block_size
         num_tokens = sum(n for _, n in scheduled)
         input_ids = np.empty(num_tokens, dtype=np.int64)
@@ -63,25 +82,35 @@ class ModelRunner:
                 sample_rows.append(start + n - 1)
                 sampling.append(request)
             start += n
-        query_start = np.zeros(len(scheduled) + 1, dtype=np.int32)
-        query_start[1:] = np.cumsum(query_lens)
+        plan = StepPlan(
+            input_ids=input_ids.tobytes(), positions=positions.tobytes(), slot_mapping=slots.tobytes(),
+            block_tables=block_tables.tobytes(), table_width=block_tables.shape[1], seq_lens=seq_lens,
+            query_lens=query_lens, num_decodes=num_decodes,
+            sample_rows=np.asarray(sample_rows, dtype=np.int64).tobytes(),
+        )  # fmt: skip
+        return plan, sampling
+
+    def inputs(self, plan: StepPlan) -> ModelInputs:
+        """The device tensors of ``plan`` (``sampling_requests`` left empty)."""
+        query_start = np.zeros(len(plan.query_lens) + 1, dtype=np.int32)
+        query_start[1:] = np.cumsum(plan.query_lens)
         to = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=to(slots),
-            block_tables=to(block_tables),
-            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
+            slot_mapping=to(array(plan.slot_mapping, np.int64)),
+            block_tables=to(array(plan.block_tables, np.int32).reshape(len(plan.seq_lens), plan.table_width)),
+            seq_lens=to(np.asarray(plan.seq_lens, dtype=np.int32)),
             query_start_loc=to(query_start),
-            seq_lens_list=seq_lens,
-            query_lens_list=query_lens,
-            num_decodes=num_decodes,
-            block_size=bs,
+            seq_lens_list=plan.seq_lens,
+            query_lens_list=plan.query_lens,
+            num_decodes=plan.num_decodes,
+            block_size=self.block_size,
         )
         return ModelInputs(
-            input_ids=to(input_ids),
-            positions=to(positions),
+            input_ids=to(array(plan.input_ids, np.int64)),
+            positions=to(array(plan.positions, np.int64)),
             meta=meta,
-            sample_rows=to(np.asarray(sample_rows, dtype=np.int64)),
-            sampling_requests=sampling,
+            sample_rows=to(array(plan.sample_rows, np.int64)),
+            sampling_requests=[],
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -89,5 +118,26 @@ class ModelRunner:
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the requests that sample this step."""
+        if self.parallel.dp_size > 1:
+            self.parallel.max_over_group(inputs.input_ids.shape[0])  # this rank has tokens: all step
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.compute_logits(hidden[inputs.sample_rows])
+
+    def idle(self) -> None:
+        """A step with nothing scheduled here: with data-parallel ranks, step with them if any
+        of them has tokens."""
+        if self.parallel.dp_size > 1 and self.parallel.max_over_group(0) > 0:
+            self.model.idle_forward()
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks but 0: run every step rank 0 plans, until it says stop."""
+        while True:
+            plan = self.parallel.channel.receive(StepPlan)
+            if plan.stop:
+                return
+            self.execute(self.inputs(plan))
+
+    def stop_followers(self) -> None:
+        """Rank 0: tell the other tensor-parallel ranks that no more steps come."""
+        if self.parallel.tp_size > 1:
+            self.parallel.channel.send(StepPlan(stop=True))

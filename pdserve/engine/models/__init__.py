@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.gguf.checkpoint import GGUFCheckpoint
 from pdserve.engine.gguf.config import is_gguf
 from pdserve.engine.model_config import ModelConfig
@@ -24,15 +25,18 @@ MODEL_CLASSES: dict[str, type[DecoderModel]] = {
 }
 
 
-def load_model(config: ModelConfig, device: torch.device, backend: Backend) -> DecoderModel:
-    """Build the model for ``config`` with weights mapped from its directory (or its GGUF file)."""
+def load_model(
+    config: ModelConfig, device: torch.device, backend: Backend, parallel: ParallelState = SINGLE_RANK
+) -> DecoderModel:
+    """Build the model for ``config`` with weights mapped from its directory (or its GGUF file):
+    the share of rank ``parallel`` of its group."""
     if is_gguf(config.path):
         ckpt = GGUFCheckpoint(config, device=device, dtype=config.dtype)
     else:
         block_size = config.quantization.weight_block_size if config.quantization else None
         ckpt = Checkpoint(config.path, device=device, dtype=config.dtype, weight_block_size=block_size)
     try:
-        return MODEL_CLASSES[config.architecture](config, ckpt, backend)
+        return MODEL_CLASSES[config.architecture](config, ckpt, backend, parallel)
     finally:
         ckpt.close()
 

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import RMSNorm
+from pdserve.engine.models.tensor_parallel import ParallelLMHead, VocabParallelEmbedding
 from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend
 
@@ -34,18 +35,23 @@ class DecoderLayer:
 class DecoderModel:
     """A causal LM over a flat batch of tokens and a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, ckpt: Checkpoint, backend: Backend) -> None:
+    def __init__(
+        self, config: ModelConfig, ckpt: Checkpoint, backend: Backend, parallel: ParallelState = SINGLE_RANK
+    ) -> None:
+        """``parallel``: this rank's place in its group; each rank builds only its share."""
         self.config = config
         self.backend = backend
+        self.parallel = parallel
         hidden = config.hidden_size
-        self.embed_tokens = ckpt.get("model.embed_tokens.weight", (config.vocab_size, hidden))
+        embed_tokens = ckpt.get("model.embed_tokens.weight", (config.vocab_size, hidden))
+        self.embed_tokens = VocabParallelEmbedding(embed_tokens, parallel)
         self.layers = [self.build_layer(ckpt, i) for i in range(config.num_layers)]
         self.norm = RMSNorm(ckpt, "model.norm", hidden, config.rms_norm_eps, backend)
         if config.tie_word_embeddings and "lm_head.weight" not in ckpt:
-            lm_head = self.embed_tokens
+            lm_head = embed_tokens
         else:
             lm_head = ckpt.get("lm_head.weight", (config.vocab_size, hidden))
-        self.lm_head = backend.prepare_weight(lm_head)
+        self.lm_head = ParallelLMHead(lm_head, parallel, backend)
 
     def build_layer(self, ckpt: Checkpoint, index: int) -> DecoderLayer:
         c = self.config
@@ -74,7 +80,7 @@ class DecoderModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every input token."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed_tokens(input_ids)
         residual = None
         for index, layer in enumerate(self.layers):
             normed, residual = layer.input_norm(hidden, residual)
@@ -86,4 +92,13 @@ class DecoderModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (float32) of hidden [R, hidden]."""
-        return self.backend.logits(hidden, self.lm_head)
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Take part in a step's collectives without tokens of its own (a data-parallel rank
+        whose peers run a batch): every expert-parallel MoE layer exchanges nothing."""
+        for layer in self.layers:
+            idle = getattr(layer.feed_forward, "idle", None)
+            if idle is not None:
+                idle()

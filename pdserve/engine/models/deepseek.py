@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import kv_quant
@@ -17,14 +18,24 @@ from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.kv_quant import KVScales
 from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
 from pdserve.engine.models.moe import MoE
+from pdserve.engine.models.tensor_parallel import row_parallel_bias, split
 from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
 
 
 class MLAttention:
-    def __init__(self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor) -> None:
+    """Multi-head latent attention; with tensor parallelism over this rank's share of the heads
+    (the latent, and so the KV cache, is the same on every rank)."""
+
+    def __init__(
+        self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor,
+        parallel: ParallelState,
+    ) -> None:
         hidden = config.hidden_size
-        self.num_heads = config.num_heads
+        heads = split(config.num_heads, parallel, "num_attention_heads")
+        self.num_heads = heads.stop - heads.start
+        sharded = parallel.tp_size > 1
+        self.parallel = parallel
         self.q_lora_rank = config.get("q_lora_rank")
         self.kv_lora_rank = config.require("kv_lora_rank")
         self.nope_dim = config.require("qk_nope_head_dim")
@@ -32,21 +43,29 @@ class MLAttention:
         self.v_dim = config.require("v_head_dim")
         qk_dim = self.nope_dim + self.rope_dim
         bias = bool(config.get("attention_bias", False))
+        q_rows = slice(heads.start * qk_dim, heads.stop * qk_dim) if sharded else None
         if self.q_lora_rank:
             self.q_a_proj = Linear(ckpt, f"{prefix}.q_a_proj", hidden, self.q_lora_rank, backend, bias)
             self.q_a_norm = RMSNorm(ckpt, f"{prefix}.q_a_layernorm", self.q_lora_rank, config.rms_norm_eps, backend)
-            self.q_b_proj = Linear(ckpt, f"{prefix}.q_b_proj", self.q_lora_rank, self.num_heads * qk_dim, backend)
+            self.q_b_proj = Linear(
+                ckpt, f"{prefix}.q_b_proj", self.q_lora_rank, config.num_heads * qk_dim, backend, rows=q_rows
+            )
         else:
-            self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, self.num_heads * qk_dim, backend)
+            self.q_proj = Linear(ckpt, f"{prefix}.q_proj", hidden, config.num_heads * qk_dim, backend, rows=q_rows)
         self.kv_a_proj = Linear(
             ckpt, f"{prefix}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, backend, bias
         )
         self.kv_a_norm = RMSNorm(ckpt, f"{prefix}.kv_a_layernorm", self.kv_lora_rank, config.rms_norm_eps, backend)
-        kv_b = ckpt.get(f"{prefix}.kv_b_proj.weight", (self.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank))
-        kv_b = kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = kv_b[:, : self.nope_dim]  # [H, nope, L]
-        self.w_uv = kv_b[:, self.nope_dim :]  # [H, v, L]
-        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * self.v_dim, hidden, backend, bias)
+        kv_b = ckpt.get(
+            f"{prefix}.kv_b_proj.weight", (config.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank)
+        )
+        kv_b = kv_b.view(config.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)[heads]
+        self.w_uk = kv_b[:, : self.nope_dim].contiguous()  # [H, nope, L]
+        self.w_uv = kv_b[:, self.nope_dim :].contiguous()  # [H, v, L]
+        self.o_proj = Linear(
+            ckpt, f"{prefix}.o_proj", config.num_heads * self.v_dim, hidden, backend, row_parallel_bias(bias, parallel),
+            cols=slice(heads.start * self.v_dim, heads.stop * self.v_dim) if sharded else None,
+        )
         self.backend = backend
         self.cos_sin = cos_sin
         self.kv_scale = KVScales.from_checkpoint(ckpt, prefix).k_scale  # the latent's, keys and values alike
@@ -82,17 +101,19 @@ class MLAttention:
         if fp8 and self.kv_scale != 1.0:
             out_latent = out_latent * self.kv_scale
         out = torch.einsum("thl,hvl->thv", out_latent, self.w_uv)  # [T, H, v]
-        return self.o_proj(out.flatten(1))
+        return self.parallel.tp_all_reduce(self.o_proj(out.flatten(1)))
 
 
 class DeepseekModel(DecoderModel):
     """DeepSeek-V2 (incl. V2-Lite) and DeepSeek-V3."""
 
-    def __init__(self, config: ModelConfig, ckpt: Checkpoint, backend: Backend) -> None:
+    def __init__(
+        self, config: ModelConfig, ckpt: Checkpoint, backend: Backend, parallel: ParallelState = SINGLE_RANK
+    ) -> None:
         self.cos_sin = rope_cos_sin(
             config.require("qk_rope_head_dim"), config.rope_theta, config.rope_scaling, config.max_model_len, ckpt.device
         )
-        super().__init__(config, ckpt, backend)
+        super().__init__(config, ckpt, backend, parallel)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         c = self.config
@@ -102,7 +123,7 @@ class DeepseekModel(DecoderModel):
         )
 
     def build_attention(self, ckpt: Checkpoint, prefix: str) -> MLAttention:
-        return MLAttention(self.config, ckpt, prefix, self.backend, self.cos_sin)
+        return MLAttention(self.config, ckpt, prefix, self.backend, self.cos_sin, self.parallel)
 
     def build_feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
         c = self.config
@@ -112,11 +133,14 @@ class DeepseekModel(DecoderModel):
             and index % c.get("moe_layer_freq", 1) == 0
         )
         if not is_moe:
-            return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend)
+            return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, parallel=self.parallel)
         moe_intermediate = c.require("moe_intermediate_size")
         num_shared = c.get("n_shared_experts", 0)
         shared = (
-            DenseMLP(ckpt, f"{prefix}.shared_experts", c.hidden_size, moe_intermediate * num_shared, self.backend)
+            DenseMLP(
+                ckpt, f"{prefix}.shared_experts", c.hidden_size, moe_intermediate * num_shared, self.backend,
+                parallel=self.parallel,
+            )
             if num_shared
             else None
         )
@@ -128,6 +152,7 @@ class DeepseekModel(DecoderModel):
             router=self._moe_routing(),
             correction_bias_name=f"{prefix}.gate.e_score_correction_bias" if self._is_v3 else None,
             shared=shared,
+            parallel=self.parallel,
         )
 
     @property

@@ -12,27 +12,51 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.engine.models.tensor_parallel import row_parallel_bias, split
 from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import Backend
 from pdserve.kernels.block_fp8 import BlockFP8Weight
 
 
-def linear_weight(ckpt: Checkpoint, name: str, shape: tuple[int, int], backend: Backend) -> torch.Tensor | BlockFP8Weight:
-    """Weight ``name`` [out, in] of a linear: kept block-FP8 when it is stored so and the backend
-    runs it so, else in the model dtype (an FP8 weight dequantized)."""
-    if backend.runs_block_fp8 and ckpt.is_block_fp8(name):
-        return ckpt.get_block_fp8(name, shape)
-    return ckpt.get(name, shape)
+def linear_weight(
+    ckpt: Checkpoint, name: str, shape: tuple[int, int], backend: Backend, rows: slice | None = None,
+    cols: slice | None = None,
+) -> torch.Tensor | BlockFP8Weight:
+    """Weight ``name`` [out, in] of a linear, or its ``rows``/``cols`` shard (tensor parallelism):
+    kept block-FP8 when it is stored so and the backend runs it so, else in the model dtype (an
+    FP8 weight dequantized). A shard of an FP8 weight is dequantized: its blocks need not line up."""
+    if rows is None and cols is None:
+        if backend.runs_block_fp8 and ckpt.is_block_fp8(name):
+            return ckpt.get_block_fp8(name, shape)
+        return ckpt.get(name, shape)
+    return shard(ckpt.get(name, shape), rows, cols)
+
+
+def shard(tensor: torch.Tensor, rows: slice | None, cols: slice | None = None) -> torch.Tensor:
+    """``tensor[rows, cols]`` as its own contiguous tensor (a rank keeps only its share)."""
+    if rows is not None:
+        tensor = tensor[rows]
+    if cols is not None:
+        tensor = tensor[:, cols]
+    return tensor.contiguous()
 
 
 class Linear:
-    """``x · Wᵀ + b``, with W in the form the backend's GEMM reads fastest (``prepare_weight``)."""
+    """``x · Wᵀ + b``, with W in the form the backend's GEMM reads fastest (``prepare_weight``).
+
+    Tensor parallelism keeps a shard: ``rows`` of the output (column-parallel) or ``cols`` of
+    the input (row-parallel; the caller sums the ranks' partial outputs, and only one rank
+    adds the bias: pass ``bias=False`` on the others).
+    """
 
     def __init__(
-        self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, backend: Backend, bias: bool = False
+        self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, backend: Backend, bias: bool = False,
+        *, rows: slice | None = None, cols: slice | None = None,
     ) -> None:
-        self.weight = backend.prepare_weight(linear_weight(ckpt, f"{name}.weight", (out_features, in_features), backend))
-        self.bias = ckpt.get(f"{name}.bias", (out_features,)) if bias else None
+        weight = linear_weight(ckpt, f"{name}.weight", (out_features, in_features), backend, rows, cols)
+        self.weight = backend.prepare_weight(weight)
+        self.bias = shard(ckpt.get(f"{name}.bias", (out_features,)), rows) if bias else None
         self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +80,21 @@ class MergedLinear:
         out_features: tuple[int, ...],
         backend: Backend,
         bias: bool = False,
+        rows: tuple[slice, ...] | None = None,
     ) -> None:
-        self.out_features = list(out_features)
-        parts = [linear_weight(ckpt, f"{name}.weight", (size, in_features), backend) for name, size in zip(names, out_features)]
+        """``rows``: with tensor parallelism, the share of each linear's output this rank keeps."""
+        shares = rows or (None,) * len(names)
+        parts = [
+            linear_weight(ckpt, f"{name}.weight", (size, in_features), backend, share)
+            for name, size, share in zip(names, out_features, shares)
+        ]
+        self.out_features = [p.shape[0] for p in parts]
         weight = _concatenate(parts, ckpt.dtype)
         self.weight = backend.prepare_weight(weight)
-        self.bias = torch.cat([ckpt.get(f"{n}.bias", (size,)) for n, size in zip(names, out_features)]) if bias else None
+        self.bias = (
+            torch.cat([shard(ckpt.get(f"{n}.bias", (size,)), share) for n, size, share in zip(names, out_features, shares)])
+            if bias else None
+        )  # fmt: skip
         self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -93,19 +126,36 @@ class RMSNorm:
 
 
 class DenseMLP:
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+
+    With tensor parallelism each rank keeps a slice of the intermediate size (gate/up
+    column-parallel, down row-parallel) and ``__call__`` sums the ranks' partials; ``partial``
+    leaves the sum to a caller that has more to add first (a MoE's shared experts). Pass
+    ``SINGLE_RANK`` for a replicated MLP (data-parallel attention keeps dense layers whole).
+    """
 
     def __init__(
-        self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, backend: Backend, bias: bool = False
+        self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, backend: Backend, bias: bool = False,
+        parallel: ParallelState = SINGLE_RANK,
     ) -> None:
+        share = split(intermediate, parallel, f"{name} intermediate size")
         self.gate_up = MergedLinear(
-            ckpt, (f"{name}.gate_proj", f"{name}.up_proj"), hidden, (intermediate, intermediate), backend, bias
+            ckpt, (f"{name}.gate_proj", f"{name}.up_proj"), hidden, (intermediate, intermediate), backend, bias,
+            rows=(share, share) if parallel.tp_size > 1 else None,
         )
-        self.down = Linear(ckpt, f"{name}.down_proj", intermediate, hidden, backend, bias)
+        self.down = Linear(
+            ckpt, f"{name}.down_proj", intermediate, hidden, backend, row_parallel_bias(bias, parallel),
+            cols=share if parallel.tp_size > 1 else None,
+        )
+        self.parallel = parallel
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output on one rank)."""
         gate, up = self.gate_up(x)
         return self.down(F.silu(gate) * up)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.tp_all_reduce(self.partial(x))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

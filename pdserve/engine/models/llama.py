@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import kv_quant
@@ -18,21 +19,38 @@ from pdserve.engine.models.base import DecoderModel
 from pdserve.engine.models.kv_quant import KVScales
 from pdserve.engine.models.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
 from pdserve.engine.models.moe import MoE
+from pdserve.engine.models.tensor_parallel import head_share, kv_heads_per_rank, row_parallel_bias
 from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
 
 
 class GQAttention:
-    def __init__(self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor) -> None:
+    """Grouped-query attention; with tensor parallelism, over this rank's share of the heads."""
+
+    def __init__(
+        self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor,
+        parallel: ParallelState,
+    ) -> None:
         arch = config.architecture
         hidden, head_dim = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, head_dim
+        share = head_share(config.num_heads, config.num_kv_heads, parallel)
+        self.num_heads, self.num_kv_heads, self.head_dim = share.num_heads, share.num_kv_heads, head_dim
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False))
         o_bias = arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False))
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
         names = tuple(f"{prefix}.{w}_proj" for w in "qkv")
-        self.qkv_proj = MergedLinear(ckpt, names, hidden, (q_size, kv_size, kv_size), backend, qkv_bias)
-        self.o_proj = Linear(ckpt, f"{prefix}.o_proj", self.num_heads * head_dim, hidden, backend, o_bias)
+        q_rows = slice(share.heads.start * head_dim, share.heads.stop * head_dim)
+        kv_rows = slice(share.kv_heads.start * head_dim, share.kv_heads.stop * head_dim)
+        sharded = parallel.tp_size > 1
+        self.qkv_proj = MergedLinear(
+            ckpt, names, hidden, (q_size, kv_size, kv_size), backend, qkv_bias,
+            rows=(q_rows, kv_rows, kv_rows) if sharded else None,
+        )
+        self.o_proj = Linear(
+            ckpt, f"{prefix}.o_proj", q_size, hidden, backend, row_parallel_bias(o_bias, parallel),
+            cols=q_rows if sharded else None,
+        )
+        self.parallel = parallel
         self.qk_norm = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if self.qk_norm:
             self.q_norm = RMSNorm(ckpt, f"{prefix}.q_norm", head_dim, config.rms_norm_eps, backend)
@@ -61,27 +79,29 @@ class GQAttention:
             out = self.backend.paged_attention(q, cache, meta, self.scale * s.k_scale)
             if s.v_scale != 1.0:
                 out = out * s.v_scale
-        return self.o_proj(out.flatten(1))
+        return self.parallel.tp_all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaModel(DecoderModel):
     """Llama, Qwen2, Qwen3, Mixtral and Qwen3-MoE."""
 
-    def __init__(self, config: ModelConfig, ckpt: Checkpoint, backend: Backend) -> None:
+    def __init__(
+        self, config: ModelConfig, ckpt: Checkpoint, backend: Backend, parallel: ParallelState = SINGLE_RANK
+    ) -> None:
         self.cos_sin = rope_cos_sin(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_model_len, ckpt.device
         )
-        super().__init__(config, ckpt, backend)
+        super().__init__(config, ckpt, backend, parallel)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         c = self.config
         return KVCacheSpec(
             num_layers=c.num_layers, block_size=block_size, dtype=c.dtype, is_mla=False,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            num_kv_heads=kv_heads_per_rank(c.num_kv_heads, self.parallel.tp_size), head_dim=c.head_dim,
         )
 
     def build_attention(self, ckpt: Checkpoint, prefix: str) -> GQAttention:
-        return GQAttention(self.config, ckpt, prefix, self.backend, self.cos_sin)
+        return GQAttention(self.config, ckpt, prefix, self.backend, self.cos_sin, self.parallel)
 
     def build_feed_forward(self, ckpt: Checkpoint, prefix: str, index: int) -> DenseMLP | MoE:
         c = self.config
@@ -93,6 +113,7 @@ class LlamaModel(DecoderModel):
                 expert_names=tuple(f"{layer}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
                 num_experts=c.require("num_local_experts"), hidden=c.hidden_size, intermediate=c.intermediate_size,
                 router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=True),
+                parallel=self.parallel,
             )
         if c.architecture == "Qwen3MoeForCausalLM" and self._is_sparse_qwen3_layer(index):
             return MoE(
@@ -102,8 +123,12 @@ class LlamaModel(DecoderModel):
                 num_experts=self._num_qwen3_experts, hidden=c.hidden_size,
                 intermediate=c.require("moe_intermediate_size"),
                 router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
+                parallel=self.parallel,
             )
-        return DenseMLP(ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, bias=bool(c.get("mlp_bias", False)))
+        return DenseMLP(
+            ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, bias=bool(c.get("mlp_bias", False)),
+            parallel=self.parallel,
+        )
 
     def _is_sparse_qwen3_layer(self, index: int) -> bool:
         c = self.config

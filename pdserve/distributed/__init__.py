@@ -1,0 +1,13 @@
+"""Rank groups: the processes of one worker, and the collectives between them.
+
+A group of ``world_size = data_parallel_size * tensor_parallel_size`` ranks, one process
+each. Rank ``r`` is tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``; with
+expert parallelism every rank of the group holds a share of the experts. gloo on CPU, NCCL
+on GPU: the same code either way.
+"""
+
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState, RankFailed
+from pdserve.distributed.rank_group import RankGroup
+
+__all__ = ["SINGLE_RANK", "ParallelConfig", "ParallelState", "RankFailed", "RankGroup"]

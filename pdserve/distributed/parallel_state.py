@@ -1,0 +1,155 @@
+"""One rank's place in its group, and the collectives the model and the engine call.
+
+Every collective here is called by every rank of its group in the same order: the step loop
+guarantees it (rank 0 broadcasts each step's plan; data-parallel ranks agree on each step
+first; rank 0's plans go over the ``Channel``). A collective that fails (a rank died, or one outlived the group's timeout) raises
+``RankFailed``: the group is finished and its owner tears it down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pdserve.distributed.channel import Channel
+from pdserve.distributed.parallel_config import ParallelConfig
+
+
+class RankFailed(RuntimeError):
+    """A collective failed: another rank of the group died, or it took past the timeout."""
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Where this rank sits: its tensor-parallel, data-parallel and expert-parallel places.
+
+    Groups are None where their size is 1, so that a single rank never touches
+    ``torch.distributed``.
+    """
+
+    rank: int
+    config: ParallelConfig
+    channel: Channel | None = None  # rank 0's messages to the group (None on a single rank)
+    tp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None  # the whole group, on the device's backend
+    cpu_group: dist.ProcessGroup | None = None  # the whole group over gloo: plans and results
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.config.data_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank if self.config.enable_expert_parallel else 0
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it schedules (or, with data-parallel attention, also gathers the results)."""
+        return self.rank == 0
+
+    # -- tensor parallelism --------------------------------------------------------------
+
+    def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the tensor-parallel ranks (in place; returned for chaining)."""
+        if self.tp_group is not None:
+            _run(dist.all_reduce, x, group=self.tp_group)
+        return x
+
+    def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every tensor-parallel rank's ``x`` along the last dimension, in rank order."""
+        if self.tp_group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        _run(dist.all_gather, parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    # -- expert parallelism ---------------------------------------------------------------
+
+    def ep_all_to_all(self, x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Send rows ``x[sum(send_counts[:r]) : …+send_counts[r]]`` to expert-parallel rank r.
+
+        Returns the rows received, grouped by source rank, and how many came from each. Ranks
+        with nothing to send take part all the same (a collective needs everyone).
+        """
+        group = self.ep_group
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
+        recv_counts = torch.empty_like(counts)
+        _run(dist.all_to_all_single, recv_counts, counts, group=group)
+        received = recv_counts.tolist()
+        out = x.new_empty((sum(received), *x.shape[1:]))
+        _run(dist.all_to_all_single, out, x.contiguous(), received, send_counts, group=group)
+        return out, received
+
+    def ep_all_to_all_back(self, x: torch.Tensor, recv_counts: list[int], send_counts: list[int]) -> torch.Tensor:
+        """The reverse of ``ep_all_to_all``: rows go back to the ranks they came from."""
+        out = x.new_empty((sum(send_counts), *x.shape[1:]))
+        _run(dist.all_to_all_single, out, x.contiguous(), send_counts, recv_counts, group=self.ep_group)
+        return out
+
+    def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the expert-parallel ranks (the whole group), in place."""
+        if self.ep_group is not None:
+            _run(dist.all_reduce, x, group=self.ep_group)
+        return x
+
+    # -- the whole group ------------------------------------------------------------------
+
+    def max_over_group(self, value: int) -> int:
+        """The largest ``value`` any rank of the group holds (data-parallel ranks agree on a step)."""
+        if self.cpu_group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        _run(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return int(t.item())
+
+    def gather_to_driver(self, message: msgspec.Struct, type_: type[msgspec.Struct]) -> list[msgspec.Struct] | None:
+        """Every rank's ``message``, in rank order, on rank 0 (None elsewhere)."""
+        if self.cpu_group is None:
+            return [message]
+        payload = msgspec.msgpack.encode(message)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        _run(dist.all_gather, sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.cpu_group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.is_driver else None
+        _run(dist.gather, padded, parts, dst=0, group=self.cpu_group)
+        if not self.is_driver:
+            return None
+        return [
+            msgspec.msgpack.decode(part[: int(size.item())].numpy().tobytes(), type=type_)
+            for part, size in zip(parts, sizes)
+        ]
+
+
+SINGLE_RANK = ParallelState(rank=0, config=ParallelConfig())
+
+
+def _run(collective, *args, **kwargs) -> None:
+    try:
+        collective(*args, **kwargs)
+    except (RuntimeError, dist.DistBackendError) as error:
+        raise RankFailed(f"{collective.__name__} failed: a rank of the group is gone or stuck ({error})") from error
