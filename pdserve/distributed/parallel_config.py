@@ -35,6 +35,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 "data_parallel_size > 1 is data-parallel attention for expert-parallel MoE models: "
                 "set enable_expert_parallel (for a dense model, run one worker per replica instead)"
             )
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size > 1 with tensor_parallel_size > 1 (tensor-parallel attention inside each "
+                "data-parallel rank) is not supported yet: use one or the other"
+            )
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if (self.num_redundant_experts or self.eplb_interval_steps) and not self.enable_expert_parallel:

@@ -62,7 +62,11 @@ class RankGroup:
         store = dist.TCPStore(self.host, 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         for rank in range(1, config.world_size):
             start = RankStart(
-                rank=rank, config=config, store_host=self.host, store_port=store.port, device=self.device,
+                rank=rank,
+                config=config,
+                store_host=self.host,
+                store_port=store.port,
+                device=self.device,
                 payload=self.payload,
             )
             process = subprocess.Popen([sys.executable, "-m", self.entry_module], stdin=subprocess.PIPE)
@@ -111,7 +115,10 @@ def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=config.world_size,
+        backend,
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
         timeout=timedelta(seconds=config.collective_timeout_s),
     )
     # Control messages (plans, results) are CPU tensors: a gloo group even where NCCL moves the rest.
@@ -123,8 +130,12 @@ def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str
         if rank // tp == dp_rank:
             tp_group = group
     return ParallelState(
-        rank=rank, config=config, channel=Channel(store), tp_group=tp_group if tp > 1 else None,
-        ep_group=dist.group.WORLD if config.enable_expert_parallel else None, cpu_group=cpu_group,
+        rank=rank,
+        config=config,
+        channel=Channel(store),
+        tp_group=tp_group if tp > 1 else None,
+        ep_group=dist.group.WORLD if config.enable_expert_parallel else None,
+        cpu_group=cpu_group,
     )
 
 

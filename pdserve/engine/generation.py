@@ -157,7 +157,8 @@ def generate_share(engine: LLMEngine, command: GenerateCommand, ids: itertools.c
     mine = list(range(parallel.dp_rank, len(command.prompts), parallel.dp_size))
     generation = Generation(engine, ids)
     outputs = generation.run_until_done(
-        [command.prompts[i] for i in mine], [command.params[i] for i in mine],
+        [command.prompts[i] for i in mine],
+        [command.params[i] for i in mine],
         lambda: parallel.max_over_group(int(bool(generation.running))) > 0,
     )
     gathered = parallel.gather_to_driver(RankResults(mine, outputs), RankResults)

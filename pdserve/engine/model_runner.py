@@ -18,6 +18,7 @@ from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models import DecoderModel
+from pdserve.engine.models.eplb import rebalance
 from pdserve.engine.request import Request
 from pdserve.engine.step_plan import StepPlan, array
 from pdserve.kernels.backend import AttentionMetadata
@@ -44,6 +45,7 @@ class ModelRunner:
         self.device = device
         self.parallel = parallel
         self.block_size = kv_cache.spec.block_size
+        self.num_model_steps = 0  # steps this rank took part in: the same count on every rank
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInputs:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
@@ -121,13 +123,23 @@ class ModelRunner:
         if self.parallel.dp_size > 1:
             self.parallel.max_over_group(inputs.input_ids.shape[0])  # this rank has tokens: all step
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        self._stepped()
+        return logits
 
     def idle(self) -> None:
         """A step with nothing scheduled here: with data-parallel ranks, step with them if any
         of them has tokens."""
         if self.parallel.dp_size > 1 and self.parallel.max_over_group(0) > 0:
             self.model.idle_forward()
+            self._stepped()
+
+    def _stepped(self) -> None:
+        """Count a model step; every ``eplb_interval_steps`` of them, rebalance the experts."""
+        self.num_model_steps += 1
+        interval = self.parallel.config.eplb_interval_steps
+        if interval and self.num_model_steps % interval == 0:
+            rebalance(self.model, self.parallel)
 
     def follow(self) -> None:
         """Tensor-parallel ranks but 0: run every step rank 0 plans, until it says stop."""

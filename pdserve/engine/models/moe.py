@@ -55,14 +55,13 @@ class MoE:
         self.expert_names = expert_names
         self.hidden, self.intermediate = hidden, intermediate
         self.expert_parallel = parallel.ep_size > 1
-        if self.expert_parallel and parallel.tp_size > 1 and parallel.dp_size > 1:
-            raise ValueError("expert parallelism over both tensor- and data-parallel ranks is not supported yet")
         # Without expert parallelism a tensor-parallel rank keeps a slice of every expert.
         self.rows = split(intermediate, parallel, "moe intermediate size") if not self.expert_parallel else None
         self.placement = ExpertPlacement.balanced(num_experts, parallel.ep_size, parallel.config.num_redundant_experts)
         self.shared = shared
-        self.load = torch.zeros(num_experts, dtype=torch.int64)  # routed tokens per expert since last read
-        self._place(self.placement, self.load_experts(ckpt, self.placement.rank_slots(parallel.ep_rank)))
+        # Routed tokens per expert since the last rebalance (expert-parallel load balancing).
+        self.load = torch.zeros(num_experts, dtype=torch.int64, device=self.gate.device)
+        self.place(self.placement, self.load_experts(ckpt, self.placement.rank_slots(parallel.ep_rank)))
 
     def load_experts(self, ckpt: Checkpoint, experts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [n, 2I, H], w2 [n, H, I])`` of ``experts`` from the checkpoint: w13 stacks
@@ -82,7 +81,8 @@ class MoE:
         w2 = torch.stack([down(e) for e in experts]).contiguous()
         return w13, w2
 
-    def _place(self, placement: ExpertPlacement, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def place(self, placement: ExpertPlacement, weights: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Hold ``weights`` (w13, w2 of this rank's slots) for ``placement`` from the next call on."""
         self.placement = placement
         self.w13, self.w2 = weights
         self.replicas, self.num_replicas = placement.replica_table()
@@ -91,7 +91,7 @@ class MoE:
         # Router logits in float32, as the reference implementations compute them.
         router_logits = F.linear(x.float(), self.gate.float())
         weights, expert_ids = self.backend.route(router_logits, self.router, self.correction_bias)
-        self.load += torch.bincount(expert_ids.flatten().cpu(), minlength=self.num_experts)
+        self.load += torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         if not self.expert_parallel:
             tokens = self.backend.dispatch(x, weights, expert_ids, self.num_experts)
             out = self.backend.combine(self.backend.expert_mlp(tokens, self.w13, self.w2), tokens, x.shape[0])
@@ -124,7 +124,9 @@ class MoE:
         if n == 0:
             return rows
         ones = torch.ones((n, 1), dtype=torch.float32, device=rows.device)
-        tokens = self.backend.dispatch(rows, ones, local_slots.view(n, 1).to(rows.device), self.placement.slots_per_rank)
+        tokens = self.backend.dispatch(
+            rows, ones, local_slots.view(n, 1).to(rows.device), self.placement.slots_per_rank
+        )
         return self.backend.combine(self.backend.expert_mlp(tokens, self.w13, self.w2), tokens, n)
 
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Multi-rank groups (real processes over gloo) give transformers' greedy tokens: tensor
+parallelism, expert parallelism over tensor- and data-parallel ranks, expert-parallel load
+balancing, through mixed batches, chunked prefill, prefix hits and preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.distributed import RankFailed
+from pdserve.engine.models.expert_placement import ExpertPlacement
+from pdserve.engine.models.moe import MoE
+from tests.utils.checkpoints import VOCAB, reference_greedy
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _assert_matches_reference(hf_model, prompts, outputs, max_tokens: int = 10) -> None:
+    compared = 0
+    for prompt, output in zip(prompts, outputs):
+        reference, num_clear = reference_greedy(hf_model, prompt, max_tokens)
+        assert output.token_ids[:num_clear] == reference[:num_clear], f"prompt of {len(prompt)} tokens"
+        compared += num_clear
+    assert compared >= len(prompts) * max_tokens // 2, "too many near-ties: the comparison proves little"
+
+
+def _moe_placements(llm: LLM) -> list[tuple[int, ...]]:
+    return [layer.feed_forward.placement.slot_experts for layer in llm.engine.model.layers
+            if isinstance(layer.feed_forward, MoE)]  # fmt: skip
+
+
+GROUPS = [
+    ("llama", dict(tensor_parallel_size=2)),
+    ("qwen2", dict(tensor_parallel_size=2)),  # biases on q, k, v: column-parallel biases
+    ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen3_moe", dict(tensor_parallel_size=2)),  # experts split by intermediate size
+    ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
+    ("deepseek_v2_lite", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("arch,parallel", GROUPS, ids=[f"{a}-{'-'.join(map(str, p.values()))}" for a, p in GROUPS])
+def test_group_matches_transformers_with_chunked_prefill(checkpoints, arch, parallel):
+    path, hf_model = checkpoints(arch)
+    prompts = _prompts(1, [5, 16, 17, 40, 33, 1])
+    with LLM(str(path), max_num_batched_tokens=24, max_num_seqs=8, **parallel) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        _assert_matches_reference(hf_model, prompts, outputs)
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outputs)
+        llm.engine.check_idle_integrity()
+        assert llm.engine.block_pool.all_free()
+
+
+def test_four_ranks_replicate_the_two_kv_heads(checkpoints):
+    path, hf_model = checkpoints("llama")  # 4 query heads, 2 KV heads
+    prompts = _prompts(2, [7, 19])
+    with LLM(str(path), tensor_parallel_size=4) as llm:
+        assert llm.engine.kv_cache_spec.num_kv_heads == 1
+        _assert_matches_reference(hf_model, prompts, llm.generate(prompts, GREEDY))
+
+
+def test_prefix_hits_and_preemption_in_a_tensor_parallel_group(checkpoints):
+    path, hf_model = checkpoints("llama")
+    probe = LLM(str(path), tensor_parallel_size=2)
+    block_bytes = probe.engine.kv_cache_spec.bytes_per_block
+    probe.close()
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=12 * block_bytes, max_num_seqs=6) as llm:
+        prefix = _prompts(2, [48])[0]
+        llm.generate([prefix + [5, 6, 7]], GREEDY)
+        hits = [prefix + tail for tail in _prompts(3, [3, 9])]
+        outputs = llm.generate(hits, GREEDY)
+        assert [o.num_cached_tokens for o in outputs] == [48, 48]
+        _assert_matches_reference(hf_model, hits, outputs)
+        prompts = _prompts(4, [30, 41, 25, 37, 44, 20])
+        params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_matches_reference(hf_model, prompts, outputs, max_tokens=14)
+        llm.engine.check_idle_integrity()
+
+
+def test_a_data_parallel_rank_without_requests_steps_with_its_peers(checkpoints):
+    path, hf_model = checkpoints("deepseek_v3")
+    prompt = _prompts(5, [21])
+    with LLM(str(path), data_parallel_size=2, enable_expert_parallel=True) as llm:
+        # One prompt: rank 1 has nothing, yet must join every step's all-to-all.
+        _assert_matches_reference(hf_model, prompt, llm.generate(prompt, GREEDY))
+        with pytest.raises(ValueError, match=r"prompts\[1\].*outside the vocabulary"):
+            llm.generate([[5, 6], [VOCAB + 3]], GREEDY)  # refused before any rank starts
+        # The group still serves after the refusal.
+        _assert_matches_reference(hf_model, prompt, llm.generate(prompt, GREEDY))
+
+
+@pytest.mark.parametrize(
+    "arch,parallel",
+    [
+        ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
+        ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ],
+)
+def test_load_balancing_moves_experts_and_keeps_the_tokens(checkpoints, arch, parallel):
+    path, hf_model = checkpoints(arch)
+    prompts = _prompts(6, [5, 16, 17, 40, 33, 1])
+    with LLM(str(path), num_redundant_experts=2, eplb_interval_steps=3, **parallel) as llm:
+        before = _moe_placements(llm)
+        outputs = llm.generate(prompts, GREEDY)
+        after = _moe_placements(llm)
+        # Random routing is skewed: the hot experts got the redundant slots, mid-generation.
+        assert after != before
+        _assert_matches_reference(hf_model, prompts, outputs)
+        _assert_matches_reference(hf_model, prompts, llm.generate(prompts, GREEDY))
+
+
+def test_a_dead_rank_fails_the_group_without_hanging(checkpoints):
+    path, _ = checkpoints("llama")
+    llm = LLM(str(path), tensor_parallel_size=2)
+    try:
+        (follower,) = llm._group.processes
+        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        threading.Timer(1.0, os.kill, (follower.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(RankFailed):
+            llm.generate(_prompts(7, [8] * 8), long)
+        assert time.monotonic() - start < 60
+        with pytest.raises(RankFailed, match=r"ranks \[1\]"):
+            llm.generate(_prompts(7, [8]), GREEDY)
+        llm.engine.check_idle_integrity()  # the failed requests were aborted: no block leaked
+    finally:
+        llm.close()
+
+
+def test_placement_gives_hot_experts_replicas_on_other_ranks():
+    placement = ExpertPlacement.balanced(8, 2, num_redundant=2)
+    assert sorted(placement.slot_experts) == sorted([*range(8), 0, 1])
+    load = torch.tensor([100, 1, 1, 1, 1, 1, 1, 60])
+    hot = placement.rebalanced(load)
+    table, counts = hot.replica_table()
+    assert counts[0] == 2 and counts[7] == 2
+    # Each hot expert's two replicas sit on different ranks.
+    for expert in (0, 7):
+        assert {int(slot) // hot.slots_per_rank for slot in table[expert, :2]} == {0, 1}
+    assert hot.rebalanced(load) == hot  # stable: the same load keeps the placement
+
+
+def test_placement_refuses_slots_that_do_not_divide():
+    with pytest.raises(ValueError, match="must divide by the 2 expert-parallel ranks"):
+        ExpertPlacement.balanced(8, 2, num_redundant=1)
