@@ -26,6 +26,14 @@ the report gives each system's median and the median of the per-round ratios.
     python bench/offline.py --shape tiny                 # a table
     python bench/offline.py --shape tiny --json          # one JSON object
     python bench/offline.py --shape llama-3.1-8b --num-layers 2 --dtype bfloat16
+
+With ``--tensor-parallel-size N`` or ``--data-parallel-size N --enable-expert-parallel`` pdserve runs
+as a group of N ranks (``--threads`` split evenly over them), and a fourth system,
+``pdserve-1rank``, runs the same workload on one rank with all the threads, alternating with the
+group; the report adds the group's collective time per model step, by kind (rank 0's view).
+
+    python bench/offline.py --shape tiny --tensor-parallel-size 2 --skip-transformers --json
+    python bench/offline.py --shape deepseek-v3-mini --data-parallel-size 2 --enable-expert-parallel
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("pdserve", "vllm", "transformers")
+SYSTEMS = ("pdserve", "pdserve-1rank", "vllm", "transformers")
 
 # Llama 3 rope scaling, as in Llama-3.1-8B's config.json.
 _LLAMA3_ROPE = {
@@ -179,6 +187,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="run every system this many times, alternating; medians over all runs (default: 1)")
     parser.add_argument("--keep-checkpoint", type=Path, default=None,
                         help="write the checkpoint here and keep it (default: a temporary directory)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="run pdserve as a tensor-parallel group of this many ranks, beside one rank (default: 1)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="run pdserve as this many data-parallel attention ranks (needs --enable-expert-parallel)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="spread the experts over the group's ranks")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
@@ -235,6 +249,8 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     merged["seconds"] = [s for r in runs for s in r["seconds"]]
     merged["peak_rss_kib"] = max(r["peak_rss_kib"] for r in runs)
     merged["wall_seconds"] = round(sum(r["wall_seconds"] for r in runs), 2)
+    if "comms" in runs[0]:
+        merged["comms"] = [r["comms"] for r in runs]  # one per round
     return merged
 
 
@@ -277,7 +293,7 @@ def summarise(result: dict[str, Any], workloads: list[dict[str, list]]) -> dict[
     summary["peak_rss_mib"] = round(result["peak_rss_kib"] / 1024, 1)
     summary["loaded_rss_mib"] = round(result["loaded_rss_kib"] / 1024, 1)
     summary["runs"] = [{k: round(v, 3) for k, v in run.items()} for run in per_run]
-    for key in ("generated_tokens", "config", "wall_seconds"):
+    for key in ("generated_tokens", "config", "wall_seconds", "comms"):
         if key in result:
             summary[key] = result[key]
     return summary
@@ -342,9 +358,14 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
             "max_model_len": args.prompt_len_max + args.output_len_max, "batch_size": batch_size,
             "check_requests": args.check_requests, "kernels": args.kernels,
             "kv_cache_memory": args.kv_cache_gib * 2**30 if args.peer else None,
+            "parallel": {"tensor_parallel_size": args.tensor_parallel_size,
+                         "data_parallel_size": args.data_parallel_size,
+                         "enable_expert_parallel": args.enable_expert_parallel},
         }
         (work_dir / "settings.json").write_text(json.dumps(settings))
-        systems = [s for s in SYSTEMS if (s != "vllm" or args.peer) and (s != "transformers" or not args.skip_transformers)]
+        group = args.tensor_parallel_size * args.data_parallel_size > 1
+        systems = [s for s in SYSTEMS if (s != "vllm" or args.peer) and (s != "transformers" or not args.skip_transformers)
+                   and (s != "pdserve-1rank" or group)]  # fmt: skip
         rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
         for index in range(args.rounds):
             for system in systems:  # alternating: one run of each system per round
@@ -387,6 +408,12 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"])
         report["greedy_mismatches"] = count
         report["greedy_first_divergence"] = divergence
+    one = report.get("pdserve-1rank", {})
+    if "output_tok_s" in pd and "output_tok_s" in one:
+        ratios = [p["output_tok_s"] / o["output_tok_s"] for p, o in zip(pd["runs"], one["runs"])]
+        report["group_over_1rank_output_tok_s"] = round(statistics.median(ratios), 3)
+        count, _ = greedy_mismatches(results["pdserve"]["check_tokens"], results["pdserve-1rank"]["check_tokens"])
+        report["group_greedy_mismatches"] = count
     peer = report.get("vllm", {})
     if "output_tok_s" in pd and "output_tok_s" in peer:
         ratios = [p["output_tok_s"] / v["output_tok_s"] for p, v in zip(pd["runs"], peer["runs"])]
@@ -441,14 +468,19 @@ def _rss_kib() -> int:
     return 0
 
 
-def _pdserve_runner(settings: dict[str, Any]):
+def _pdserve_runner(settings: dict[str, Any], one_rank: bool = False):
+    import torch
+
     from pdserve import LLM, SamplingParams
 
+    parallel = {} if one_rank else settings["parallel"]
+    world = parallel.get("tensor_parallel_size", 1) * parallel.get("data_parallel_size", 1)
+    torch.set_num_threads(max(settings["threads"] // world, 1))  # the ranks share the machine's cores
     llm = LLM(
         model=settings["checkpoint"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"]),
         max_model_len=settings["max_model_len"], seed=0, kernels=settings["kernels"],
-        kv_cache_memory=settings.get("kv_cache_memory"),
+        kv_cache_memory=settings.get("kv_cache_memory"), **parallel,
     )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -459,7 +491,18 @@ def _pdserve_runner(settings: dict[str, Any]):
     config = {"max_num_seqs": settings["max_num_seqs"], "max_num_batched_tokens": settings["max_num_batched_tokens"],
               "max_model_len": settings["max_model_len"], "num_kv_blocks": llm.engine.block_pool.num_blocks,
               "backend": llm.engine.backend.name,
-              "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1)}
+              "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1), "parallel": parallel,
+              "threads_per_rank": torch.get_num_threads()}
+
+    def comms() -> dict[str, Any]:
+        """Rank 0's collective time so far, per kind, and per model step."""
+        steps = max(llm.engine.runner.num_model_steps, 1)
+        stats = llm.engine.parallel.stats
+        return {"model_steps": llm.engine.runner.num_model_steps,
+                "ms_per_step": {k: round(v * 1e3 / steps, 3) for k, v in sorted(stats.seconds.items())},
+                "calls_per_step": {k: round(n / steps, 1) for k, n in sorted(stats.calls.items())}}
+
+    generate.comms = comms
     return generate, config
 
 
@@ -505,10 +548,13 @@ def main_worker(system: str, work_dir: Path) -> None:
         from offline_peer import vllm_runner
 
         generate, config = vllm_runner(settings)
+    elif system == "pdserve-1rank":
+        generate, config = _pdserve_runner(settings, one_rank=True)
     else:
         generate, config = (_pdserve_runner if system == "pdserve" else _transformers_runner)(settings)
     loaded_rss = _rss_kib()
     generate([[5, 6, 7, 8] * 4], [2])  # warm-up: first-call allocations and lazy initialisation
+    comms_before = generate.comms() if hasattr(generate, "comms") else None
     seconds, tokens, generated = [], None, 0
     for workload in settings["workloads"]:
         started = time.perf_counter()
@@ -527,6 +573,8 @@ def main_worker(system: str, work_dir: Path) -> None:
         "loaded_rss_kib": loaded_rss,
         "config": config,
     }
+    if comms_before is not None and system == "pdserve" and generate.comms()["ms_per_step"]:
+        result["comms"] = generate.comms()  # includes the warm-up's few steps
     (work_dir / f"result-{system}.json").write_text(json.dumps(result))
 
 

@@ -45,6 +45,10 @@ class ClusterConfig:
     startup_s: float = 30.0  # request to ready: process start, weights, warm-up
     kv_bandwidth_bytes_per_s: float = 10e9
     kv_latency_s: float = 0.002
+    # GPUs each replica holds: the ranks of its group (tensor x data parallel). The planner
+    # scales replicas; the GPU accounting counts replicas x ranks.
+    prefill_ranks: int = 1
+    decode_ranks: int = 1
 
 
 @dataclass(eq=False)

@@ -42,7 +42,7 @@ class IntervalRecord:
     ttft_p90_s: float | None  # true p90, waiting requests included
     itl_p90_s: float | None
     e2e_p90_s: float | None  # of the requests that finished in the interval
-    prefill_gpus: float  # replicas holding a GPU, averaged over the interval
+    prefill_gpus: float  # GPUs held (replicas x their ranks), averaged over the interval
     decode_gpus: float
     prefill_ready: int
     decode_ready: int
@@ -148,12 +148,12 @@ def _record(cluster: Cluster, samples: Samples, slo: SLOTargets, obs: Observatio
     ttft_p90 = ttft_summary.p90 if ttft_summary else None
     itl_p90 = itl_summary.p90 if itl_summary else None
 
-    def gpus(workers: list) -> float:
+    def gpus(workers: list, ranks: int) -> float:
         held = 0.0
         for w in workers:
             end = now if w.gone_s is None else w.gone_s
             held += max(0.0, min(end, now) - max(w.requested_s, start))
-        return held / (now - start)
+        return ranks * held / (now - start)
 
     return IntervalRecord(
         time=now,
@@ -161,8 +161,8 @@ def _record(cluster: Cluster, samples: Samples, slo: SLOTargets, obs: Observatio
         ttft_p90_s=ttft_p90,
         itl_p90_s=itl_p90,
         e2e_p90_s=obs.e2e_s.p90 if obs.e2e_s is not None else None,
-        prefill_gpus=gpus(cluster.prefill_workers),
-        decode_gpus=gpus(cluster.decode_workers),
+        prefill_gpus=gpus(cluster.prefill_workers, cluster.config.prefill_ranks),
+        decode_gpus=gpus(cluster.decode_workers, cluster.config.decode_ranks),
         prefill_ready=obs.num_prefill_ready,
         decode_ready=obs.num_decode_ready,
         slo_met=(ttft_p90 is None or ttft_p90 <= slo.ttft_p90_s) and (itl_p90 is None or itl_p90 <= slo.itl_p90_s),

@@ -6,8 +6,9 @@ expert parallelism every rank of the group holds a share of the experts. gloo on
 on GPU: the same code either way.
 """
 
+from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_config import ParallelConfig
-from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState, RankFailed
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.distributed.rank_group import RankGroup
 
 __all__ = ["SINGLE_RANK", "ParallelConfig", "ParallelState", "RankFailed", "RankGroup"]

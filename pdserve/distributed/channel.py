@@ -17,6 +17,8 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 
+from pdserve.distributed.errors import RankFailed
+
 _PREFIX = "pdserve/channel/"
 _POLL = timedelta(seconds=1)
 
@@ -41,7 +43,7 @@ class Channel:
             try:
                 self.store.wait([key], _POLL)
                 break
-            except RuntimeError as error:  # the store's wait timed out: the owner is idle
-                if "timeout" not in str(error).lower():
-                    raise
+            except RuntimeError as error:
+                if "timeout" not in str(error).lower():  # not idle: the store, so rank 0, is gone
+                    raise RankFailed(f"rank 0 is gone: the group's store closed ({error})") from error
         return msgspec.msgpack.decode(self.store.get(key), type=type_)

@@ -8,18 +8,28 @@ first; rank 0's plans go over the ``Channel``). A collective that fails (a rank 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from pdserve.distributed.channel import Channel
+from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_config import ParallelConfig
 
 
-class RankFailed(RuntimeError):
-    """A collective failed: another rank of the group died, or it took past the timeout."""
+@dataclass
+class CollectiveStats:
+    """Time this rank spent in each kind of collective (benchmarks read it; nothing else)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.calls[kind] = self.calls.get(kind, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None  # the whole group, on the device's backend
     cpu_group: dist.ProcessGroup | None = None  # the whole group over gloo: plans and results
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
 
     @property
     def world_size(self) -> int:
@@ -75,7 +86,7 @@ class ParallelState:
     def tp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel ranks (in place; returned for chaining)."""
         if self.tp_group is not None:
-            _run(dist.all_reduce, x, group=self.tp_group)
+            _timed(self.stats, "tp_all_reduce", dist.all_reduce, x, group=self.tp_group)
         return x
 
     def tp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +94,7 @@ class ParallelState:
         if self.tp_group is None:
             return x
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        _run(dist.all_gather, parts, x.contiguous(), group=self.tp_group)
+        _timed(self.stats, "tp_all_gather", dist.all_gather, parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
     # -- expert parallelism ---------------------------------------------------------------
@@ -97,22 +108,33 @@ class ParallelState:
         group = self.ep_group
         counts = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
         recv_counts = torch.empty_like(counts)
-        _run(dist.all_to_all_single, recv_counts, counts, group=group)
+        _timed(self.stats, "ep_all_to_all", dist.all_to_all_single, recv_counts, counts, group=group)
         received = recv_counts.tolist()
         out = x.new_empty((sum(received), *x.shape[1:]))
-        _run(dist.all_to_all_single, out, x.contiguous(), received, send_counts, group=group)
+        _timed(
+            self.stats, "ep_all_to_all", dist.all_to_all_single, out, x.contiguous(), received, send_counts, group=group
+        )
         return out, received
 
     def ep_all_to_all_back(self, x: torch.Tensor, recv_counts: list[int], send_counts: list[int]) -> torch.Tensor:
         """The reverse of ``ep_all_to_all``: rows go back to the ranks they came from."""
         out = x.new_empty((sum(send_counts), *x.shape[1:]))
-        _run(dist.all_to_all_single, out, x.contiguous(), send_counts, recv_counts, group=self.ep_group)
+        _timed(
+            self.stats,
+            "ep_all_to_all",
+            dist.all_to_all_single,
+            out,
+            x.contiguous(),
+            send_counts,
+            recv_counts,
+            group=self.ep_group,
+        )
         return out
 
     def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the expert-parallel ranks (the whole group), in place."""
         if self.ep_group is not None:
-            _run(dist.all_reduce, x, group=self.ep_group)
+            _timed(self.stats, "ep_all_reduce", dist.all_reduce, x, group=self.ep_group)
         return x
 
     # -- the whole group ------------------------------------------------------------------
@@ -122,7 +144,7 @@ class ParallelState:
         if self.cpu_group is None:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        _run(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        _timed(self.stats, "dp_step_sync", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return int(t.item())
 
     def gather_to_driver(self, message: msgspec.Struct, type_: type[msgspec.Struct]) -> list[msgspec.Struct] | None:
@@ -131,12 +153,19 @@ class ParallelState:
             return [message]
         payload = msgspec.msgpack.encode(message)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        _run(dist.all_gather, sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self.cpu_group)
+        _timed(
+            self.stats,
+            "gather",
+            dist.all_gather,
+            sizes,
+            torch.tensor([len(payload)], dtype=torch.int64),
+            group=self.cpu_group,
+        )
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.is_driver else None
-        _run(dist.gather, padded, parts, dst=0, group=self.cpu_group)
+        _timed(self.stats, "gather", dist.gather, padded, parts, dst=0, group=self.cpu_group)
         if not self.is_driver:
             return None
         return [
@@ -148,8 +177,10 @@ class ParallelState:
 SINGLE_RANK = ParallelState(rank=0, config=ParallelConfig())
 
 
-def _run(collective, *args, **kwargs) -> None:
+def _timed(stats: CollectiveStats, kind: str, collective, *args, **kwargs) -> None:
+    start = time.perf_counter()
     try:
         collective(*args, **kwargs)
     except (RuntimeError, dist.DistBackendError) as error:
         raise RankFailed(f"{collective.__name__} failed: a rank of the group is gone or stuck ({error})") from error
+    stats.add(kind, time.perf_counter() - start)

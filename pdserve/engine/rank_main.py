@@ -15,7 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelConfig, RankGroup
+from pdserve.distributed import ParallelConfig, RankFailed, RankGroup
 from pdserve.distributed.rank_group import child_start
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
@@ -33,6 +33,7 @@ class RankProgram(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     engine: EngineConfig
+    num_threads: int  # torch CPU threads, as rank 0 has them
 
 
 def start_group(model: str, engine: EngineConfig, parallel: ParallelConfig) -> RankGroup | None:
@@ -40,7 +41,7 @@ def start_group(model: str, engine: EngineConfig, parallel: ParallelConfig) -> R
     if parallel.world_size == 1:
         return None
     device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available()) else "cpu"
-    program = msgspec.msgpack.encode(RankProgram(model=model, engine=engine))
+    program = msgspec.msgpack.encode(RankProgram(model=model, engine=engine, num_threads=torch.get_num_threads()))
     group = RankGroup(parallel, "pdserve.engine.rank_main", program, device=device)
     group.start()
     return group
@@ -50,6 +51,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
     start, parallel = child_start()
     program = msgspec.msgpack.decode(start.payload, type=RankProgram)
+    torch.set_num_threads(program.num_threads)
     try:
         if parallel.dp_size > 1:
             engine = LLMEngine(program.model, program.engine, parallel=parallel)
@@ -61,6 +63,9 @@ def main() -> int:
             num_blocks = parallel.channel.receive(GroupStart).num_blocks
             kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
             ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
+    except RankFailed as error:  # another rank is gone: nothing of this one's to report
+        logger.warning("rank %d stops: %s", parallel.rank, error)
+        return 1
     except Exception:
         logger.exception("rank %d failed", parallel.rank)
         return 1

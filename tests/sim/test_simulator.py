@@ -37,6 +37,13 @@ def test_more_load_means_more_latency():
     assert heavy.gpu_intervals(0) == light.gpu_intervals(0) == 4 * 30
 
 
+def test_a_replica_of_several_ranks_holds_that_many_gpus():
+    trace = steady(10.0, 256, 64, 300.0)
+    groups = ClusterConfig(prefill_ranks=2, decode_ranks=4)  # prefill TP 2, decode DP 4 + EP
+    result = simulate(synthetic_profile(), trace, SLO, None, prefill=2, decode=1, config=groups)
+    assert result.gpu_intervals(0) == (2 * 2 + 1 * 4) * 30
+
+
 def test_replicas_become_ready_after_startup_and_drain_before_leaving():
     cluster = Cluster(synthetic_profile(), ClusterConfig(startup_s=30.0), Knobs(), prefill=1, decode=1)
     cluster.scale(2, 1)
