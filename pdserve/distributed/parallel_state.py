@@ -99,22 +99,33 @@ class ParallelState:
 
     # -- expert parallelism ---------------------------------------------------------------
 
-    def ep_all_to_all(self, x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def ep_all_to_all(
+        self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Send rows ``x[sum(send_counts[:r]) : …+send_counts[r]]`` to expert-parallel rank r.
 
-        Returns the rows received, grouped by source rank, and how many came from each. Ranks
-        with nothing to send take part all the same (a collective needs everyone).
+        Returns the rows received, grouped by source rank, and how many came from each (pass
+        ``recv_counts`` when a previous exchange of the same split told them). Ranks with
+        nothing to send take part all the same (a collective needs everyone).
         """
         group = self.ep_group
-        counts = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
-        recv_counts = torch.empty_like(counts)
-        _timed(self.stats, "ep_all_to_all", dist.all_to_all_single, recv_counts, counts, group=group)
-        received = recv_counts.tolist()
-        out = x.new_empty((sum(received), *x.shape[1:]))
+        if recv_counts is None:
+            counts = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
+            received = torch.empty_like(counts)
+            _timed(self.stats, "ep_all_to_all", dist.all_to_all_single, received, counts, group=group)
+            recv_counts = received.tolist()
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
         _timed(
-            self.stats, "ep_all_to_all", dist.all_to_all_single, out, x.contiguous(), received, send_counts, group=group
+            self.stats,
+            "ep_all_to_all",
+            dist.all_to_all_single,
+            out,
+            x.contiguous(),
+            recv_counts,
+            send_counts,
+            group=group,
         )
-        return out, received
+        return out, recv_counts
 
     def ep_all_to_all_back(self, x: torch.Tensor, recv_counts: list[int], send_counts: list[int]) -> torch.Tensor:
         """The reverse of ``ep_all_to_all``: rows go back to the ranks they came from."""

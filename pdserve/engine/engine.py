@@ -69,6 +69,8 @@ class StepOutput:
     outputs: list[RequestOutput]
     awaiting_kv: list[tuple[str, list[int], int]]  # (request id, block ids, cached tokens)
     num_scheduled_tokens: int = 0  # 0: the step ran no model (nothing was runnable)
+    # Data-parallel ranks: whether any rank of the group ran the model in this step.
+    group_ran_model: bool = False
 
 
 class LLMEngine:
@@ -342,8 +344,7 @@ class LLMEngine:
                 request.first_scheduled_time = now
         awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
         if not sched.scheduled:
-            self.runner.idle()
-            return StepOutput(outputs, awaiting)
+            return StepOutput(outputs, awaiting, group_ran_model=self.runner.idle())
         inputs = self.runner.prepare(sched.scheduled)
         with while_running or nullcontext():
             logits = self.runner.execute(inputs)
@@ -356,7 +357,7 @@ class LLMEngine:
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._accept_token(request, token, logprobs))
-        return StepOutput(outputs, awaiting, sched.num_tokens)
+        return StepOutput(outputs, awaiting, sched.num_tokens, group_ran_model=True)
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)

@@ -7,6 +7,11 @@ is runnable — and, with nothing runnable, by the earliest pin's deadline, so t
 freed on time on an idle engine — and hands each request's outputs back to the event loop,
 where ``RequestStream`` delivers them to whoever awaits that request.
 
+With data-parallel attention the engines of a group's ranks step in lockstep (each step's
+expert-parallel exchanges need every rank): the thread never sleeps on its queue then, but
+steps again and again, a rank without work joining its peers' steps with an empty batch, and
+pauses ``lockstep_idle_s`` only after a step in which no rank of the group had anything to run.
+
 The decode hand-off does not wait for step boundaries. A consumer is admitted (given blocks)
 and resumed after its pull (``kv_received``) on a second thread, the admitter, under the
 engine's lock — which the engine thread holds for everything but the model run itself. So a
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,9 +80,11 @@ class EngineLoop:
     stream nobody reads any more must be aborted (``abort``), which frees their blocks.
     """
 
-    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05, lockstep_idle_s: float = 0.002) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.lockstep = engine.parallel.dp_size > 1
+        self.lockstep_idle_s = lockstep_idle_s
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -240,7 +248,7 @@ class EngineLoop:
             while True:
                 # Block for a command only when a step would have nothing to run.
                 with self._lock:
-                    idle = not self.engine.has_unfinished()
+                    idle = not self.engine.has_unfinished() and not self.lockstep
                 while True:
                     try:
                         command = self._commands.get(timeout=self.idle_wait_s) if idle else self._commands.get_nowait()
@@ -256,7 +264,10 @@ class EngineLoop:
                     # Snapshot first: whoever reads an output must see the load it left behind.
                     self._load = self._snapshot()
                 self._deliver(step.outputs, step.awaiting_kv)
-                if step.num_scheduled_tokens == 0 and not step.outputs:
+                if self.lockstep:
+                    if not step.group_ran_model:
+                        time.sleep(self.lockstep_idle_s)
+                elif step.num_scheduled_tokens == 0 and not step.outputs:
                     command = self._wait_for_command()
                     if command is None:
                         return

@@ -127,12 +127,14 @@ class ModelRunner:
         self._stepped()
         return logits
 
-    def idle(self) -> None:
+    def idle(self) -> bool:
         """A step with nothing scheduled here: with data-parallel ranks, step with them if any
-        of them has tokens."""
+        of them has tokens. Returns whether any rank ran the model."""
         if self.parallel.dp_size > 1 and self.parallel.max_over_group(0) > 0:
             self.model.idle_forward()
             self._stepped()
+            return True
+        return False
 
     def _stepped(self) -> None:
         """Count a model step; every ``eplb_interval_steps`` of them, rebalance the experts."""

@@ -151,7 +151,7 @@ class MoE:
         token = order // top_k
         par = self.parallel
         rows, recv_counts = par.ep_all_to_all(x[token.to(x.device)], send_counts)
-        local_slots, _ = par.ep_all_to_all((slots[order] % s).unsqueeze(1).to(x.device), send_counts)
+        local_slots, _ = par.ep_all_to_all((slots[order] % s).unsqueeze(1).to(x.device), send_counts, recv_counts)
         done = par.ep_all_to_all_back(self._run_rows(rows, local_slots.squeeze(1)), recv_counts, send_counts)
         weight = weights.flatten()[order.to(weights.device)].float().unsqueeze(1)
         out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
