@@ -10,6 +10,9 @@ large bf16 matmul (compute). Targets (issue 3): GQA and MLA decode >= 0.70 of ba
 batch 64 x 4k context; fused MoE >= 0.50 of matmul throughput at 8k tokens. The block-scaled
 FP8 GEMM (issue 13) runs at a decode batch (bandwidth-bound) and at 8k tokens (compute-bound).
 
+The expert-parallel all-to-all (dispatch and combine between GPUs) needs several GPUs and
+has its own script: ``torchrun --nproc-per-node 8 bench/all_to_all.py``.
+
 Needs a CUDA GPU and exits with status 2 without one. ``--smoke`` runs tiny shapes on CPU in
 Triton's interpreter with a wall-clock timer: only to check this script, its numbers mean
 nothing.
