@@ -344,7 +344,9 @@ class LLMEngine:
                 request.first_scheduled_time = now
         awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
         if not sched.scheduled:
-            return StepOutput(outputs, awaiting, group_ran_model=self.runner.idle())
+            with while_running or nullcontext():  # peers' steps may take a while: admissions go on
+                ran = self.runner.idle()
+            return StepOutput(outputs, awaiting, group_ran_model=ran)
         inputs = self.runner.prepare(sched.scheduled)
         with while_running or nullcontext():
             logits = self.runner.execute(inputs)
