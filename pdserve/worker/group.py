@@ -65,6 +65,7 @@ class WorkerGroup:
     async def close(self, engine: LLMEngine | None) -> None:
         """Stop the ranks' steps (``engine``: rank 0's, its step loop stopped), their KV services,
         then their processes."""
+        self.link.closing()  # the ranks close their links as their steps stop
         if engine is not None:
             try:
                 engine.close()

@@ -148,6 +148,10 @@ class GroupLink:
         for writer in self._writers.values():
             write_message(writer, message)
 
+    def closing(self) -> None:
+        """The group is being shut down: a rank's link ending from now on is no loss."""
+        self._closed = True
+
     async def close(self) -> None:
         """Close every link and stop listening (the ranks' services end when their link does)."""
         self._closed = True
