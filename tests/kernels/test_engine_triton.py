@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.engine as engine_module
+import pdserve.engine.model_setup as model_setup_module
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import block_fp8
 from pdserve.kernels.block_fp8 import BlockFP8Weight
@@ -73,6 +73,6 @@ def test_fp8_checkpoints_keep_fp8_linears_on_triton_and_equal_the_reference_arit
     attention = triton_llm.engine.model.layers[1].attention
     assert isinstance(attention.o_proj.weight, BlockFP8Weight) and isinstance(attention.q_b_proj.weight, BlockFP8Weight)
     got = triton_llm.generate(prompts, params)
-    monkeypatch.setattr(engine_module, "select_backend", lambda kernels, device: _ReferenceFP8Backend())
+    monkeypatch.setattr(model_setup_module, "select_backend", lambda kernels, device: _ReferenceFP8Backend())
     expected = LLM(str(path), kernels="torch").generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
