@@ -31,6 +31,7 @@ class PrefillService(WorkerServicer):
         engine_loop = runtime.engine_loop
         on_sent = engine_loop.kv_sent
         group = runtime.group
+        self.group_sent: GroupSent | None = None
         if group is not None:  # every rank's notices must be in: its own and the other ranks'
             self.group_sent = GroupSent(group.link.size, engine_loop.kv_sent, forget_after_s=runtime.config.hold_s)
             group.link.on_sent = self.group_sent.rank_sent
