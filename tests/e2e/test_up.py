@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.deployment import UpProcess
+from tests.e2e.deployment import UpProcess, rank_children
 
 pytestmark = pytest.mark.slow
 
@@ -106,24 +106,6 @@ def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     assert "Traceback" not in up.stderr.split("pdserve up: error:")[-1]
 
 
-def _rank_children(parents: list[int]) -> list[int]:
-    """The pids of the serving ranks (``pdserve.worker.rank_main``) started by ``parents``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as file:
-                cmdline = file.read()
-            with open(f"/proc/{entry}/stat") as file:
-                parent = int(file.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if b"pdserve.worker.rank_main" in cmdline and parent in parents:
-            found.append(int(entry))
-    return found
-
-
 def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_path):
     from pdserve import LLM, SamplingParams
 
@@ -134,7 +116,7 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
     try:
         up_line, port = up.wait_up()
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
-        ranks = _rank_children(pids)
+        ranks = rank_children(pids)
         assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
         registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
         listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
