@@ -16,24 +16,25 @@ pytestmark = pytest.mark.slow
 TP2 = {"parallel": ParallelConfig(tensor_parallel_size=2)}
 
 
-def test_a_decode_rank_that_dies_stops_its_worker_and_the_prefill_group_stays_whole(checkpoints, etcd_url):
+@pytest.mark.parametrize("role, other", [("decode", "prefill"), ("prefill", "decode")])
+def test_a_worker_whose_rank_dies_stops_and_the_other_group_stays_whole(checkpoints, etcd_url, role, other):
     path = checkpoints("llama")[0]
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="tp-llama-rank-dies",
+    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"tp-llama-{role}-rank-dies",
                             disaggregation="always", prefill_fields=TP2, decode_fields=TP2)  # fmt: skip
     try:
-        decode = deployment.worker("decode")
-        (rank,) = rank_children([decode.process.pid])
+        worker = deployment.worker(role)
+        (rank,) = rank_children([worker.process.pid])
         served = deployment.generate(list(range(3, 30)), max_tokens=4, temperature=0, ignore_eos=True)
         assert served["final"].breakdown.kv_transfer_bytes > 0
         os.kill(rank, signal.SIGKILL)
-        deployment.wait_registered(lambda ws: [w.role for w in ws] == ["prefill"], 30, "the decode worker gone")
-        assert deployment.run(decode.process.wait(), timeout=60) is not None  # rank 0 exited too
+        deployment.wait_registered(lambda ws: [w.role for w in ws] == [other], 30, f"the {role} worker gone")
+        assert deployment.run(worker.process.wait(), timeout=60) is not None  # rank 0 exited too
         with pytest.raises(grpc.RpcError) as error:
             deployment.generate([1, 2, 3], max_tokens=2)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "no decode worker" in error.value.details()
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and f"no {role} worker" in error.value.details()
         deployment.wait_registered(
             lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws), 10,
-            "the prefill group whole",
+            f"the {other} group whole",
         )  # fmt: skip
     finally:
         deployment.close()
