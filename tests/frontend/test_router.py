@@ -13,7 +13,9 @@ from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, Router
 
 
-def entry(worker_id: str, role: str, draining: bool = False, tp: int = 1, kv_heads: int = 0, **load: int) -> WorkerEntry:
+def entry(
+    worker_id: str, role: str, draining: bool = False, tp: int = 1, kv_heads: int = 0, **load: int
+) -> WorkerEntry:
     return WorkerEntry(
         worker_id=worker_id, role=role, model="m", model_path="/m", endpoint=f"{worker_id}:1", nixl=b"",
         block_size=4, num_kv_blocks=100, max_model_len=1024, vocab_size=100, max_num_seqs=8, started_at=0.0,
