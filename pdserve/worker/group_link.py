@@ -158,11 +158,14 @@ class GroupLink:
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers.values()):
-            writer.close()
+            writer.close()  # the readers see the end of their streams and return
         readers = list(self._readers)
-        for task in readers:
-            task.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
+        if readers:
+            # Not cancelled first: asyncio's stream server logs a cancelled handler as an error.
+            _, stuck = await asyncio.wait(readers, timeout=5.0)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
         if self._server is not None:
             try:
                 async with asyncio.timeout(5.0):
