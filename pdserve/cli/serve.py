@@ -28,6 +28,7 @@ from pdserve.cli.common import (
     seconds,
     size_bytes,
 )
+from pdserve.distributed import ParallelConfig
 from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
@@ -123,6 +124,9 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
         option("--transfer-timeout", "transfer_timeout_s", "deadline of one KV pull (default: {default:g}s)",
                type=seconds)  # fmt: skip
     option("--num-threads", "num_threads", "torch CPU threads (default: torch's)", type=int)
+    add_field_option(parser, "--tensor-parallel-size", ParallelConfig, "tensor_parallel_size", type=int,
+                     help="ranks (processes) to split the model over, each moving its own KV heads over NIXL "
+                     "(default: {default})")  # fmt: skip
     option("--metrics-port", "metrics_port",
            "Prometheus /metrics port (default: {default}; 0 picks a free one, published in the registry; -1: off)",
            type=port_or_off)  # fmt: skip
@@ -210,7 +214,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                              f"`pdserve {config.role}`")  # fmt: skip
         return config
     return from_options(args, WorkerConfig, role=args.role, model=resolve_model(args.model), etcd=_require_etcd(args),
-                        engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
+                        engine=from_options(args, EngineConfig), parallel=from_options(args, ParallelConfig),
+                        **worker_security(args))  # fmt: skip
 
 
 def worker_security(args: argparse.Namespace) -> dict[str, object]:

@@ -15,6 +15,7 @@ from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
+from pdserve.distributed import ParallelConfig
 from pdserve.engine.default_model import resolve_model
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
@@ -70,6 +71,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    for role in Role:
+        up.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1, metavar="N",
+                        help=f"ranks (processes) each {role} worker splits the model over (default: 1); the "
+                        "model's KV heads must divide over both pools' sizes")  # fmt: skip
     up.add_argument(
         "--etcd",
         default=os.environ.get("PDSERVE_ETCD"),
@@ -122,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--disaggregation always needs --prefill >= 1")
     model = resolve_model(args.model)
     prefill = WorkerConfig(role=Role.PREFILL, model=model, etcd="", num_threads=args.threads_per_worker,
-                           engine=from_options(args, EngineConfig), **worker_security(args))  # fmt: skip
+                           engine=from_options(args, EngineConfig),
+                           parallel=ParallelConfig(tensor_parallel_size=args.prefill_tensor_parallel_size),
+                           **worker_security(args))  # fmt: skip
     autoscale = None
     if args.autoscale:
         if args.ttft_p90 is None or args.itl_p90 is None:
@@ -135,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
                          max_prefill_replicas=max(args.max_prefill, args.prefill),
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         autoscale = Autoscale(slo, *load_planner(args))
-    decode = msgspec.structs.replace(prefill, role=Role.DECODE)  # the same settings in the other pool
+    # The same settings in the other pool, but its own number of ranks.
+    decode = msgspec.structs.replace(
+        prefill, role=Role.DECODE, parallel=ParallelConfig(tensor_parallel_size=args.decode_tensor_parallel_size)
+    )
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.restart_backoff <= RestartPolicy.max_backoff_s:

@@ -91,7 +91,7 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     model: str
     model_path: str
     endpoint: str  # host:port of the worker's gRPC service
-    nixl: bytes  # opaque: the KV transfer agent's metadata, for peers to load
+    nixl: bytes  # opaque: the KV transfer agents' metadata (every rank's, in a group), for peers to load
     block_size: int
     num_kv_blocks: int
     max_model_len: int
@@ -103,6 +103,10 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     load: EngineLoad = EngineLoad()  # as the worker last reported it
     draining: bool = False  # a draining worker finishes what it has and must be sent nothing new
     updated_at: float = 0.0  # unix seconds, stamped by the registration at each write
+    # The KV heads' spread, which routing checks before pairing a prefill and a decode worker:
+    # the model's KV heads (0: MLA, whose latent every rank holds whole) over this many ranks.
+    tensor_parallel_size: int = 1
+    num_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "role", Role.parse(self.role))  # a str given in code becomes a Role

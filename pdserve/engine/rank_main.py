@@ -36,13 +36,22 @@ class RankProgram(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int  # torch CPU threads, as rank 0 has them
 
 
-def start_group(model: str, engine: EngineConfig, parallel: ParallelConfig) -> RankGroup | None:
-    """Start ranks 1..N-1 for ``model`` and join the group as rank 0 (None for a single rank)."""
+def start_group(
+    model: str, engine: EngineConfig, parallel: ParallelConfig, *, entry_module: str = "pdserve.engine.rank_main",
+    payload: bytes | None = None,
+) -> RankGroup | None:  # fmt: skip
+    """Start ranks 1..N-1 for ``model`` and join the group as rank 0 (None for a single rank).
+
+    ``entry_module`` and ``payload``: another program for ranks 1..N-1 (a serving worker's,
+    which also runs a NIXL agent) and what it reads; by default this module's, with a
+    ``RankProgram``.
+    """
     if parallel.world_size == 1:
         return None
     device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available()) else "cpu"
-    program = msgspec.msgpack.encode(RankProgram(model=model, engine=engine, num_threads=torch.get_num_threads()))
-    group = RankGroup(parallel, "pdserve.engine.rank_main", program, device=device)
+    if payload is None:
+        payload = msgspec.msgpack.encode(RankProgram(model=model, engine=engine, num_threads=torch.get_num_threads()))
+    group = RankGroup(parallel, entry_module, payload, device=device)
     group.start()
     return group
 

@@ -47,6 +47,7 @@ from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refusal_reason
@@ -182,7 +183,10 @@ class RequestFlow:
         try:
             decode = await self._choose_decode()
             choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
-                                           exclude=self._lost_sources, knobs=view.knobs(model))  # fmt: skip
+                                           exclude=self._lost_sources, knobs=view.knobs(model),
+                                           decode=decode)  # fmt: skip
+        except KVMisfit as exc:  # a deployment that cannot work: said at once, never at transfer time
+            raise FlowError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except NoWorker as exc:
             tried = f" ({self._tried()})" if self._failed or self._lost_sources else ""
             raise FlowError(
@@ -201,7 +205,7 @@ class RequestFlow:
     async def _prefill_then_decode(
         self, decode: WorkerEntry, choice: PrefillChoice | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        prefilled = await self._prefill(choice) if choice is not None else None
+        prefilled = await self._prefill(choice, decode) if choice is not None else None
         if self._migration is not None:
             self._migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
@@ -258,7 +262,7 @@ class RequestFlow:
         return [*self.request.token_ids, *self.output.token_ids]
 
     # ---- prefill -----------------------------------------------------------------------------------
-    async def _prefill(self, choice: PrefillChoice) -> _Prefilled | None:
+    async def _prefill(self, choice: PrefillChoice, decode: WorkerEntry) -> _Prefilled | None:
         """Prefill on ``choice``, then once more elsewhere; None: fall back to the decode worker."""
         router, view = self.routing.router, self.routing.view
         failures: list[str] = []
@@ -278,8 +282,9 @@ class RequestFlow:
                     others = view.workers(Role.PREFILL, self.request.model.name)
                     current = router.choose_prefill(others, self._known_token_ids(),
                                                     exclude=[*self._lost_sources, choice.worker.worker_id],
-                                                    knobs=view.knobs(self.request.model.name))  # fmt: skip
-                except NoWorker:
+                                                    knobs=view.knobs(self.request.model.name),
+                                                    decode=decode)  # fmt: skip
+                except (NoWorker, KVMisfit):
                     current = None
                 if current is None and router.config.disaggregation == "conditional":
                     return None  # no other prefill worker: compute the prompt on the decode worker

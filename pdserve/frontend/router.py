@@ -2,7 +2,8 @@
 
 - Decode: the least loaded by KV usage and occupancy (running and queued over the
   ``max_num_seqs`` in force).
-- Prefill: the cheapest by estimated work — the prompt tokens it would have to compute (its
+- Prefill: among those whose KV heads can move to the decode worker (``kv_fit``), the
+  cheapest by estimated work — the prompt tokens it would have to compute (its
   prefix-cache overlap counts for it) plus the prompt tokens already queued on it.
 - Conditional disaggregation: a prompt whose uncached part is at most
   ``local_prefill_threshold_tokens``, or one arriving while every prefill worker is saturated,
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.kv_fit import KVMisfit, kv_misfit
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
 
@@ -64,15 +66,23 @@ class Router:
         token_ids: Sequence[int],
         exclude: Sequence[str] = (),
         knobs: Knobs | None = None,
+        decode: WorkerEntry | None = None,
     ) -> PrefillChoice | None:
         """The prefill worker for the prompt, or None to prefill on the decode worker.
 
-        ``knobs``: the model's live knobs, if any are stored.
+        ``knobs``: the model's live knobs, if any are stored. ``decode``: the decode worker the
+        KV goes to: only prefill workers whose KV heads can move there are candidates
+        (``kv_fit``); raises ``KVMisfit``, naming the sizes, when none of the others can.
         """
         mode = self.config.disaggregation
         if mode == "off":
             return None
         candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
+        if decode is not None and candidates:
+            misfits = [reason for w in candidates if (reason := kv_misfit(w, decode)) is not None]
+            if len(misfits) == len(candidates):
+                raise KVMisfit(f"no prefill worker's KV can move to decode worker {decode.worker_id}: {misfits[0]}")
+            candidates = [w for w in candidates if kv_misfit(w, decode) is None]
         if not candidates:
             if mode == "always":
                 raise NoWorker(Role.PREFILL)

@@ -9,7 +9,7 @@
 
 from pdserve.kvtransfer.agent import KVAgent, PeerGone, XferError
 from pdserve.kvtransfer.layout import PROTOCOL_VERSION, KVLayout, LayoutMismatch, check_compatible
-from pdserve.kvtransfer.messages import CompletionNotice, PeerInfo
+from pdserve.kvtransfer.messages import CompletionNotice, PeerInfo, decode_group, encode_group
 from pdserve.kvtransfer.pull import KVPuller, TransferFailed
 from pdserve.kvtransfer.sent import SentReporter
 from pdserve.kvtransfer.stats import TransferStats
@@ -28,4 +28,6 @@ __all__ = [
     "TransferStats",
     "XferError",
     "check_compatible",
+    "decode_group",
+    "encode_group",
 ]

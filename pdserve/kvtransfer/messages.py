@@ -1,7 +1,8 @@
 """Typed messages that cross process boundaries: peer metadata and completion notices.
 
 Everything here is a msgspec Struct encoded as msgpack; nothing is pickled. ``PeerInfo`` is
-what a worker publishes (its registry entry in etcd, or its endpoint on first contact);
+what a worker's rank publishes (a group's ranks together, ``encode_group``, in its registry
+entry in etcd);
 ``CompletionNotice`` travels as a NIXL notification from a decode rank to a prefill rank.
 """
 
@@ -33,6 +34,24 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     @staticmethod
     def decode(data: bytes) -> PeerInfo:
         return msgspec.msgpack.decode(data, type=PeerInfo)
+
+
+def encode_group(peers: list[PeerInfo]) -> bytes:
+    """What a worker publishes as its NIXL metadata: its one ``PeerInfo`` for a single rank
+    (as before groups existed), else every rank's, in TP-rank order."""
+    return peers[0].encode() if len(peers) == 1 else msgspec.msgpack.encode(peers)
+
+
+_group_decoder = msgspec.msgpack.Decoder(PeerInfo | list[PeerInfo])
+
+
+def decode_group(data: bytes) -> list[PeerInfo]:
+    """The ranks ``encode_group`` wrote, in TP-rank order; raises ``msgspec.DecodeError``."""
+    decoded = _group_decoder.decode(data)
+    peers = decoded if isinstance(decoded, list) else [decoded]
+    if not peers:
+        raise msgspec.DecodeError("no NIXL peer in the group's metadata")
+    return peers
 
 
 class CompletionNotice(msgspec.Struct, frozen=True, tag="pdserve.kv.done"):

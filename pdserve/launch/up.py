@@ -46,7 +46,7 @@ class Autoscale:
 class UpSpec:
     """Attributes:
     cluster: the processes. A worker configuration without ``num_threads`` gets an even
-        share of this machine's CPUs.
+        share of this machine's CPUs (each of its ranks does).
     num_prefill / num_decode: the workers to start with.
     autoscale: the planner to run over them, or None for fixed pools.
     metrics_port: where ``up`` serves its own Prometheus metrics (the children's restarts;
@@ -89,13 +89,15 @@ def up(spec: UpSpec) -> int:
 
 
 def _with_thread_share(spec: UpSpec) -> UpSpec:
-    """Workers given no thread count share this machine's CPUs evenly."""
-    share = max(1, (os.cpu_count() or 1) // (spec.num_prefill + spec.num_decode))
+    """Workers given no thread count share this machine's CPUs evenly, rank by rank."""
+    cluster = spec.cluster
+    num_ranks = (spec.num_prefill * cluster.prefill.parallel.world_size
+                 + spec.num_decode * cluster.decode.parallel.world_size)  # fmt: skip
+    share = max(1, (os.cpu_count() or 1) // max(num_ranks, 1))
 
     def shared(config: WorkerConfig) -> WorkerConfig:
         return config if config.num_threads is not None else msgspec.structs.replace(config, num_threads=share)
 
-    cluster = spec.cluster
     return replace(spec, cluster=replace(cluster, prefill=shared(cluster.prefill), decode=shared(cluster.decode)))
 
 

@@ -10,6 +10,7 @@ import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
+from pdserve.distributed import ParallelConfig
 from pdserve.engine.default_model import served_name
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.rpc.tls import ClusterTLS
@@ -32,6 +33,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
     num_threads: torch CPU threads (None: torch's default).
     engine: how its engine runs the model.
+    parallel: how many ranks (processes) the worker spreads its model over: tensor
+        parallelism only; each rank moves its own KV heads over NIXL.
     cluster_tls: the cluster's certificate set: the gRPC server then serves mTLS only, to
         clients with a certificate from the cluster CA.
     admin_key: the key a ``Drain`` caller without a cluster certificate must send; with
@@ -54,6 +57,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: int | None = 0
     num_threads: int | None = None
     engine: EngineConfig = EngineConfig()
+    parallel: ParallelConfig = ParallelConfig()
     cluster_tls: ClusterTLS | None = None
     admin_key: str | None = None
     etcd_auth: EtcdAuth = EtcdAuth()
@@ -69,6 +73,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.admin_key is not None and not self.admin_key:
             raise ValueError("admin_key must not be empty")
+        if self.parallel.world_size != self.parallel.tensor_parallel_size:
+            raise ValueError(
+                "a worker's ranks are tensor-parallel only: parallel.data_parallel_size must be 1, got "
+                f"{self.parallel.data_parallel_size}"
+            )
 
     @property
     def served_model_name(self) -> str:

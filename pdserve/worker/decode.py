@@ -8,6 +8,9 @@ a ``DecodeFinal``; a cancelled call aborts the request and frees its blocks.
 
 Prefill workers that leave the registry are dropped as NIXL peers at once, which fails their
 in-flight pulls before the pulls' own deadlines.
+
+In a group of ranks each rank pulls its own KV heads (``GroupPuller``); rank 0 resumes the
+request once every rank's pull has succeeded.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.engine_loop import KVAwaited, RequestStream
 from pdserve.engine.request import KVRole
-from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats
+from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats, decode_group
 from pdserve.rpc.logprobs import tokens_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.rpc.status import KV_SOURCE_FAILED, refuse
 from pdserve.v1 import worker_pb2
+from pdserve.worker.group_pull import GroupPuller
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
@@ -40,7 +44,8 @@ logger = logging.getLogger(__name__)
 class DecodeService(WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         super().__init__(runtime)
-        self.puller = KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s)
+        link = None if runtime.group is None else runtime.group.link
+        self.puller = GroupPuller(KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s), link)
         self.view = RegistryView(runtime.etcd)
         self._removals: set[asyncio.Task[None]] = set()  # peer removals under way (owned here)
 
@@ -57,12 +62,19 @@ class DecodeService(WorkerServicer):
         return KnobsFollower.from_view(self.view, self.runtime.config.served_model_name, apply)
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
-        agent = self.runtime.agent
+        agent, group = self.runtime.agent, self.runtime.group
         for entry in removed:
-            if agent.has_peer(entry.worker_id):
-                task = asyncio.get_running_loop().create_task(agent.remove_peer(entry.worker_id, "left the registry"))
-                self._removals.add(task)
-                task.add_done_callback(self._removals.discard)
+            try:
+                names = [peer.agent_name for peer in decode_group(entry.nixl)]
+            except msgspec.DecodeError:
+                continue  # not a peer this worker could have loaded
+            if group is not None:
+                group.link.forget_peers(names)
+            for name in names:
+                if agent.has_peer(name):
+                    task = asyncio.get_running_loop().create_task(agent.remove_peer(name, "left the registry"))
+                    self._removals.add(task)
+                    task.add_done_callback(self._removals.discard)
 
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -74,7 +86,7 @@ class DecodeService(WorkerServicer):
             params = sampling_params(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        peer = await self._peer(source, context) if source is not None else None
+        peers = await self._peer(source, context) if source is not None else None
         engine_loop = self.runtime.engine_loop
         request_id = request.request_id
         role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
@@ -89,8 +101,8 @@ class DecodeService(WorkerServicer):
         stats: TransferStats | None = None
         resumed_at: float | None = None  # the KV landed: the resume's wait for a step begins
         try:
-            if source is not None and peer is not None:
-                started, stats, ended = await self._pull(request_id, source, peer, stream, received_at, context)
+            if source is not None and peers is not None:
+                started, stats, ended = await self._pull(request_id, source, peers, stream, received_at, context)
                 if ended is not None:  # the engine ended the request before it got blocks
                     yield self._response(ended, source, stats, is_first=False)
                     done = True
@@ -113,16 +125,18 @@ class DecodeService(WorkerServicer):
             if not done:
                 engine_loop.abort(request_id)
 
-    async def _peer(self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext) -> PeerInfo:
+    async def _peer(self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext) -> list[PeerInfo]:
+        """The prefill group's ranks (one for a single-rank worker), loaded into this rank's agent."""
         agent = self.runtime.agent
         try:
-            info = PeerInfo.decode(source.peer_info)
+            infos = decode_group(source.peer_info)
         except msgspec.DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_source.peer_info does not decode: {exc}")
         # Always through add_peer: a peer known by this name but with other metadata is a restarted
         # process (same worker id, same address): its old NIXL state is dropped and it is loaded anew.
+        # Every rank's, though this rank may read from some only: the puller checks the whole group.
         try:
-            return await agent.add_peer(info)
+            return [await agent.add_peer(info) for info in infos]
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
 
@@ -130,7 +144,7 @@ class DecodeService(WorkerServicer):
         self,
         request_id: str,
         source: worker_pb2.KVSource,
-        peer: PeerInfo,
+        peers: list[PeerInfo],
         stream: RequestStream,
         received_at: float,
         context: grpc.aio.ServicerContext,
@@ -152,7 +166,7 @@ class DecodeService(WorkerServicer):
         block_size = self.runtime.engine.kv_cache_spec.block_size
         try:
             stats = await self.puller.pull(
-                request_id, peer.agent_name, list(source.block_ids), item.block_ids,
+                request_id, peers, list(source.block_ids), item.block_ids,
                 num_cached_blocks=item.num_cached_tokens // block_size,
                 deadline_s=min(remaining, self.puller.deadline_s),
             )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Run one worker process: load the engine, start the role's service, serve until stopped."""
+"""Run one worker process: start its other ranks (if any), load the engine, start the role's
+service, serve until stopped."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import logging
 import torch
 
 from pdserve.discovery.registry import Role
+from pdserve.distributed import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.decode import DecodeService
+from pdserve.worker.group import WorkerGroup
 from pdserve.worker.prefill import PrefillService
 from pdserve.worker.runtime import WorkerRuntime
 
@@ -22,8 +25,15 @@ async def serve(config: WorkerConfig) -> None:
     """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    engine = LLMEngine(config.model, config.engine)
-    runtime = WorkerRuntime(config, engine)
+    # Several ranks: they start (and load their shares) beside this process's own load.
+    group = await WorkerGroup.start(config, config.id) if config.parallel.world_size > 1 else None
+    try:
+        engine = LLMEngine(config.model, config.engine, parallel=SINGLE_RANK if group is None else group.state)
+    except BaseException:
+        if group is not None:
+            await group.close(None)
+        raise
+    runtime = WorkerRuntime(config, engine, group)
     try:
         await runtime.start(SERVICES[config.role])
     except BaseException:

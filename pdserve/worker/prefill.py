@@ -3,12 +3,15 @@
 A request runs on the engine as a PRODUCER: it stops after its first token and the engine keeps
 its blocks pinned until the decode worker is done with them (its completion notices, which a
 ``SentReporter`` turns into the engine's "sent"), a ``Release``, or ``hold_s`` — whichever comes
-first — and then gives them back to the pool (their prefix stays cached).
+first — and then gives them back to the pool (their prefix stays cached). In a group of ranks
+each rank holds its heads of those blocks and hears its own notices; the pin is freed when
+every rank's are in (``GroupSent``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import grpc
@@ -18,6 +21,7 @@ from pdserve.kvtransfer import SentReporter
 from pdserve.rpc.logprobs import token_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
+from pdserve.worker.group_sent import GroupSent
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 
 
@@ -25,9 +29,14 @@ class PrefillService(WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         super().__init__(runtime)
         engine_loop = runtime.engine_loop
-        self.sent = SentReporter(
-            runtime.agent, engine_loop.kv_sent, is_wanted=lambda: engine_loop.load.held_requests > 0
-        )
+        on_sent = engine_loop.kv_sent
+        group = runtime.group
+        self.group_sent: GroupSent | None = None
+        if group is not None:  # every rank's notices must be in: its own and the other ranks'
+            self.group_sent = GroupSent(group.link.size, engine_loop.kv_sent, forget_after_s=runtime.config.hold_s)
+            group.link.on_sent = self.group_sent.rank_sent
+            on_sent = functools.partial(self.group_sent.rank_sent, 0)
+        self.sent = SentReporter(runtime.agent, on_sent, is_wanted=lambda: engine_loop.load.held_requests > 0)
 
     async def start(self) -> None:
         self.sent.start()
@@ -65,6 +74,8 @@ class PrefillService(WorkerServicer):
                 f"prefill of {request_id} on {self.runtime.worker_id} ended with {final.finish_reason!r}",
             )
         self.sent.wake()  # a pin waits for notices now (the load read by is_wanted counts it)
+        if self.runtime.group is not None:
+            self.runtime.group.link.expect_notices(request_id, self.runtime.config.hold_s)
         scheduled = final.first_scheduled_time or final.arrival_time
         first_token = final.first_token_time or time.monotonic()
         metrics = self.runtime.metrics

@@ -1,7 +1,8 @@
 """A worker process's parts and their lifecycle.
 
 Start-up order: the engine (already loaded) on its thread → the NIXL agent registering the KV
-pool → the role's gRPC service → the model's live knobs, read once and then followed → the
+pool (and, in a group of ranks, every other rank's agent, met over the ``GroupLink``) → the
+role's gRPC service → the model's live knobs, read once and then followed → the
 etcd registration (last, so that nothing is routed here before it can serve, with the knobs
 in force). Shutdown is the reverse, after a drain: the worker reports itself draining
 (registry and health), refuses new requests, lets in-flight ones finish — bounded by
@@ -27,7 +28,7 @@ from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.load import EngineLoad
-from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.kvtransfer import KVAgent, KVLayout, PeerInfo, encode_group
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import WorkerMetrics, serve_metrics
 from pdserve.rpc.admin import AdminPolicy
@@ -35,6 +36,7 @@ from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +78,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 class WorkerRuntime:
     """Owns a worker's engine loop, NIXL agent, gRPC server, etcd connection and registration."""
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, group: WorkerGroup | None = None) -> None:
+        """``group``: the worker's other ranks, when it has several (``engine`` is rank 0's)."""
         self.config = config
         self.engine = engine
+        self.group = group
         self.worker_id = config.id
         self.engine_loop = EngineLoop(engine)
-        self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name)
+        parallel = engine.parallel
+        self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name,
+                                         tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)  # fmt: skip
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
+        self.rank_peers: list[PeerInfo] = []  # ranks 1..N-1's agents, published with this one's
+        if group is not None:
+            group.link.on_lost = self.request_stop  # a worker missing a rank cannot serve
         self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
         cluster = config.cluster_tls
@@ -100,6 +109,8 @@ class WorkerRuntime:
     async def start(self, make_servicer: Callable[[WorkerRuntime], WorkerServicer]) -> None:
         self.engine_loop.start()
         await self.agent.start()
+        if self.group is not None:
+            self.rank_peers = await self.group.wait_agents()
         self.servicer = make_servicer(self)
         await self.servicer.start()
         servicer = self.servicer
@@ -128,7 +139,7 @@ class WorkerRuntime:
             model=self.config.served_model_name,
             model_path=str(engine.model_config.path),
             endpoint=self.endpoint,
-            nixl=self.agent.info.encode(),
+            nixl=encode_group([self.agent.info, *self.rank_peers]),
             block_size=engine.kv_cache_spec.block_size,
             num_kv_blocks=engine.block_pool.num_blocks,
             max_model_len=engine.max_model_len,
@@ -139,6 +150,8 @@ class WorkerRuntime:
             metrics_port=self.metrics_port,
             load=self._load(),
             draining=self.draining,
+            tensor_parallel_size=engine.parallel.tp_size,
+            num_kv_heads=0 if engine.kv_cache_spec.is_mla else engine.model_config.num_kv_heads,
         )
 
     def _load(self) -> EngineLoad:
@@ -207,4 +220,6 @@ class WorkerRuntime:
             await self.servicer.close()
         await self.agent.close()
         await self.engine_loop.stop()
+        if self.group is not None:
+            await self.group.close(self.engine)
         await self.etcd.close()  # last: the knobs, the registration and a decode worker's view use it

@@ -20,6 +20,7 @@ from pdserve.cli import build_parser
 from pdserve.cli.common import field_default
 from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.distributed import ParallelConfig
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import FrontendConfig, RouterConfig
 from pdserve.observability.frontend_stats import FrontendStats, list_frontend_stats
@@ -58,6 +59,15 @@ def test_every_worker_option_sets_its_field():
         engine=EngineConfig(dtype="bfloat16", kernels="torch", kv_cache_memory=2**30, max_num_seqs=8,
                             max_num_batched_tokens=512, max_model_len=256, enable_prefix_caching=False),
     )  # fmt: skip
+
+
+def test_tensor_parallel_size_sets_the_workers_parallel_config():
+    args = _parse("decode", "--model", "/m", "--etcd", "http://e", "--tensor-parallel-size", "2")
+    assert worker_config(args) == WorkerConfig(
+        role="decode", model="/m", etcd="http://e", parallel=ParallelConfig(tensor_parallel_size=2)
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        worker_config(_parse("decode", "--model", "/m", "--etcd", "http://e", "--tensor-parallel-size", "0"))
 
 
 def test_every_frontend_option_sets_its_field_and_the_thresholds_former_name_still_works():

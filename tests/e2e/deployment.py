@@ -67,6 +67,24 @@ def scrape(port: int | None) -> dict[str, float]:
     return values
 
 
+def rank_children(parents: list[int]) -> list[int]:
+    """The pids of the serving ranks (``pdserve.worker.rank_main``) started by ``parents``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as file:
+                cmdline = file.read()
+            with open(f"/proc/{entry}/stat") as file:
+                parent = int(file.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"pdserve.worker.rank_main" in cmdline and parent in parents:
+            found.append(int(entry))
+    return found
+
+
 class Deployment:
     def __init__(
         self,

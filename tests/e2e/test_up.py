@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.deployment import UpProcess
+from tests.e2e.deployment import UpProcess, rank_children
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +104,46 @@ def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     assert up.returncode == 1
     assert "exited; its last output" in up.stderr and "config.json" in up.stderr
     assert "Traceback" not in up.stderr.split("pdserve up: error:")[-1]
+
+
+def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_path):
+    from pdserve import LLM, SamplingParams
+
+    path, _ = checkpoints("llama")
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
+                   "--threads-per-worker", "1", "--prefill-tensor-parallel-size", "2",
+                   "--decode-tensor-parallel-size", "2", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    try:
+        up_line, port = up.wait_up()
+        pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
+        ranks = rank_children(pids)
+        assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
+        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
+        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        sizes = sorted((w["role"], w["tensor_parallel_size"]) for w in json.loads(listed.stdout))
+        assert sizes == [("decode", 2), ("prefill", 2)]
+        prompt = list(range(4, 40))
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
+             ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+        assert out["token_ids"] == want.token_ids
+        assert out["breakdown"]["disaggregated"] and out["breakdown"]["kv_transfer_bytes"] > 0
+        up.process.send_signal(signal.SIGINT)
+        try:
+            code = up.process.wait(90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pdserve up did not stop within 90 s of Ctrl-C:\n{up.output}")
+        assert code == 0, up.output
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids + ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids + ranks), "a worker or one of its ranks outlived pdserve up"
+    finally:
+        up.close()

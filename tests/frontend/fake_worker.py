@@ -97,8 +97,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     ``load`` is what its registry entry reports (the router prefers the less loaded).
     """
 
-    def __init__(self, worker_id: str, role: str, script: Script = Script(), load: EngineLoad = EngineLoad()) -> None:
+    def __init__(
+        self, worker_id: str, role: str, script: Script = Script(), load: EngineLoad = EngineLoad(),
+        tensor_parallel_size: int = 1, num_kv_heads: int = 0,
+    ) -> None:  # fmt: skip
+        """``tensor_parallel_size`` and ``num_kv_heads``: the KV heads' spread its entry reports."""
         self.worker_id = worker_id
+        self.tensor_parallel_size = tensor_parallel_size
+        self.num_kv_heads = num_kv_heads
         self.role = role
         self.script = script
         self.load = load
@@ -119,7 +125,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             worker_id=self.worker_id, role=self.role, model=model, model_path=model_path,
             endpoint=f"127.0.0.1:{port}", nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
             num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
-            started_at=time.time(),
+            started_at=time.time(), tensor_parallel_size=self.tensor_parallel_size, num_kv_heads=self.num_kv_heads,
         )  # fmt: skip
         self._etcd = EtcdConnection(etcd_url)
         self._registration = WorkerRegistration(self._etcd, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)

@@ -138,6 +138,24 @@ def test_prefill_failing_on_every_worker_is_unavailable_naming_them(etcd_url: st
     assert decode.decodes == []
 
 
+def test_kv_heads_that_do_not_divide_over_the_decode_group_are_refused_before_any_call(
+    etcd_url: str, model: str
+) -> None:
+    # 2 KV heads cannot spread over 4 decode ranks (each would hold a replica the pull cannot fill).
+    prefill = FakeWorker("p1", "prefill", tensor_parallel_size=2, num_kv_heads=2)
+    decode = FakeWorker("d1", "decode", tensor_parallel_size=4, num_kv_heads=2)
+
+    async def body() -> FlowError:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            return await flow_error(await new_flow(routing, model))
+
+    error = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "2 KV heads do not divide over decode worker d1's tensor-parallel size 4" in error.message
+    assert "prefill tensor-parallel size 2, decode 4" in error.message
+    assert (prefill.prefills, decode.decodes) == ([], [])
+
+
 def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_only_prefill_worker_fails(
     etcd_url: str, model: str
 ) -> None:

@@ -9,14 +9,18 @@ from pdserve.discovery.registry import WorkerEntry
 from pdserve.engine.load import EngineLoad
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
+from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, Router
 
 
-def entry(worker_id: str, role: str, draining: bool = False, **load: int) -> WorkerEntry:
+def entry(
+    worker_id: str, role: str, draining: bool = False, tp: int = 1, kv_heads: int = 0, **load: int
+) -> WorkerEntry:
     return WorkerEntry(
         worker_id=worker_id, role=role, model="m", model_path="/m", endpoint=f"{worker_id}:1", nixl=b"",
         block_size=4, num_kv_blocks=100, max_model_len=1024, vocab_size=100, max_num_seqs=8, started_at=0.0,
-        load=EngineLoad(kv_blocks_total=100, **load), draining=draining,
+        load=EngineLoad(kv_blocks_total=100, **load), draining=draining, tensor_parallel_size=tp,
+        num_kv_heads=kv_heads,
     )  # fmt: skip
 
 
@@ -112,3 +116,22 @@ def test_prefix_index_is_chained_and_bounded():
     assert index.overlap("w", a) == 0 and index.overlap("w", b) == 3
     index.forget("w")
     assert index.overlap("w", b) == 0
+
+
+def test_prefill_workers_whose_kv_heads_cannot_reach_the_decode_group_are_skipped_or_refused():
+    router = Router(RouterConfig(disaggregation="always"), seed=0)
+    decode = entry("d1", "decode", tp=2, kv_heads=4)
+    fits = [entry("p1", "prefill", tp=1, kv_heads=4), entry("p4", "prefill", tp=4, kv_heads=4)]
+    for prefill in fits:  # 4 heads over 1 or 4 prefill ranks and 2 decode ranks
+        assert router.choose_prefill([prefill], [1, 2, 3], decode=decode).worker.worker_id == prefill.worker_id
+    # 4 heads do not divide over 3 ranks; another prefill worker that fits takes the request.
+    odd = entry("p3", "prefill", tp=3, kv_heads=4, queued_prefill_tokens=0)
+    busy_fit = entry("p1", "prefill", tp=1, kv_heads=4, queued_prefill_tokens=500)
+    assert router.choose_prefill([odd, busy_fit], [1, 2, 3], decode=decode).worker.worker_id == "p1"
+    with pytest.raises(KVMisfit, match="4 KV heads do not divide over prefill worker p3's tensor-parallel size 3"):
+        router.choose_prefill([odd], [1, 2, 3], decode=decode)
+    with pytest.raises(KVMisfit, match="prefill worker p1 has 4 KV heads, decode worker d1 2"):
+        router.choose_prefill([fits[0]], [1, 2, 3], decode=entry("d1", "decode", tp=2, kv_heads=2))
+    # MLA (0 KV heads: the latent is whole on every rank) fits any sizes.
+    mla_decode = entry("d2", "decode", tp=2)
+    assert router.choose_prefill([entry("p0", "prefill", tp=3)], [1, 2, 3], decode=mla_decode) is not None

@@ -1,0 +1,99 @@
+"""The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.rank_main``).
+
+Like the engine's follower ranks (``pdserve.engine.rank_main``) it loads its share of the model
+and runs every step rank 0 plans, on the main thread; beside that, a second thread runs its
+``RankService``: a NIXL agent over its own KV cache, linked to rank 0 (``GroupLink``). When rank
+0 stops the steps, the service is stopped too and the rank exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pdserve.discovery.registry import Role
+from pdserve.distributed.rank_group import child_start
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_setup import setup_model
+from pdserve.engine.step_plan import GroupStart
+from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.worker.rank_service import RankService
+
+logger = logging.getLogger("pdserve.worker.rank")
+
+# After the last step: how long the KV thread may take to close its agent.
+_STOP_GRACE_S = 10.0
+
+
+class ServingRank(msgspec.Struct, frozen=True, kw_only=True):
+    """What rank 0 of a serving worker hands its other ranks."""
+
+    model: str
+    engine: EngineConfig
+    role: Role
+    model_name: str  # the served name: part of the KV layout peers check
+    agent_name: str  # rank 0's; rank r's agent is "{agent_name}.rank{r}"
+    link_host: str
+    link_port: int
+    transfer_timeout_s: float
+    num_threads: int | None = None
+
+
+def agent_name(rank0_name: str, rank: int) -> str:
+    """The NIXL agent name of ``rank`` of the group whose rank 0 is ``rank0_name``."""
+    return rank0_name if rank == 0 else f"{rank0_name}.rank{rank}"
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    start, parallel = child_start()
+    program = msgspec.msgpack.decode(start.payload, type=ServingRank)
+    if program.num_threads is not None:
+        torch.set_num_threads(program.num_threads)
+    service: RankService | None = None
+    thread: threading.Thread | None = None
+    try:
+        setup = setup_model(program.model, program.engine, parallel)
+        num_blocks = parallel.channel.receive(GroupStart).num_blocks
+        kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
+        layout = KVLayout.from_spec(setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size,
+                                    tp_rank=parallel.tp_rank)  # fmt: skip
+        agent = KVAgent(agent_name(program.agent_name, parallel.rank), kv_cache, layout)
+        service = RankService(
+            parallel.rank, program.role, agent, (program.link_host, program.link_port),
+            transfer_timeout_s=program.transfer_timeout_s, connect_timeout_s=parallel.config.rendezvous_timeout_s,
+        )  # fmt: skip
+        thread = threading.Thread(target=_run_service, args=(service,), name="kv", daemon=True)
+        thread.start()
+        ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
+    except Exception:
+        logger.exception("rank %d failed", parallel.rank)
+        return 1
+    finally:
+        if service is not None and thread is not None:
+            service.stop()
+            thread.join(_STOP_GRACE_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _run_service(service: RankService) -> None:
+    try:
+        asyncio.run(service.run())
+    except Exception:
+        # Without its agent the rank cannot serve KV: rank 0 sees the link end (or never start)
+        # and stops the worker, which ends this rank's steps too.
+        logger.exception("rank %d: its KV service failed", service.rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
