@@ -127,6 +127,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     add_field_option(parser, "--tensor-parallel-size", ParallelConfig, "tensor_parallel_size", type=int,
                      help="ranks (processes) to split the model over, each moving its own KV heads over NIXL "
                      "(default: {default})")  # fmt: skip
+    add_field_option(parser, "--data-parallel-size", ParallelConfig, "data_parallel_size", type=int,
+                     help="data-parallel attention ranks sharing a MoE model's experts (needs "
+                     "--enable-expert-parallel): each rank serves as a worker of its own, WORKER_ID-dpR past "
+                     "rank 0, all stepping together (default: {default})")  # fmt: skip
+    add_field_option(parser, "--enable-expert-parallel", ParallelConfig, "enable_expert_parallel",
+                     action="store_true", help="spread each MoE layer's experts over the ranks")
     option("--metrics-port", "metrics_port",
            "Prometheus /metrics port (default: {default}; 0 picks a free one, published in the registry; -1: off)",
            type=port_or_off)  # fmt: skip
@@ -280,8 +286,7 @@ def run_worker(args: argparse.Namespace) -> int:
     config = worker_config(args)  # a bad one fails before torch is imported
     from pdserve.worker.main import serve
 
-    asyncio.run(serve(config))
-    return 0
+    return asyncio.run(serve(config))
 
 
 def run_frontend(args: argparse.Namespace) -> int:

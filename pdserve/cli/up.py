@@ -75,6 +75,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         up.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1, metavar="N",
                         help=f"ranks (processes) each {role} worker splits the model over (default: 1); the "
                         "model's KV heads must divide over both pools' sizes")  # fmt: skip
+        up.add_argument(f"--{role}-data-parallel-size", type=int, default=1, metavar="N",
+                        help=f"data-parallel attention ranks of each {role} worker, sharing a MoE model's "
+                        "experts (needs --enable-expert-parallel; each rank registers as a worker) (default: 1)")  # fmt: skip
+    up.add_argument("--enable-expert-parallel", action="store_true",
+                    help="spread each MoE layer's experts over the ranks of every worker")
     up.add_argument(
         "--etcd",
         default=os.environ.get("PDSERVE_ETCD"),
@@ -114,6 +119,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     up.set_defaults(func=run)
 
 
+def _parallel(args: argparse.Namespace, role: Role) -> ParallelConfig:
+    """The ranks of each ``role`` worker, as the options give them."""
+    return ParallelConfig(
+        tensor_parallel_size=getattr(args, f"{role}_tensor_parallel_size"),
+        data_parallel_size=getattr(args, f"{role}_data_parallel_size"),
+        enable_expert_parallel=args.enable_expert_parallel,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.launch.local_cluster import ClusterSpec
     from pdserve.launch.up import Autoscale, UpSpec, up
@@ -128,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     prefill = WorkerConfig(role=Role.PREFILL, model=model, etcd="", num_threads=args.threads_per_worker,
                            engine=from_options(args, EngineConfig),
-                           parallel=ParallelConfig(tensor_parallel_size=args.prefill_tensor_parallel_size),
+                           parallel=_parallel(args, Role.PREFILL),
                            **worker_security(args))  # fmt: skip
     autoscale = None
     if args.autoscale:
@@ -143,9 +157,7 @@ def run(args: argparse.Namespace) -> int:
                          max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
         autoscale = Autoscale(slo, *load_planner(args))
     # The same settings in the other pool, but its own number of ranks.
-    decode = msgspec.structs.replace(
-        prefill, role=Role.DECODE, parallel=ParallelConfig(tensor_parallel_size=args.decode_tensor_parallel_size)
-    )
+    decode = msgspec.structs.replace(prefill, role=Role.DECODE, parallel=_parallel(args, Role.DECODE))
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.restart_backoff <= RestartPolicy.max_backoff_s:

@@ -150,13 +150,14 @@ class ParallelState:
 
     # -- the whole group ------------------------------------------------------------------
 
-    def max_over_group(self, value: int) -> int:
-        """The largest ``value`` any rank of the group holds (data-parallel ranks agree on a step)."""
+    def max_over_group(self, values: list[int]) -> list[int]:
+        """Each of ``values`` at its largest over the group's ranks (data-parallel ranks agree
+        on a step: whether anyone has tokens, whether anyone stays)."""
         if self.cpu_group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
         _timed(self.stats, "dp_step_sync", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
-        return int(t.item())
+        return t.tolist()
 
     def gather_to_driver(self, message: msgspec.Struct, type_: type[msgspec.Struct]) -> list[msgspec.Struct] | None:
         """Every rank's ``message``, in rank order, on rank 0 (None elsewhere)."""

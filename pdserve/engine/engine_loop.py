@@ -11,6 +11,8 @@ With data-parallel attention the engines of a group's ranks step in lockstep (ea
 expert-parallel exchanges need every rank): the thread never sleeps on its queue then, but
 steps again and again, a rank without work joining its peers' steps with an empty batch, and
 pauses ``lockstep_idle_s`` only after a step in which no rank of the group had anything to run.
+Stopping, a rank says so at its next steps and goes on stepping until every rank has said it:
+they leave at the same step, and none is left waiting in an exchange.
 
 The decode hand-off does not wait for step boundaries. A consumer is admitted (given blocks)
 and resumed after its pull (``kv_received``) on a second thread, the admitter, under the
@@ -94,6 +96,8 @@ class EngineLoop:
         # Held by the engine thread except while the model runs; the admitter takes it.
         self._lock = threading.Lock()
         self._admitter: ThreadPoolExecutor | None = None
+        # Called on the event loop when the engine thread dies (its owner stops serving).
+        self.on_error: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,7 +114,10 @@ class EngineLoop:
         for request_id in list(self._streams):
             self.abort(request_id)
         self._commands.put(self.engine.release_pins)
-        self._commands.put(None)
+        if self.lockstep:
+            self._commands.put(self._leave)
+        else:
+            self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
         self._thread = None
         if self._admitter is not None:
@@ -265,6 +272,8 @@ class EngineLoop:
                     self._load = self._snapshot()
                 self._deliver(step.outputs, step.awaiting_kv)
                 if self.lockstep:
+                    if not self.engine.runner.group_staying:
+                        return
                     if not step.group_ran_model:
                         time.sleep(self.lockstep_idle_s)
                 elif step.num_scheduled_tokens == 0 and not step.outputs:
@@ -277,6 +286,11 @@ class EngineLoop:
             logger.exception("engine thread stopped")
             self._error = exc
             self._fail_all(exc)
+            if self.on_error is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(self.on_error, exc)
+
+    def _leave(self) -> None:
+        self.engine.runner.staying = False
 
     def _wait_for_command(self) -> Callable[[], None] | None:
         """Nothing is runnable (requests wait for KV, or none): sleep until the next command,

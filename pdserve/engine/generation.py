@@ -159,7 +159,7 @@ def generate_share(engine: LLMEngine, command: GenerateCommand, ids: itertools.c
     outputs = generation.run_until_done(
         [command.prompts[i] for i in mine],
         [command.params[i] for i in mine],
-        lambda: parallel.max_over_group(int(bool(generation.running))) > 0,
+        lambda: parallel.max_over_group([int(bool(generation.running))])[0] > 0,
     )
     gathered = parallel.gather_to_driver(RankResults(mine, outputs), RankResults)
     if gathered is None:

@@ -46,6 +46,9 @@ class ModelRunner:
         self.parallel = parallel
         self.block_size = kv_cache.spec.block_size
         self.num_model_steps = 0  # steps this rank took part in: the same count on every rank
+        # Data-parallel ranks leave together: each says whether it stays, at every step.
+        self.staying = True
+        self.group_staying = True  # whether any rank stayed, as of the last step
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInputs:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
@@ -121,7 +124,7 @@ class ModelRunner:
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the requests that sample this step."""
         if self.parallel.dp_size > 1:
-            self.parallel.max_over_group(inputs.input_ids.shape[0])  # this rank has tokens: all step
+            self._agree(inputs.input_ids.shape[0])  # this rank has tokens: every rank steps
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         self._stepped()
@@ -130,11 +133,17 @@ class ModelRunner:
     def idle(self) -> bool:
         """A step with nothing scheduled here: with data-parallel ranks, step with them if any
         of them has tokens. Returns whether any rank ran the model."""
-        if self.parallel.dp_size > 1 and self.parallel.max_over_group(0) > 0:
+        if self.parallel.dp_size > 1 and self._agree(0):
             self.model.idle_forward()
             self._stepped()
             return True
         return False
+
+    def _agree(self, num_tokens: int) -> bool:
+        """Data-parallel ranks: whether any rank has tokens this step; notes whether any stays."""
+        busy, staying = self.parallel.max_over_group([num_tokens, int(self.staying)])
+        self.group_staying = bool(staying)
+        return busy > 0
 
     def _stepped(self) -> None:
         """Count a model step; every ``eplb_interval_steps`` of them, rebalance the experts."""

@@ -33,8 +33,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
     num_threads: torch CPU threads (None: torch's default).
     engine: how its engine runs the model.
-    parallel: how many ranks (processes) the worker spreads its model over: tensor
-        parallelism only; each rank moves its own KV heads over NIXL.
+    parallel: how many ranks (processes) the worker spreads its model over. Tensor
+        parallelism: one worker whose ranks each move their own KV heads over NIXL.
+        Data-parallel attention with expert parallelism: one worker per rank (its own
+        scheduler, KV cache and registry entry, ``{worker_id}-dp{rank}`` past rank 0), the
+        ranks sharing the experts and stepping together.
     cluster_tls: the cluster's certificate set: the gRPC server then serves mTLS only, to
         clients with a certificate from the cluster CA.
     admin_key: the key a ``Drain`` caller without a cluster certificate must send; with
@@ -73,11 +76,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.admin_key is not None and not self.admin_key:
             raise ValueError("admin_key must not be empty")
-        if self.parallel.world_size != self.parallel.tensor_parallel_size:
-            raise ValueError(
-                "a worker's ranks are tensor-parallel only: parallel.data_parallel_size must be 1, got "
-                f"{self.parallel.data_parallel_size}"
-            )
 
     @property
     def served_model_name(self) -> str:

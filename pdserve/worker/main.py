@@ -7,24 +7,24 @@ import logging
 
 import torch
 
-from pdserve.discovery.registry import Role
 from pdserve.distributed import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.decode import DecodeService
+from pdserve.worker.data_parallel import serve_data_parallel
 from pdserve.worker.group import WorkerGroup
-from pdserve.worker.prefill import PrefillService
+from pdserve.worker.roles import SERVICES
 from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
-SERVICES = {Role.PREFILL: PrefillService, Role.DECODE: DecodeService}
 
-
-async def serve(config: WorkerConfig) -> None:
-    """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit."""
+async def serve(config: WorkerConfig) -> int:
+    """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit. Returns the exit
+    status: 1 when the worker stopped because it could not serve (a rank or its engine died)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    if config.parallel.data_parallel_size > 1:
+        return await serve_data_parallel(config)
     # Several ranks: they start (and load their shares) beside this process's own load.
     group = await WorkerGroup.start(config, config.id) if config.parallel.world_size > 1 else None
     try:
@@ -42,3 +42,4 @@ async def serve(config: WorkerConfig) -> None:
     # One line a launcher (``pdserve up``) or an operator can wait for.
     print(f"pdserve {config.role} worker {runtime.worker_id} listening on {runtime.endpoint}", flush=True)
     await runtime.run()
+    return 0 if runtime.failure is None else 1

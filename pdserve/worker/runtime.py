@@ -90,8 +90,10 @@ class WorkerRuntime:
                                          tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)  # fmt: skip
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
         self.rank_peers: list[PeerInfo] = []  # ranks 1..N-1's agents, published with this one's
+        self.failure: str | None = None  # why the worker cannot serve any more, if it cannot
+        self.engine_loop.on_error = lambda exc: self.fail(f"its engine stopped: {exc}")
         if group is not None:
-            group.link.on_lost = self.request_stop  # a worker missing a rank cannot serve
+            group.link.on_lost = self.fail  # a worker missing a rank cannot serve
         self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
         cluster = config.cluster_tls
@@ -105,6 +107,7 @@ class WorkerRuntime:
         self.endpoint: str | None = None
         self._stop = asyncio.Event()
         self._stop_reason = ""
+        self.on_stop: Callable[[], None] | None = None  # called once as the drain begins
 
     async def start(self, make_servicer: Callable[[WorkerRuntime], WorkerServicer]) -> None:
         self.engine_loop.start()
@@ -178,6 +181,14 @@ class WorkerRuntime:
         logger.info("%s: scheduler limits now %d sequences, %d tokens a step%s", self.worker_id, seqs, tokens,
                     "" if knobs is not None else " (start-up settings)")  # fmt: skip
 
+    def fail(self, reason: str) -> None:
+        """The worker cannot serve (a rank or its engine is gone): leave the registry and exit
+        with a failure, so that its supervisor starts the whole group again."""
+        if self.failure is None:
+            self.failure = reason
+            logger.error("%s cannot serve: %s", self.worker_id, reason)
+        self.request_stop(reason)
+
     def request_stop(self, reason: str) -> None:
         """Begin the drain (idempotent); ``run`` then finishes the work and exits."""
         if not self._stop.is_set():
@@ -192,6 +203,8 @@ class WorkerRuntime:
         install_stack_dump(loop, self.worker_id)
         await self._stop.wait()
         logger.info("%s draining (%s)", self.worker_id, self._stop_reason)
+        if self.on_stop is not None:
+            self.on_stop()
         await self.drain()
         await self.close()
 
@@ -202,7 +215,7 @@ class WorkerRuntime:
         if self.registration is not None:
             await self.registration.refresh_now()
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.engine_loop.num_in_flight and time.monotonic() < deadline:
+        while self.engine_loop.num_in_flight and self.failure is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.engine_loop.num_in_flight:
             logger.warning(

@@ -67,8 +67,9 @@ def scrape(port: int | None) -> dict[str, float]:
     return values
 
 
-def rank_children(parents: list[int]) -> list[int]:
-    """The pids of the serving ranks (``pdserve.worker.rank_main``) started by ``parents``."""
+def rank_children(parents: list[int], module: str = "pdserve.worker.rank_main") -> list[int]:
+    """The pids of the serving ranks (tensor-parallel ones by default; ``module``:
+    ``pdserve.worker.data_parallel`` for data-parallel ones) started by ``parents``."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -80,7 +81,7 @@ def rank_children(parents: list[int]) -> list[int]:
                 parent = int(file.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"pdserve.worker.rank_main" in cmdline and parent in parents:
+        if module.encode() in cmdline and parent in parents:
             found.append(int(entry))
     return found
 

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from tests.e2e.deployment import UpProcess, rank_children
+from tests.utils.checkpoints import reference_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -145,5 +146,47 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
         while any(_alive(pid) for pid in pids + ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in pids + ranks), "a worker or one of its ranks outlived pdserve up"
+    finally:
+        up.close()
+
+
+def test_up_runs_data_parallel_expert_parallel_pools_and_stops_every_rank(checkpoints, tmp_path):
+    path, hf_model = checkpoints("deepseek_v3")
+    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
+                   "--threads-per-worker", "1", "--prefill-data-parallel-size", "2",
+                   "--decode-data-parallel-size", "2", "--enable-expert-parallel",
+                   env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    try:
+        up_line, port = up.wait_up()
+        pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
+        ranks = rank_children(pids, "pdserve.worker.data_parallel")
+        assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
+        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
+        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert sorted(w["role"] for w in json.loads(listed.stdout)) == ["decode", "decode", "prefill", "prefill"]
+        prompt = list(range(4, 40))
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
+             ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        reference, num_clear = reference_greedy(hf_model, prompt, 6)
+        assert num_clear >= 3 and out["token_ids"][:num_clear] == reference[:num_clear]
+        assert out["breakdown"]["disaggregated"] and out["breakdown"]["kv_transfer_bytes"] > 0
+        up.process.send_signal(signal.SIGINT)
+        try:
+            code = up.process.wait(90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"pdserve up did not stop within 90 s of Ctrl-C:\n{up.output}")
+        assert code == 0, up.output
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids + ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids + ranks), "a worker or one of its ranks outlived pdserve up"
+        assert "cannot serve" not in up.output, up.output  # the ranks left their lockstep together
     finally:
         up.close()

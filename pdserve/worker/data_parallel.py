@@ -1,0 +1,110 @@
+"""A worker of data-parallel attention ranks (DeepSeek-class models with expert parallelism).
+
+Each rank is a worker of its own: its engine (its own scheduler and KV cache), NIXL agent, gRPC
+server and registry entry — rank 0 under the worker's id, rank r as ``{worker_id}-dp{r}``.
+Routers choose among them as among any workers of the pool, which is what data-parallel
+attention is: each rank attends over its own requests. What makes them one group is the
+experts: every rank holds a share of each MoE layer's, and their engines step together
+(``EngineLoop``'s lockstep) so that each step's all-to-all has every rank.
+
+Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``)
+and they meet within the rendezvous deadline. A stop (SIGTERM, Drain) reaching rank 0 is passed
+on to the others, and the engines leave their lockstep together. A rank that dies fails its
+peers' next step: every rank then leaves the registry and exits with status 1, and the
+supervisor starts the group again (ranks also exit when rank 0 does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pdserve.distributed import ParallelState
+from pdserve.distributed.rank_group import child_start
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.rank_main import start_group
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.roles import SERVICES
+from pdserve.worker.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class DataParallelStart(msgspec.Struct, frozen=True):
+    """What rank 0 hands the other ranks: the group's configuration, its worker id fixed."""
+
+    config: WorkerConfig
+
+
+def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
+    """Rank ``rank``'s own worker configuration: its id, and ports of its own."""
+    if rank == 0:
+        return config
+    return msgspec.structs.replace(
+        config, worker_id=f"{config.id}-dp{rank}", port=0, metrics_port=None if config.metrics_port is None else 0
+    )
+
+
+async def serve_data_parallel(config: WorkerConfig) -> int:
+    """Rank 0: start the other ranks, serve as a worker beside them, stop them with it."""
+    config = msgspec.structs.replace(config, worker_id=config.id)  # one id for the group, this pid's
+    payload = msgspec.msgpack.encode(DataParallelStart(config))
+    # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
+    ranks = start_group(config.model, config.engine, config.parallel, entry_module=__name__, payload=payload)
+    assert ranks is not None and ranks.state is not None
+
+    def pass_on_stop() -> None:
+        for process in ranks.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    try:
+        return await serve_rank(config, ranks.state, announce=True, on_stop=pass_on_stop)
+    finally:
+        await asyncio.to_thread(ranks.close, config.drain_timeout_s + 10)
+
+
+async def serve_rank(
+    config: WorkerConfig, parallel: ParallelState, *, announce: bool, on_stop: Callable[[], None] | None = None
+) -> int:
+    """One rank's worker, until it stops; its exit status (1: it could not serve)."""
+    engine = LLMEngine(config.model, config.engine, parallel=parallel)
+    runtime = WorkerRuntime(config, engine)
+    try:
+        await runtime.start(SERVICES[config.role])
+    except BaseException:
+        await runtime.close()
+        raise
+    if announce:  # one line a launcher (``pdserve up``) or an operator can wait for
+        print(f"pdserve {config.role} worker {runtime.worker_id} listening on {runtime.endpoint}", flush=True)
+    if on_stop is not None:
+        runtime.on_stop = on_stop
+    await runtime.run()
+    return 0 if runtime.failure is None else 1
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start, parallel = child_start()
+    config = rank_config(msgspec.msgpack.decode(start.payload, type=DataParallelStart).config, parallel.rank)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    try:
+        return asyncio.run(serve_rank(config, parallel, announce=False))
+    except Exception:
+        logger.exception("%s failed", config.id)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
