@@ -128,12 +128,16 @@ async def _observe(kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch
                          f"to run it"))  # fmt: skip
     for role in ("prefill", "decode"):
         pool = getattr(spec, role)
-        if pool.ranks > 1 or pool.enable_expert_parallel:  # options the workers do not take yet
+        if pool.multi_node:
+            problems.append(("MultiNodeGroupUnsupported",
+                             f"spec.{role}: a group of {pool.ranks} ranks spans nodes ({pool.gpus_per_node} GPUs "
+                             f"each), but a worker's ranks run as processes of its one pod; use at most "
+                             f"{pool.gpus_per_node} ranks a group"))  # fmt: skip
+        elif pool.tensor_parallel_size > 1 and pool.data_parallel_size > 1:
             problems.append(("MultiRankUnsupported",
                              f"spec.{role}: tensorParallelSize {pool.tensor_parallel_size} x dataParallelSize "
-                             f"{pool.data_parallel_size}, enableExpertParallel {pool.enable_expert_parallel}: this "
-                             f"pdserve's workers run one rank each, so these pods cannot start; use one rank and no "
-                             f"expert parallelism until multi-rank workers are released"))  # fmt: skip
+                             f"{pool.data_parallel_size}: tensor parallelism inside data-parallel ranks is not "
+                             f"supported yet, so these pods cannot start; use one or the other"))  # fmt: skip
     return Observed(generation=generation, desired=wanted, ready=ready, updated=updated, stale=stale,
                     problems=problems)  # fmt: skip
 

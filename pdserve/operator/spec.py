@@ -177,6 +177,9 @@ def check_spec(spec: DeploymentSpec) -> None:
                 raise SpecError(f"spec.{role}.{_camel(name)} must be >= 1, got {getattr(pool, name)}")
         if pool.replicas < 0:
             raise SpecError(f"spec.{role}.replicas must be >= 0, got {pool.replicas}")
+        if pool.data_parallel_size > 1 and not pool.enable_expert_parallel:
+            raise SpecError(f"spec.{role}.dataParallelSize {pool.data_parallel_size} is data-parallel attention for "
+                            "MoE models: it needs enableExpertParallel: true")  # fmt: skip
         _check_options(pool.engine_args, f"spec.{role}.engineArgs")
     _check_options(spec.frontend.args, "spec.frontend.args")
     slo = spec.slo
