@@ -73,3 +73,31 @@ def test_greedy_tokens_equal_the_offline_engine_with_kv_moved(groups):
     assert b.kv_transfer_bytes == -(-len(fresh) // decode.block_size) * whole_block
     deployment.wait_registered(_idle, 15, "every block free again on both groups")
     deployment.wait_whole(15)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_mla_groups_move_the_whole_latent_to_every_decode_rank(checkpoints, etcd_url, prefill_tp, decode_tp):
+    """DeepSeek's MLA latent is the same on every rank: each decode rank reads whole blocks from
+    one prefill rank, and every prefill rank frees its pin."""
+    path = checkpoints("deepseek_v2_lite")[0]
+    deployment = Deployment(
+        str(path), etcd_url, prefill=1, decode=1, model_name=f"tp-mla-{prefill_tp}-{decode_tp}",
+        disaggregation="always",
+        prefill_fields={"parallel": ParallelConfig(tensor_parallel_size=prefill_tp)},
+        decode_fields={"parallel": ParallelConfig(tensor_parallel_size=decode_tp)},
+    )  # fmt: skip
+    try:
+        prompt = list(range(200, 260))
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = LLM(str(path)).generate([prompt], params)[0]
+        result = deployment.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        assert result["token_ids"] == want.token_ids
+        decode = next(w for w in deployment.registered() if w.role == "decode")
+        per_rank = -(-len(prompt) // decode.block_size) * decode_group(decode.nixl)[0].layout.bytes_per_block
+        assert result["final"].breakdown.kv_transfer_bytes == decode_tp * per_rank
+        deployment.wait_registered(
+            lambda ws: len(ws) == 2 and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
+            15, "every block free again on both groups",
+        )  # fmt: skip
+    finally:
+        deployment.close()
