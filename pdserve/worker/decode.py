@@ -111,6 +111,11 @@ class DecodeService(WorkerServicer):
                 yield worker_pb2.DecodeResponse(started=started)
             num_resumed = len(request.generated_token_ids)
             async for output in stream.outputs():
+                if output.finished and output.finish_reason == "abort" and engine_loop.error is not None:
+                    # Not the request's end: its worker failed (a rank died). UNAVAILABLE has the
+                    # frontend move the stream to another decode worker.
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode of {request_id} on "
+                                        f"{self.runtime.worker_id} stopped: {engine_loop.error}")  # fmt: skip
                 if resumed_at is not None:
                     self.runtime.metrics.resume_seconds.observe(time.monotonic() - resumed_at)
                     resumed_at = None

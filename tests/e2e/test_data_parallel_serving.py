@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from pdserve.distributed import ParallelConfig
+from pdserve.launch.supervisor import RestartPolicy
+from pdserve.v1 import inference_pb2
 from tests.e2e.deployment import Deployment, rank_children
 from tests.utils.checkpoints import VOCAB, reference_greedy
 
@@ -80,6 +83,57 @@ def test_a_dead_rank_takes_its_whole_group_down(checkpoints, etcd_url):
         deployment.wait_registered(
             lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws), 10,
             "the prefill ranks whole",
+        )  # fmt: skip
+    finally:
+        deployment.close()
+
+
+def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoints, etcd_url):
+    path, hf_model = checkpoints("deepseek_v3")
+    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-restart",
+                            disaggregation="always", decode_fields=DP2_EP,
+                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    try:
+        worker = deployment.worker("decode")
+        (rank,) = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
+        generator = torch.Generator().manual_seed(12)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (14, 22, 31, 9)]
+        mid_stream = threading.Barrier(len(prompts) + 1)
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            request = inference_pb2.GenerateRequest(
+                model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+                sampling=inference_pb2.SamplingOptions(max_tokens=40, temperature=0, ignore_eos=True),
+            )  # fmt: skip
+            tokens, final = [], None
+            for n, response in enumerate(deployment.stub.Generate(request, timeout=120)):
+                tokens += response.token_ids
+                if n == 2:
+                    mid_stream.wait(60)
+                if response.HasField("final"):
+                    final = response.final
+            results[i] = (tokens, final)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        mid_stream.wait(90)
+        os.kill(rank, signal.SIGKILL)  # the whole decode group goes; its supervisor starts it again
+        for t in threads:
+            t.join(130)
+        for prompt, result in zip(prompts, results):
+            assert result is not None, "a stream did not end by its deadline"
+            tokens, final = result
+            reference, num_clear = reference_greedy(hf_model, prompt, 40)
+            assert tokens[:num_clear] == reference[:num_clear]
+            # Every stream was on the group that died; one may first have moved to the dying
+            # group's other rank (still registered for a moment) and then on again.
+            assert 1 <= final.breakdown.migrations <= 2
+        deployment.wait_registered(
+            lambda ws: sorted(w.role for w in ws) == ["decode", "decode", "prefill"]
+            and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
+            30, "the decode group back, both ranks, and no block held anywhere",
         )  # fmt: skip
     finally:
         deployment.close()
