@@ -89,6 +89,13 @@ class LLM:
             self._group.close()
             self._group = None
 
+    def rebalance_experts(self) -> None:
+        """Re-place the experts of every expert-parallel MoE layer by the load counted so far,
+        after the next model step (every rank of the group at the same step)."""
+        if self.engine.parallel.ep_size == 1:
+            raise ValueError("rebalance_experts needs enable_expert_parallel and more than one rank")
+        self.engine.runner.rebalance_requested = True
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

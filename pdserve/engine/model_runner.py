@@ -31,6 +31,7 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [R] index of the last token of each request that samples
     sampling_requests: list[Request]  # the R requests, in row order
+    rebalance: bool = False  # re-place the experts after this step
 
 
 class ModelRunner:
@@ -49,6 +50,7 @@ class ModelRunner:
         # Data-parallel ranks leave together: each says whether it stays, at every step.
         self.staying = True
         self.group_staying = True  # whether any rank stayed, as of the last step
+        self.rebalance_requested = False  # rank 0: re-place the experts after the next step
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInputs:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
@@ -91,7 +93,7 @@ class ModelRunner:
             input_ids=input_ids.tobytes(), positions=positions.tobytes(), slot_mapping=slots.tobytes(),
             block_tables=block_tables.tobytes(), table_width=block_tables.shape[1], seq_lens=seq_lens,
             query_lens=query_lens, num_decodes=num_decodes,
-            sample_rows=np.asarray(sample_rows, dtype=np.int64).tobytes(),
+            sample_rows=np.asarray(sample_rows, dtype=np.int64).tobytes(), rebalance=self.rebalance_requested,
         )  # fmt: skip
         return plan, sampling
 
@@ -116,6 +118,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=to(array(plan.sample_rows, np.int64)),
             sampling_requests=[],
+            rebalance=plan.rebalance,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -123,34 +126,42 @@ class ModelRunner:
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [R, vocab] (float32) for the requests that sample this step."""
+        rebalance = inputs.rebalance
         if self.parallel.dp_size > 1:
-            self._agree(inputs.input_ids.shape[0])  # this rank has tokens: every rank steps
+            rebalance = self._agree(inputs.input_ids.shape[0])[1]  # this rank has tokens: every rank steps
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        self._stepped()
+        self._stepped(rebalance)
         return logits
 
     def idle(self) -> bool:
         """A step with nothing scheduled here: with data-parallel ranks, step with them if any
         of them has tokens. Returns whether any rank ran the model."""
-        if self.parallel.dp_size > 1 and self._agree(0):
-            self.model.idle_forward()
-            self._stepped()
-            return True
+        if self.parallel.dp_size > 1:
+            busy, rebalance = self._agree(0)
+            if busy:
+                self.model.idle_forward()
+                self._stepped(rebalance)
+                return True
         return False
 
-    def _agree(self, num_tokens: int) -> bool:
-        """Data-parallel ranks: whether any rank has tokens this step; notes whether any stays."""
-        busy, staying = self.parallel.max_over_group([num_tokens, int(self.staying)])
+    def _agree(self, num_tokens: int) -> tuple[bool, bool]:
+        """Data-parallel ranks: whether any rank has tokens this step, and whether any asked for
+        a rebalance; notes whether any stays."""
+        busy, staying, rebalance = self.parallel.max_over_group(
+            [num_tokens, int(self.staying), int(self.rebalance_requested)]
+        )
         self.group_staying = bool(staying)
-        return busy > 0
+        return busy > 0, bool(rebalance)
 
-    def _stepped(self) -> None:
-        """Count a model step; every ``eplb_interval_steps`` of them, rebalance the experts."""
+    def _stepped(self, rebalance_now: bool) -> None:
+        """Count a model step; after it, rebalance the experts when asked to (on any rank) or
+        every ``eplb_interval_steps`` steps."""
         self.num_model_steps += 1
         interval = self.parallel.config.eplb_interval_steps
-        if interval and self.num_model_steps % interval == 0:
+        if rebalance_now or (interval and self.num_model_steps % interval == 0):
             rebalance(self.model, self.parallel)
+            self.rebalance_requested = False
 
     def follow(self) -> None:
         """Tensor-parallel ranks but 0: run every step rank 0 plans, until it says stop."""

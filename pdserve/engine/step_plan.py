@@ -20,6 +20,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     query_lens: list[int] = []
     num_decodes: int = 0
     sample_rows: bytes = b""  # int64 [R]
+    rebalance: bool = False  # re-place the experts after this step (load balancing on demand)
     stop: bool = False  # the group is shutting down: no more steps
 
 

@@ -157,3 +157,25 @@ def test_placement_gives_hot_experts_replicas_on_other_ranks():
 def test_placement_refuses_slots_that_do_not_divide():
     with pytest.raises(ValueError, match="must divide by the 2 expert-parallel ranks"):
         ExpertPlacement.balanced(8, 2, num_redundant=1)
+
+
+@pytest.mark.parametrize(
+    "arch,parallel",
+    [
+        ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
+        ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ],
+)
+def test_load_balancing_on_demand(checkpoints, arch, parallel):
+    path, hf_model = checkpoints(arch)
+    prompts = _prompts(8, [12, 30, 7, 21])
+    with LLM(str(path), num_redundant_experts=2, **parallel) as llm:
+        before = _moe_placements(llm)
+        _assert_matches_reference(hf_model, prompts, llm.generate(prompts, GREEDY))
+        assert _moe_placements(llm) == before  # no period: nothing moves unasked
+        llm.rebalance_experts()
+        outputs = llm.generate(prompts, GREEDY)  # its first step re-places them
+        assert _moe_placements(llm) != before
+        _assert_matches_reference(hf_model, prompts, outputs)
+    with pytest.raises(ValueError, match="needs enable_expert_parallel"):
+        LLM(str(path)).rebalance_experts()
