@@ -43,6 +43,7 @@ def _moe_placements(llm: LLM) -> list[tuple[int, ...]]:
 GROUPS = [
     ("llama", dict(tensor_parallel_size=2)),
     ("qwen2", dict(tensor_parallel_size=2)),  # biases on q, k, v: column-parallel biases
+    ("qwen3", dict(tensor_parallel_size=2)),  # per-head q/k norms on each rank's heads
     ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("qwen3_moe", dict(tensor_parallel_size=2)),  # experts split by intermediate size
     ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
