@@ -74,6 +74,7 @@ class RankGroup:
             process.stdin.close()
             self.processes.append(process)
         try:
+            self._wait_for_children(store, time.monotonic() + config.rendezvous_timeout_s)
             self.state = join_group(0, config, store, self.device)
         except Exception as error:
             self.close()
@@ -82,6 +83,19 @@ class RankGroup:
                 f"{error}; ranks exited: {self.exit_codes()}"
             ) from error
         return self.state
+
+    def _wait_for_children(self, store: dist.Store, deadline: float) -> None:
+        """Until every child has reached the store; a child that exits first fails the start
+        at once (rather than at the deadline, inside the process-group set-up)."""
+        pending = set(range(1, self.config.world_size))
+        while pending:
+            pending = {rank for rank in pending if not store.check([_joined_key(rank)])}
+            dead = self.dead_ranks()
+            if dead:
+                raise RankFailed(f"ranks {dead} exited before the group formed")
+            if pending and time.monotonic() > deadline:
+                raise RankFailed(f"ranks {sorted(pending)} did not reach the rendezvous")
+            time.sleep(0.02)
 
     def exit_codes(self) -> dict[int, int | None]:
         """Each child rank's exit code (None: still running)."""
@@ -145,7 +159,12 @@ def child_start() -> tuple[RankStart, ParallelState]:
     _exit_with_parent()
     timeout = timedelta(seconds=start.config.rendezvous_timeout_s)
     store = dist.TCPStore(start.store_host, start.store_port, start.config.world_size, is_master=False, timeout=timeout)
+    store.set(_joined_key(start.rank), b"1")
     return start, join_group(start.rank, start.config, store, start.device)
+
+
+def _joined_key(rank: int) -> str:
+    return f"pdserve/joined/{rank}"
 
 
 def _exit_with_parent() -> None:

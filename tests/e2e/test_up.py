@@ -107,6 +107,31 @@ def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     assert "Traceback" not in up.stderr.split("pdserve up: error:")[-1]
 
 
+def _generate(port: int, prompt: list[int]) -> dict:
+    """``pdserve generate --json``'s answer for 6 greedy tokens of ``prompt``."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
+         ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _stop_and_check_every_rank_exits(up: UpProcess, pids: list[int]) -> None:
+    """Ctrl-C stops ``pdserve up`` cleanly, and every worker and rank in ``pids`` with it."""
+    up.process.send_signal(signal.SIGINT)
+    try:
+        code = up.process.wait(90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pdserve up did not stop within 90 s of Ctrl-C:\n{up.output}")
+    assert code == 0, up.output
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a worker or one of its ranks outlived pdserve up"
+
+
 def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_path):
     from pdserve import LLM, SamplingParams
 
@@ -126,26 +151,11 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
         sizes = sorted((w["role"], w["tensor_parallel_size"]) for w in json.loads(listed.stdout))
         assert sizes == [("decode", 2), ("prefill", 2)]
         prompt = list(range(4, 40))
-        result = subprocess.run(
-            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
-             ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        out = json.loads(result.stdout)
+        out = _generate(port, prompt)
         want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
         assert out["token_ids"] == want.token_ids
         assert out["breakdown"]["disaggregated"] and out["breakdown"]["kv_transfer_bytes"] > 0
-        up.process.send_signal(signal.SIGINT)
-        try:
-            code = up.process.wait(90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"pdserve up did not stop within 90 s of Ctrl-C:\n{up.output}")
-        assert code == 0, up.output
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids + ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids + ranks), "a worker or one of its ranks outlived pdserve up"
+        _stop_and_check_every_rank_exits(up, pids + ranks)
     finally:
         up.close()
 
@@ -167,26 +177,11 @@ def test_up_runs_data_parallel_expert_parallel_pools_and_stops_every_rank(checkp
         assert listed.returncode == 0, listed.stderr
         assert sorted(w["role"] for w in json.loads(listed.stdout)) == ["decode", "decode", "prefill", "prefill"]
         prompt = list(range(4, 40))
-        result = subprocess.run(
-            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
-             ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        out = json.loads(result.stdout)
+        out = _generate(port, prompt)
         reference, num_clear = reference_greedy(hf_model, prompt, 6)
         assert num_clear >= 3 and out["token_ids"][:num_clear] == reference[:num_clear]
         assert out["breakdown"]["disaggregated"] and out["breakdown"]["kv_transfer_bytes"] > 0
-        up.process.send_signal(signal.SIGINT)
-        try:
-            code = up.process.wait(90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"pdserve up did not stop within 90 s of Ctrl-C:\n{up.output}")
-        assert code == 0, up.output
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids + ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids + ranks), "a worker or one of its ranks outlived pdserve up"
+        _stop_and_check_every_rank_exits(up, pids + ranks)
         assert "cannot serve" not in up.output, up.output  # the ranks left their lockstep together
     finally:
         up.close()

@@ -16,23 +16,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.distributed import RankFailed
 from pdserve.engine.models.expert_placement import ExpertPlacement
 from pdserve.engine.models.moe import MoE
-from tests.utils.checkpoints import VOCAB, reference_greedy
+from tests.engine.test_models import _assert_matches_reference, _prompts
+from tests.utils.checkpoints import VOCAB
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
-
-
-def _assert_matches_reference(hf_model, prompts, outputs, max_tokens: int = 10) -> None:
-    compared = 0
-    for prompt, output in zip(prompts, outputs):
-        reference, num_clear = reference_greedy(hf_model, prompt, max_tokens)
-        assert output.token_ids[:num_clear] == reference[:num_clear], f"prompt of {len(prompt)} tokens"
-        compared += num_clear
-    assert compared >= len(prompts) * max_tokens // 2, "too many near-ties: the comparison proves little"
 
 
 def _moe_placements(llm: LLM) -> list[tuple[int, ...]]:
