@@ -41,6 +41,10 @@ from pdserve.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread has died (a rank of its group is gone, say): it takes no request."""
+
+
 @dataclass(frozen=True)
 class KVAwaited:
     """Decode role: the request has blocks; its prompt's KV must now be written into them."""
@@ -152,13 +156,13 @@ class EngineLoop:
     ) -> RequestStream:
         """Queue a request; raises ValueError (from the engine) for one it cannot serve.
 
-        A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes; ``generated_token_ids``
+        Raises EngineStopped once the engine thread has died. A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes; ``generated_token_ids``
         resume a request begun elsewhere (both: ``LLMEngine.add_request``). A CONSUMER is given
         blocks at once when a seat and blocks are free, even while a step runs
         (``LLMEngine.admit_consumer``): its stream then starts with the ``KVAwaited``.
         """
         if self._error is not None:
-            raise RuntimeError(f"the engine stopped: {self._error!r}")
+            raise EngineStopped(f"the engine stopped: {self._error}")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         engine = self.engine

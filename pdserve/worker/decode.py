@@ -28,7 +28,7 @@ from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.engine import RequestOutput
-from pdserve.engine.engine_loop import KVAwaited, RequestStream
+from pdserve.engine.engine_loop import EngineStopped, KVAwaited, RequestStream
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats, decode_group
 from pdserve.rpc.logprobs import tokens_logprobs
@@ -97,6 +97,8 @@ class DecodeService(WorkerServicer):
             )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStopped as exc:  # its worker is failing: another decode worker may take it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.runtime.worker_id}: {exc}")
         done = False
         stats: TransferStats | None = None
         resumed_at: float | None = None  # the KV landed: the resume's wait for a step begins

@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from pdserve.engine.engine_loop import EngineStopped
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import SentReporter
 from pdserve.rpc.logprobs import token_logprobs
@@ -58,6 +59,8 @@ class PrefillService(WorkerServicer):
             )  # fmt: skip
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStopped as exc:  # its worker is failing: another prefill worker may take it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.runtime.worker_id}: {exc}")
         try:
             final = None
             async for output in stream.outputs():

@@ -187,6 +187,7 @@ class WorkerRuntime:
         if self.failure is None:
             self.failure = reason
             logger.error("%s cannot serve: %s", self.worker_id, reason)
+        self.draining = True  # new calls are refused as DRAINING from now on, before the drain starts
         self.request_stop(reason)
 
     def request_stop(self, reason: str) -> None:
