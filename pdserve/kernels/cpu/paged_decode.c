@@ -108,6 +108,142 @@ static int attend_one(const float *q, const float *k_base, const float *v_base, 
     return 0;
 }
 
+/* The fast path for the common head sizes (64 and 128, keys and values alike) and blocks of a
+ * multiple of 16 tokens: sixteen tokens at a time, as whole 16-float vectors. The generic loop
+ * above spends most of its time on one horizontal sum per (token, query head) dot product and
+ * on loops whose length the compiler cannot see; here the dimensions are constants, a token's
+ * 16-lane partial sums fold into one vector of 16 scores in a tree of shuffles (four levels
+ * for sixteen tokens), and each query head's accumulator stays in registers while it takes a
+ * block's values. GCC's vector extensions keep this portable: a machine without 512-bit
+ * vectors runs each v16 operation as two or four narrower ones. */
+typedef float v16 __attribute__((vector_size(64), aligned(4), __may_alias__));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+/* The fold of two vectors whose lanes hold segments of partial sums: each half of a segment
+ * is added to its other half, x's segments and y's interleaved. Four levels turn a[t]
+ * (token t's partial sums in all 16 lanes) into one vector whose lane t is token t's sum,
+ * when level k pairs the vectors i and i + 8 / 2^k. */
+static inline v16 fold_level(v16 x, v16 y, const i16 lo, const i16 hi) {
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+static inline v16 sum_lanes_of_16(v16 a[16]) {
+    static const i16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    static const i16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    static const i16 lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    static const i16 hi2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    static const i16 lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    static const i16 hi3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    static const i16 lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    static const i16 hi4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    v16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) b[i] = fold_level(a[i], a[i + 8], lo1, hi1);
+    for (int i = 0; i < 4; i++) c[i] = fold_level(b[i], b[i + 4], lo2, hi2);
+    for (int i = 0; i < 2; i++) d[i] = fold_level(c[i], c[i + 2], lo3, hi3);
+    return fold_level(d[0], d[1], lo4, hi4);
+}
+
+/* attend_one's contract, with K_DIM and V_DIM constants (multiples of 16) and a block size of
+ * a multiple of 16. `scratch` holds group * (2 + v_dim) floats. */
+static inline __attribute__((always_inline)) int attend_one_16(
+    const float *q, const float *k_base, const float *v_base, const int32_t *table, int64_t seq_len,
+    int64_t num_blocks, int64_t block_stride, int64_t token_stride, int64_t block_size, int64_t group,
+    float scale, float *scratch, float *out, const int64_t K_DIM, const int64_t V_DIM) {
+    enum { W = 16 };
+    const int64_t kc = K_DIM / W, vc = V_DIM / W;
+    float *run_max = scratch, *run_sum = scratch + group;
+    v16 *acc = (v16 *)(scratch + 2 * group); /* [group][vc] */
+    for (int64_t g = 0; g < group; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (int64_t c = 0; c < vc; c++) acc[g * vc + c] = (v16){0};
+    }
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 minus_inf = (v16){0} - INFINITY;
+    for (int64_t start = 0; start < seq_len; start += W) {
+        const int64_t in_block = start % block_size;
+        const int64_t block = table[start / block_size];
+        if (block < 0 || block >= num_blocks) return -2;
+        const int64_t n = seq_len - start < W ? seq_len - start : W;
+        const float *keys = k_base + block * block_stride + in_block * token_stride;
+        const float *values = v_base + block * block_stride + in_block * token_stride;
+        if (start + W < seq_len) { /* the next 16 rows are likely in another block, far away */
+            const int64_t next = table[(start + W) / block_size];
+            const int64_t offset = next * block_stride + ((start + W) % block_size) * token_stride;
+            if (next >= 0 && next < num_blocks)
+                for (int64_t t = 0; t < W; t++)
+                    for (int64_t i = 0; i < K_DIM; i += W) {
+                        __builtin_prefetch(k_base + offset + t * token_stride + i);
+                        __builtin_prefetch(v_base + offset + t * token_stride + i);
+                    }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const v16 *qg = (const v16 *)(q + g * K_DIM);
+            v16 a[W];
+            for (int64_t t = 0; t < W; t++) {
+                v16 sum = {0};
+                if (t < n) { /* rows past the context may hold anything, NaN included */
+                    const v16 *k = (const v16 *)(keys + t * token_stride);
+                    for (int64_t c = 0; c < kc; c++) sum += qg[c] * k[c];
+                }
+                a[t] = sum;
+            }
+            v16 s = sum_lanes_of_16(a) * scale;
+            const i16 live = lane < (int32_t)n;
+            s = (v16)(((i16)s & live) | ((i16)minus_inf & ~live));
+            float p[W];
+            __builtin_memcpy(p, &s, sizeof p);
+            float block_max = -INFINITY;
+            for (int t = 0; t < W; t++) block_max = p[t] > block_max ? p[t] : block_max;
+            const float new_max = block_max > run_max[g] ? block_max : run_max[g];
+            const float rescale = exp_nonpositive(run_max[g] - new_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < W; t++) {
+                p[t] = exp_nonpositive(p[t] - new_max);
+                sum += p[t];
+            }
+            v16 out_acc[V_DIM / W];
+            for (int64_t c = 0; c < vc; c++) out_acc[c] = acc[g * vc + c] * rescale;
+            for (int64_t t = 0; t < n; t++) {
+                const v16 *v = (const v16 *)(values + t * token_stride);
+                for (int64_t c = 0; c < vc; c++) out_acc[c] += p[t] * v[c];
+            }
+            for (int64_t c = 0; c < vc; c++) acc[g * vc + c] = out_acc[c];
+            run_sum[g] = run_sum[g] * rescale + sum;
+            run_max[g] = new_max;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / run_sum[g];
+        v16 *o = (v16 *)(out + g * V_DIM);
+        for (int64_t c = 0; c < vc; c++) o[c] = acc[g * vc + c] * inv;
+    }
+    return 0;
+}
+
+typedef int (*attend_fn)(const float *, const float *, const float *, const int32_t *, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float *, float *);
+
+#define FIXED_ATTEND(D)                                                                                    \
+    static int attend_##D(const float *q, const float *k_base, const float *v_base, const int32_t *table,  \
+                          int64_t seq_len, int64_t num_blocks, int64_t block_stride, int64_t token_stride, \
+                          int64_t block_size, int64_t group, int64_t k_dim, int64_t v_dim, float scale,    \
+                          float *scratch, float *out) {                                                    \
+        (void)k_dim, (void)v_dim;                                                                          \
+        return attend_one_16(q, k_base, v_base, table, seq_len, num_blocks, block_stride, token_stride,    \
+                             block_size, group, scale, scratch, out, D, D);                                \
+    }
+FIXED_ATTEND(64)
+FIXED_ATTEND(128)
+
+/* The fast path where one fits the shape, else the generic loop. */
+static attend_fn choose_attend(int64_t k_dim, int64_t v_dim, int64_t block_size) {
+    if (block_size % 16 == 0 && k_dim == v_dim && k_dim == 64) return attend_64;
+    if (block_size % 16 == 0 && k_dim == v_dim && k_dim == 128) return attend_128;
+    return attend_one;
+}
+
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a block table entry is
  * outside [0, num_blocks). On an error `out` is incomplete. */
 int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
@@ -117,6 +253,7 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
                          int64_t k_dim, int64_t v_dim, float scale, float *out, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = num_seqs * num_kv_heads;
+    const attend_fn attend = choose_attend(k_dim, v_dim, block_size);
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -130,7 +267,7 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
             if (scratch == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const int64_t first_head = seq * num_heads + kv_head * group;
-            const int rc = attend_one(q + first_head * k_dim, k_cache + kv_head * head_stride,
+            const int rc = attend(q + first_head * k_dim, k_cache + kv_head * head_stride,
                                       v_cache + kv_head * head_stride, block_tables + seq * table_stride,
                                       seq_lens[seq], num_blocks, block_stride, token_stride, block_size, group,
                                       k_dim, v_dim, scale, scratch, out + first_head * v_dim);

@@ -17,7 +17,7 @@ def _gqa(meta, q, cache, scale):
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(8, 4, 64, 16), (4, 4, 32, 16), (8, 1, 128, 8), (6, 2, 16, 1), (2, 2, 8, 32)],
+    [(8, 4, 64, 16), (9, 3, 64, 32), (4, 2, 128, 16), (4, 4, 32, 16), (8, 1, 128, 8), (6, 2, 16, 1), (2, 2, 8, 32)],
 )
 def test_gqa_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
     # Contexts of one token, one token short of, on and past a block boundary, and a long one.
@@ -40,20 +40,39 @@ def test_mla_reads_latents_as_keys_and_their_head_as_values():
     assert_close(out, decode_attention(q, cache, meta, 0.1, mla_gather(64)))
 
 
-def test_large_scores_do_not_overflow():
+# Head sizes 64 and 128 take the 16-token vector path; 8 the generic loop.
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_large_scores_do_not_overflow(head_dim):
     # Scores in the thousands: only a max-subtracted softmax stays finite.
     meta = make_metadata([40], [1], 16, num_blocks=4)
-    cache = gqa_cache(4, 1, 16, 8, torch.float32) * 30
-    q = torch.randn(1, 1, 8) * 30
+    cache = gqa_cache(4, 1, 16, head_dim, torch.float32) * 30
+    q = torch.randn(1, 1, head_dim) * 30
     assert_close(_gqa(meta, q, cache, 1.0), decode_attention(q, cache, meta, 1.0, gather_gqa))
 
 
-def test_a_block_id_outside_the_cache_is_an_error_not_a_read():
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_rows_past_the_context_are_never_read(head_dim):
+    # A block's unwritten rows may hold anything: NaN there must not reach the output.
+    meta = make_metadata([21, 5], [1, 1], 16, num_blocks=8)
+    cache = gqa_cache(8, 2, 16, head_dim, torch.float32)
+    poisoned = cache.clone()
+    for seq, seq_len in enumerate((21, 5)):
+        last = meta.block_tables[seq, (seq_len - 1) // 16]
+        cache[last, :, :, seq_len % 16 :] = 0.0
+        poisoned[last, :, :, seq_len % 16 :] = float("nan")
+    q = torch.randn(2, 4, head_dim)
+    out = _gqa(meta, q, poisoned, 0.2)
+    assert not out.isnan().any()
+    assert_close(out, decode_attention(q, cache, meta, 0.2, gather_gqa))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_a_block_id_outside_the_cache_is_an_error_not_a_read(head_dim):
     meta = make_metadata([20], [1], 16, num_blocks=4)
     meta.block_tables[0, 1] = 4
-    cache = gqa_cache(4, 2, 16, 8, torch.float32)
+    cache = gqa_cache(4, 2, 16, head_dim, torch.float32)
     with pytest.raises(RuntimeError, match="block table entry is outside the cache"):
-        _gqa(meta, torch.randn(1, 2, 8), cache, 1.0)
+        _gqa(meta, torch.randn(1, 2, head_dim), cache, 1.0)
 
 
 def test_bad_inputs_name_the_problem():
