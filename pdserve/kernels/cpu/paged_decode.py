@@ -34,6 +34,12 @@ def _kernel() -> ctypes._CFuncPtr:
     return function
 
 
+def has_vector_path(k_dim: int, v_dim: int, block_size: int) -> bool:
+    """Whether the kernel's 16-token vector path serves this shape (``choose_attend`` in the C
+    file): several times faster than its generic loop, fast enough to take prompts too."""
+    return k_dim == v_dim and k_dim in (64, 128) and block_size % 16 == 0
+
+
 def load() -> None:
     """Build (or find the cached build of) the kernel now; raises ``CpuKernelsUnavailable``."""
     _kernel()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu import paged_decode
+from pdserve.kernels.cpu import paged_decode, query_rows
 from pdserve.kernels.cpu.build import CpuKernelsUnavailable, load_library
 from pdserve.kernels.cpu.cpu_backend import CpuBackend
 from pdserve.kernels.select import select_backend
@@ -26,6 +26,28 @@ def test_gqa_step_matches_reference():
     q = torch.randn(sum(QUERY_LENS), 8, 64)
     cache = gqa_cache(16, 2, 16, 64, torch.float32)
     assert_close(CpuBackend().paged_attention(q, cache, meta, 0.125), TorchBackend().paged_attention(q, cache, meta, 0.125))
+
+
+@pytest.mark.parametrize("short_context", [32, 2048])
+def test_gqa_step_with_long_prompts_matches_reference(monkeypatch, short_context):
+    # Contexts past the limit go to SDPA, the others to the C kernel one query per token;
+    # the step's rows are planned once, so the same backend runs two different steps.
+    monkeypatch.setattr(query_rows, "SHORT_CONTEXT_TOKENS", short_context)
+    backend, reference = CpuBackend(), TorchBackend()
+    for seq_lens, query_lens in ((SEQ_LENS, QUERY_LENS), ([70, 9, 33], [70, 9, 1])):
+        meta = make_metadata(seq_lens, query_lens, block_size=16, num_blocks=16)
+        q = torch.randn(sum(query_lens), 6, 128)
+        cache = gqa_cache(16, 3, 16, 128, torch.float32)
+        for _ in range(2):  # a second layer of the same step reuses the plan
+            expected = reference.paged_attention(q, cache, meta, 0.09)
+            assert_close(backend.paged_attention(q, cache, meta, 0.09), expected, f"{seq_lens} {query_lens}")
+
+
+def test_a_head_size_without_the_vector_path_matches_reference():
+    meta = make_metadata(SEQ_LENS, QUERY_LENS, block_size=16, num_blocks=16)
+    q = torch.randn(sum(QUERY_LENS), 4, 32)
+    cache = gqa_cache(16, 2, 16, 32, torch.float32)
+    assert_close(CpuBackend().paged_attention(q, cache, meta, 0.2), TorchBackend().paged_attention(q, cache, meta, 0.2))
 
 
 def test_mla_step_matches_reference():
