@@ -37,28 +37,20 @@ def attend_cached(
         parts.append(decode(q[:nd]))
     start = nd
     for i in range(nd, meta.num_seqs):
-        qlen = meta.query_lens_list[i]
-        parts.append(attend_sequence(q[start : start + qlen], layer_cache, meta, i, scale, gather_kv))
+        qlen, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+        blocks = gather_kv(layer_cache, meta.block_tables[i, : -(-seq_len // meta.block_size)])
+        k, v = (_contiguous(x, seq_len).to(q.dtype) for x in blocks)
+        qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, H, qlen, D]
+        if qlen == seq_len:
+            out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        parts.append(out[0].transpose(0, 1))
         start += qlen
     return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def attend_sequence(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, seq: int, scale: float, gather_kv: GatherKV
-) -> torch.Tensor:
-    """Sequence ``seq``'s new tokens q [qlen, H, D] over its cached context, with SDPA; [qlen, H, Dv]."""
-    qlen, seq_len = q.shape[0], meta.seq_lens_list[seq]
-    blocks = gather_kv(layer_cache, meta.block_tables[seq, : -(-seq_len // meta.block_size)])
-    k, v = (_contiguous(x, seq_len).to(q.dtype) for x in blocks)
-    qi = q.transpose(0, 1)[None]  # [1, H, qlen, D]
-    if qlen == seq_len:
-        out = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        key_pos = torch.arange(seq_len, device=q.device)
-        query_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def _contiguous(blocks: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """``CpuBackend``: the torch reference, with the two changes that matter most on a CPU.
 
-- **Decode attention** runs ``paged_decode.c``, which reads the cache in place; the
-  reference copies every block a step reads before computing on it. Where its vector path
-  serves the head size, short prompts run through it too, one query per token
-  (``query_rows.py``).
+- **Attention** runs ``paged_decode.c``, which reads the cache in place; the reference
+  copies every block a step reads before computing on it. Decodes always; prompts where the
+  head size is 64 or 128 (the kernel's vector paths), 1.5-3x faster than torch's SDPA per
+  sequence (bench/RESULTS.md).
 - **Linear layers** run oneDNN's GEMM on weights repacked once at load time into its
   blocked layout (torch's ``torch.ops.mkldnn`` ops). With the few rows of a decode step,
   and above all the LM head's 32 rows against a vocabulary-wide weight, MKL's GEMM on the
@@ -27,9 +27,8 @@ import torch
 
 from pdserve.kernels.backend import AttentionMetadata
 from pdserve.kernels.cpu import heap, layer_ops
-from pdserve.kernels.cpu.paged_decode import has_vector_path, load, paged_decode
-from pdserve.kernels.cpu.query_rows import QueryRows, query_rows
-from pdserve.kernels.torch_backend import TorchBackend, attend_cached, attend_sequence, gather_gqa, mla_gather
+from pdserve.kernels.cpu.paged_decode import has_vector_path, load, paged_decode, paged_prefill
+from pdserve.kernels.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
 
 
 class CpuBackend(TorchBackend):
@@ -40,7 +39,6 @@ class CpuBackend(TorchBackend):
         layer_ops.load()
         self.repacks_weights = _onednn_linear_works()
         heap.keep_freed_memory()
-        self._rows: QueryRows | None = None  # the step being run's query rows, planned at its first layer
 
     def prepare_weight(self, weight):
         if not self.repacks_weights or weight.dtype != torch.float32:
@@ -81,32 +79,21 @@ class CpuBackend(TorchBackend):
             return super().paged_attention(q, layer_cache, meta, scale)
         keys, values = layer_cache[:, 0], layer_cache[:, 1]  # [num_blocks, Hkv, block_size, D] each
         v_dim = values.shape[-1]
-        if meta.num_decodes < meta.num_seqs and has_vector_path(q.shape[-1], v_dim, meta.block_size):
-            return self._attend_queries(q, layer_cache, keys, values, meta, scale)
 
         def decode(q_decodes: torch.Tensor) -> torch.Tensor:
             return _decode(q_decodes, keys, values, meta, scale, v_dim)
 
-        return attend_cached(q, layer_cache, meta, scale, gather_gqa, decode)
-
-    def _attend_queries(
-        self, q: torch.Tensor, layer_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """Decodes and short prompts through the C kernel, one query per token; long prompts with SDPA."""
-        if self._rows is None or self._rows.meta is not meta:  # the step's first layer: plan it once
-            self._rows = query_rows(meta)
-        plan, v_dim = self._rows, values.shape[-1]
-        if plan.rows is None:
-            return paged_decode(q, keys, values, plan.tables, plan.lens, plan.max_len, scale, v_dim)
-        out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-        if plan.rows.numel():
-            short = paged_decode(q.index_select(0, plan.rows), keys, values, plan.tables, plan.lens, plan.max_len,
-                                 scale, v_dim)  # fmt: skip
-            out.index_copy_(0, plan.rows, short)
-        for seq, start, qlen in plan.long_seqs:
-            out[start : start + qlen] = attend_sequence(q[start : start + qlen], layer_cache, meta, seq, scale, gather_gqa)
-        return out
+        if not has_vector_path(q.shape[-1], v_dim, meta.block_size):
+            return attend_cached(q, layer_cache, meta, scale, gather_gqa, decode)
+        nd = meta.num_decodes
+        parts = [decode(q[:nd])] if nd else []
+        if nd < meta.num_seqs:  # prompts and chunks, after the decodes' nd rows
+            query_start = meta.query_start_loc[nd:] - nd
+            parts.append(paged_prefill(
+                q[nd:], keys, values, meta.block_tables[nd:], meta.seq_lens[nd:], query_start,
+                max(meta.seq_lens_list[nd:]), scale,
+            ))  # fmt: skip
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def mla_attention(self, q, layer_cache, meta, scale, v_dim):
         if not _is_float32(q, layer_cache):

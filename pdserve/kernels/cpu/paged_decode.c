@@ -280,3 +280,182 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
     }
     return status;
 }
+
+/* ---- Prompts: a query per token ------------------------------------------------------------
+ * A prompt (or a chunk of one) has a query per token, each over the context up to and
+ * including its own position. One work item is (sequence, KV head, a tile of up to
+ * QUERY_TILE query tokens). The item first copies the keys its queries can see into panels of
+ * 16 keys, transposed ([dim][16]): a query row's 16 scores are then one vector FMA per
+ * dimension, with no horizontal sums, and ROWS query rows (token x query head of the group)
+ * share each load of the panel. Values are read in place, row by row. The copy costs one pass
+ * over the visible keys per tile, a few percent of the tile's arithmetic. */
+enum { PANEL = 16, ROWS = 8, QUERY_TILE = 64 };
+
+/* One item. q and out rows: (token row, head) at ((row * num_heads) + head) * D. The tile's
+ * tokens are the sequence's query tokens [tok0, tok0 + ntok), the first of them at token row
+ * q_row0 + tok0 and position first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D
+ * floats. Returns 0, or -2 for a block table entry outside the cache. */
+static inline __attribute__((always_inline)) int prefill_tile(
+    const float *q, float *out, int64_t num_heads, const float *k_base, const float *v_base,
+    const int32_t *table, int64_t num_blocks, int64_t block_stride, int64_t token_stride, int64_t block_size,
+    int64_t first_pos, int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group, float scale,
+    float *panels, const int64_t D) {
+    const int64_t vc = D / PANEL;
+    const int64_t num_keys = first_pos + tok0 + ntok;
+    for (int64_t p = 0; p * PANEL < num_keys; p++) {
+        float *panel = panels + p * D * PANEL;
+        for (int64_t j = 0; j < PANEL; j++) {
+            const int64_t key = p * PANEL + j;
+            if (key >= num_keys) {
+                for (int64_t d = 0; d < D; d++) panel[d * PANEL + j] = 0.0f;
+                continue;
+            }
+            const int64_t block = table[key / block_size];
+            if (block < 0 || block >= num_blocks) return -2;
+            const float *k = k_base + block * block_stride + (key % block_size) * token_stride;
+            for (int64_t d = 0; d < D; d++) panel[d * PANEL + j] = k[d];
+        }
+    }
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 minus_inf = (v16){0} - INFINITY;
+    const int64_t num_rows = ntok * group;
+    for (int64_t r0 = 0; r0 < num_rows; r0 += ROWS) {
+        const int64_t live = num_rows - r0 < ROWS ? num_rows - r0 : ROWS;
+        const float *qr[ROWS];
+        int64_t limit[ROWS], max_limit = 0;
+        for (int64_t r = 0; r < ROWS; r++) { /* a short last group repeats its last row, unwritten */
+            const int64_t row = r0 + (r < live ? r : live - 1), token = tok0 + row / group;
+            qr[r] = q + ((q_row0 + token) * num_heads + head0 + row % group) * D;
+            limit[r] = first_pos + token + 1;
+            max_limit = limit[r] > max_limit ? limit[r] : max_limit;
+        }
+        float run_max[ROWS], run_sum[ROWS], prob[ROWS][PANEL];
+        v16 acc[ROWS][D / PANEL];
+        for (int64_t r = 0; r < ROWS; r++) {
+            run_max[r] = -INFINITY;
+            run_sum[r] = 0.0f;
+            for (int64_t c = 0; c < vc; c++) acc[r][c] = (v16){0};
+        }
+        for (int64_t base = 0; base < max_limit; base += PANEL) {
+            const v16 *panel = (const v16 *)(panels + base * D);
+            v16 s[ROWS];
+            for (int64_t r = 0; r < ROWS; r++) s[r] = (v16){0};
+            for (int64_t d = 0; d < D; d++) {
+                const v16 kt = panel[d];
+                for (int64_t r = 0; r < ROWS; r++) s[r] += qr[r][d] * kt;
+            }
+            for (int64_t r = 0; r < ROWS; r++) {
+                v16 sr = s[r] * scale;
+                if (limit[r] - base < PANEL) { /* keys past this row's position: masked */
+                    const i16 seen = lane < (int32_t)(limit[r] - base);
+                    sr = (v16)(((i16)sr & seen) | ((i16)minus_inf & ~seen));
+                }
+                float *pr = prob[r];
+                __builtin_memcpy(pr, &sr, sizeof sr);
+                float block_max = -INFINITY;
+                for (int t = 0; t < PANEL; t++) block_max = pr[t] > block_max ? pr[t] : block_max;
+                /* Every row sees key 0, in the first panel: its running max is finite from there on. */
+                const float new_max = block_max > run_max[r] ? block_max : run_max[r];
+                const float rescale = exp_nonpositive(run_max[r] - new_max);
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int t = 0; t < PANEL; t++) {
+                    pr[t] = exp_nonpositive(pr[t] - new_max);
+                    sum += pr[t];
+                }
+                run_sum[r] = run_sum[r] * rescale + sum;
+                run_max[r] = new_max;
+                for (int64_t c = 0; c < vc; c++) acc[r][c] *= rescale;
+            }
+            /* Only keys inside the context: rows past it may hold anything, NaN included. */
+            const int64_t n = max_limit - base < PANEL ? max_limit - base : PANEL;
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t key = base + t;
+                const v16 *v = (const v16 *)(v_base + table[key / block_size] * block_stride +
+                                             (key % block_size) * token_stride);
+                for (int64_t r = 0; r < ROWS; r++) {
+                    const float p = prob[r][t];
+                    for (int64_t c = 0; c < vc; c++) acc[r][c] += p * v[c];
+                }
+            }
+        }
+        for (int64_t r = 0; r < live; r++) {
+            const int64_t row = r0 + r, token = tok0 + row / group;
+            v16 *o = (v16 *)(out + ((q_row0 + token) * num_heads + head0 + row % group) * D);
+            const float inv = 1.0f / run_sum[r];
+            for (int64_t c = 0; c < vc; c++) o[c] = acc[r][c] * inv;
+        }
+    }
+    return 0;
+}
+
+#define PREFILL_TILE(D)                                                                                          \
+    static int prefill_tile_##D(const float *q, float *out, int64_t num_heads, const float *k_base,             \
+                                const float *v_base, const int32_t *table, int64_t num_blocks,                  \
+                                int64_t block_stride, int64_t token_stride, int64_t block_size, int64_t first_pos, \
+                                int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group,        \
+                                float scale, float *panels) {                                                    \
+        return prefill_tile(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,    \
+                            block_size, first_pos, q_row0, tok0, ntok, head0, group, scale, panels, D);           \
+    }
+PREFILL_TILE(64)
+PREFILL_TILE(128)
+
+/* Every query token of `num_seqs` sequences: sequence s has the query rows
+ * [query_start[s], query_start[s + 1]) of q (and of out), the last tokens of its context of
+ * seq_lens[s], already in the cache. Head sizes 64 and 128 (keys and values alike), blocks of
+ * a multiple of 16 tokens. Returns 0; -1 out of memory; -2 a block table entry
+ * outside the cache; -3 a shape this kernel does not take. */
+int pdserve_paged_prefill(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
+                          int64_t block_stride, int64_t head_stride, int64_t token_stride,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                          const int32_t *query_start, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t block_size, int64_t head_dim, int64_t max_seq_len, float scale, float *out,
+                          int num_threads) {
+    if ((head_dim != 64 && head_dim != 128) || block_size % PANEL != 0 || num_heads % num_kv_heads != 0) return -3;
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t *first_item = malloc(sizeof(int64_t) * (num_seqs + 1)); /* sequence s: items [first_item[s], ...) */
+    if (first_item == NULL) return -1;
+    first_item[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t qlen = query_start[s + 1] - query_start[s];
+        first_item[s + 1] = first_item[s] + (qlen + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
+    }
+    const int64_t items = first_item[num_seqs];
+    const int64_t panel_floats = (max_seq_len + PANEL - 1) / PANEL * PANEL * head_dim;
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *panels = malloc(sizeof(float) * panel_floats);
+        if (panels == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (panels == NULL) continue;
+            int64_t s = 0;
+            while (first_item[s + 1] <= item) s++;
+            const int64_t index = item - first_item[s], tile = index / num_kv_heads, kv_head = index % num_kv_heads;
+            const int64_t qlen = query_start[s + 1] - query_start[s], tok0 = tile * QUERY_TILE;
+            const int64_t ntok = qlen - tok0 < QUERY_TILE ? qlen - tok0 : QUERY_TILE;
+            const int64_t first_pos = seq_lens[s] - qlen;
+            const float *k_base = k_cache + kv_head * head_stride, *v_base = v_cache + kv_head * head_stride;
+            const int32_t *table = block_tables + s * table_stride;
+            const int rc = head_dim == 64
+                ? prefill_tile_64(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
+                                  block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
+                                  panels)
+                : prefill_tile_128(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
+                                   block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
+                                   panels);
+            if (rc != 0) {
+#pragma omp atomic write
+                status = rc;
+            }
+        }
+        free(panels);
+    }
+    free(first_item);
+    return status;
+}

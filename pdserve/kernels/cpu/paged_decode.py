@@ -1,4 +1,7 @@
-"""Paged decode attention on CPU (``paged_decode.c``): single-token queries over the cache, in place.
+"""Paged attention on CPU (``paged_decode.c``): queries over the cache, read in place.
+
+``paged_decode`` takes single-token queries (decodes); ``paged_prefill`` prompts and chunks,
+a query per token, each over the context up to its own position.
 
 Serves both cache layouts: GQA keys and values are two views with the same strides
 (``[blocks, kv_heads, tokens, dim]``); MLA's latents are one view read as keys (all of a
@@ -16,7 +19,11 @@ import torch
 from pdserve.kernels.cpu.build import load_library
 
 _SOURCE = Path(__file__).with_suffix(".c")
-_ERRORS = {-1: "out of memory for the kernel's scratch space", -2: "a block table entry is outside the cache"}
+_ERRORS = {
+    -1: "out of memory for the kernel's scratch space",
+    -2: "a block table entry is outside the cache",
+    -3: "the prompt kernel takes head sizes 64 and 128 and blocks of a multiple of 16 tokens",
+}
 
 
 @functools.cache
@@ -30,6 +37,21 @@ def _kernel() -> ctypes._CFuncPtr:
         ptr, i64, ptr,  # block_tables, table_stride, seq_lens
         i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size
         i64, i64, ctypes.c_float, ptr, ctypes.c_int,  # k_dim, v_dim, scale, out, num_threads
+    ]
+    return function
+
+
+@functools.cache
+def _prefill_kernel() -> ctypes._CFuncPtr:
+    function = load_library(_SOURCE).pdserve_paged_prefill
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ptr, ptr, ptr, i64,  # q, k_cache, v_cache, num_blocks
+        i64, i64, i64,  # block, head and token strides
+        ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, query_start
+        i64, i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size, head_dim, max_seq_len
+        ctypes.c_float, ptr, ctypes.c_int,  # scale, out, num_threads
     ]
     return function
 
@@ -87,4 +109,50 @@ def paged_decode(
     )
     if status != 0:
         raise RuntimeError(f"paged decode attention failed: {_ERRORS.get(status, f'status {status}')}")
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens q [T, H, D] over its cached context.
+
+    Sequence s owns rows ``query_start[s]:query_start[s + 1]`` of q, the last tokens of its
+    ``seq_lens[s]``, whose keys and values are already in the cache. ``k_cache``/``v_cache``
+    as for ``paged_decode``, with ``has_vector_path`` true for their shape; ``query_start``
+    [S + 1] int32 from 0. Returns [T, H, D] float32.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    if {q.dtype, k_cache.dtype, v_cache.dtype} != {torch.float32}:
+        raise ValueError(f"the CPU prompt kernel takes float32 only, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or v_cache.shape[-1] != head_dim:
+        raise ValueError(f"keys {tuple(k_cache.shape)} and values {tuple(v_cache.shape)} need the same shape and "
+                         f"strides, with contiguous rows")  # fmt: skip
+    if query_start.shape[0] != seq_lens.shape[0] + 1 or int(query_start[-1]) != num_tokens:
+        raise ValueError(f"query_start {query_start.tolist()} does not cover the {num_tokens} query rows")
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
+                         f"{block_tables.shape[1]} blocks of {block_size}")  # fmt: skip
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start.to(torch.int32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    status = _prefill_kernel()(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(),
+        lens.shape[0], num_heads, num_kv_heads, block_size, head_dim, max_seq_len, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"paged prompt attention failed: {_ERRORS.get(status, f'status {status}')}")
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu import paged_decode, query_rows
+from pdserve.kernels.cpu import paged_decode
 from pdserve.kernels.cpu.build import CpuKernelsUnavailable, load_library
 from pdserve.kernels.cpu.cpu_backend import CpuBackend
 from pdserve.kernels.select import select_backend
@@ -28,19 +28,15 @@ def test_gqa_step_matches_reference():
     assert_close(CpuBackend().paged_attention(q, cache, meta, 0.125), TorchBackend().paged_attention(q, cache, meta, 0.125))
 
 
-@pytest.mark.parametrize("short_context", [32, 2048])
-def test_gqa_step_with_long_prompts_matches_reference(monkeypatch, short_context):
-    # Contexts past the limit go to SDPA, the others to the C kernel one query per token;
-    # the step's rows are planned once, so the same backend runs two different steps.
-    monkeypatch.setattr(query_rows, "SHORT_CONTEXT_TOKENS", short_context)
+def test_gqa_steps_with_prompts_of_every_kind_match_reference():
+    # Prompts alone and behind decodes, chunks and prefix hits, head size 128, blocks of 32.
     backend, reference = CpuBackend(), TorchBackend()
-    for seq_lens, query_lens in ((SEQ_LENS, QUERY_LENS), ([70, 9, 33], [70, 9, 1])):
-        meta = make_metadata(seq_lens, query_lens, block_size=16, num_blocks=16)
+    for seq_lens, query_lens in (([1, 70, 9, 33, 100], [1, 70, 9, 1, 37]), ([300, 5], [300, 5])):
+        meta = make_metadata(seq_lens, query_lens, block_size=32, num_blocks=24)
         q = torch.randn(sum(query_lens), 6, 128)
-        cache = gqa_cache(16, 3, 16, 128, torch.float32)
-        for _ in range(2):  # a second layer of the same step reuses the plan
-            expected = reference.paged_attention(q, cache, meta, 0.09)
-            assert_close(backend.paged_attention(q, cache, meta, 0.09), expected, f"{seq_lens} {query_lens}")
+        cache = gqa_cache(24, 3, 32, 128, torch.float32)
+        expected = reference.paged_attention(q, cache, meta, 0.09)
+        assert_close(backend.paged_attention(q, cache, meta, 0.09), expected, f"{seq_lens} {query_lens}")
 
 
 def test_a_head_size_without_the_vector_path_matches_reference():

@@ -1,12 +1,12 @@
-"""The C decode attention against the torch reference, both cache layouts, many shapes."""
+"""The C attention kernels against the torch reference: decodes (both cache layouts) and prompts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.kernels.cpu.paged_decode import paged_decode
-from pdserve.kernels.torch_backend import decode_attention, gather_gqa, mla_gather
+from pdserve.kernels.cpu.paged_decode import paged_decode, paged_prefill
+from pdserve.kernels.torch_backend import TorchBackend, decode_attention, gather_gqa, mla_gather
 from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
 
 
@@ -85,3 +85,58 @@ def test_bad_inputs_name_the_problem():
         paged_decode(torch.randn(1, 2, 8), keys, values, meta.block_tables, meta.seq_lens, 33, 1.0, 8)
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode(torch.randn(1, 3, 8), keys, values, meta.block_tables, meta.seq_lens, 20, 1.0, 8)
+
+
+def _prefill(meta, q, cache, scale):
+    return paged_prefill(q, cache[:, 0], cache[:, 1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                         meta.max_seq_len, scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 1, 64, 16), (4, 4, 128, 32), (6, 2, 128, 16)],
+)
+def test_prompts_match_reference(num_heads, num_kv_heads, head_dim, block_size):
+    # Whole prompts of one token, a block and past a tile of 64; a chunk and a prefix-cache hit
+    # (queries that start mid-context); a decode-like single query.
+    seq_lens = [1, block_size, 70, 150, 40, 33]
+    query_lens = [1, block_size, 70, 150, 7, 1]
+    meta = make_metadata(seq_lens, query_lens, block_size, num_blocks=64)
+    cache = gqa_cache(64, num_kv_heads, block_size, head_dim, torch.float32)
+    q = torch.randn(sum(query_lens), num_heads, head_dim)
+    expected = TorchBackend().paged_attention(q, cache, meta, 0.11)
+    assert_close(_prefill(meta, q, cache, 0.11), expected, f"seq_lens {seq_lens} query_lens {query_lens}")
+
+
+def test_prompt_rows_past_the_context_are_never_read():
+    meta = make_metadata([21, 37], [21, 5], 16, num_blocks=8)
+    cache = gqa_cache(8, 2, 16, 64, torch.float32)
+    poisoned = cache.clone()
+    for seq, seq_len in enumerate((21, 37)):
+        last = meta.block_tables[seq, (seq_len - 1) // 16]
+        cache[last, :, :, seq_len % 16 :] = 0.0
+        poisoned[last, :, :, seq_len % 16 :] = float("nan")
+    q = torch.randn(26, 4, 64)
+    out = _prefill(meta, q, poisoned, 0.2)
+    assert not out.isnan().any()
+    assert_close(out, TorchBackend().paged_attention(q, cache, meta, 0.2))
+
+
+def test_prompt_large_scores_do_not_overflow():
+    meta = make_metadata([90], [90], 16, num_blocks=8)
+    cache = gqa_cache(8, 1, 16, 64, torch.float32) * 30
+    q = torch.randn(90, 2, 64) * 30
+    assert_close(_prefill(meta, q, cache, 1.0), TorchBackend().paged_attention(q, cache, meta, 1.0))
+
+
+def test_prompt_kernel_errors_name_the_problem():
+    meta = make_metadata([20], [20], 16, num_blocks=4)
+    cache = gqa_cache(4, 2, 16, 64, torch.float32)
+    meta.block_tables[0, 1] = 4
+    with pytest.raises(RuntimeError, match="block table entry is outside the cache"):
+        _prefill(meta, torch.randn(20, 2, 64), cache, 1.0)
+    meta = make_metadata([20], [20], 16, num_blocks=4)
+    with pytest.raises(RuntimeError, match="head sizes 64 and 128"):
+        _prefill(meta, torch.randn(20, 2, 32), gqa_cache(4, 2, 16, 32, torch.float32), 1.0)
+    with pytest.raises(ValueError, match="does not cover the 19 query rows"):
+        _prefill(meta, torch.randn(19, 2, 64), cache, 1.0)
