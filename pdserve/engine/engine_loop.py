@@ -352,6 +352,24 @@ class EngineLoop:
         )
 
 
+async def build_engine(build: Callable[[], LLMEngine]) -> LLMEngine:
+    """Run ``build`` (an engine's construction) on a thread of its own that then ends.
+
+    OpenMP (torch's and the CPU kernels') keeps a team of threads for each thread that starts
+    parallel work, and libgomp stops the workers of every team from spinning between parallel
+    regions once it manages more threads than there are CPUs. An engine built on the main
+    thread and stepped on ``EngineLoop``'s thread would leave two teams behind, and every
+    parallel region of every step would wait for sleeping workers to wake: on 2 CPUs a decode
+    step of SmolLM2-135M took 21-23 ms instead of 14.6 (bench/RESULTS.md). A thread that ends
+    takes its team with it, so the engine thread's is the only one.
+    """
+    builder = ThreadPoolExecutor(1, thread_name_prefix="pdserve-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(builder, build)
+    finally:
+        builder.shutdown(wait=True)
+
+
 class _Released:
     """Releases a held lock for the duration of a ``with`` block (the model run)."""
 

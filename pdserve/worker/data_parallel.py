@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pdserve.distributed import ParallelState
 from pdserve.distributed.rank_group import child_start
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import build_engine
 from pdserve.engine.rank_main import start_group
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.roles import SERVICES
@@ -75,7 +76,7 @@ async def serve_rank(
     config: WorkerConfig, parallel: ParallelState, *, announce: bool, on_stop: Callable[[], None] | None = None
 ) -> int:
     """One rank's worker, until it stops; its exit status (1: it could not serve)."""
-    engine = LLMEngine(config.model, config.engine, parallel=parallel)
+    engine = await build_engine(lambda: LLMEngine(config.model, config.engine, parallel=parallel))
     runtime = WorkerRuntime(config, engine)
     try:
         await runtime.start(SERVICES[config.role])

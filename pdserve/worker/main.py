@@ -9,6 +9,7 @@ import torch
 
 from pdserve.distributed import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.data_parallel import serve_data_parallel
 from pdserve.worker.group import WorkerGroup
@@ -28,7 +29,8 @@ async def serve(config: WorkerConfig) -> int:
     # Several ranks: they start (and load their shares) beside this process's own load.
     group = await WorkerGroup.start(config, config.id) if config.parallel.world_size > 1 else None
     try:
-        engine = LLMEngine(config.model, config.engine, parallel=SINGLE_RANK if group is None else group.state)
+        parallel = SINGLE_RANK if group is None else group.state
+        engine = await build_engine(lambda: LLMEngine(config.model, config.engine, parallel=parallel))
     except BaseException:
         if group is not None:
             await group.close(None)

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.engine_loop import EngineLoop, KVAwaited
+from pdserve.engine.engine_loop import EngineLoop, KVAwaited, build_engine
 from pdserve.engine.request import KVRole
 from pdserve.engine.sampling_params import SamplingParams
 from tests.utils.aio import run_scenario
@@ -232,3 +232,22 @@ def test_a_consumer_is_admitted_and_resumed_while_a_step_runs_and_joins_the_next
         final = next((o for o in engine.step().outputs if o.finished), None)
     assert produced[-1].token_ids + [t for o in rest for t in o.new_token_ids] == final.token_ids
     engine.check_idle_integrity()
+
+
+def test_an_engine_is_built_on_a_thread_that_then_ends(checkpoints):
+    # The builder's OpenMP team must not outlive the build (build_engine's docstring says why).
+    path, _ = checkpoints("llama")
+    builders: list[threading.Thread] = []
+
+    def build() -> LLMEngine:
+        builders.append(threading.current_thread())
+        return LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20))
+
+    async def main():
+        engine = await build_engine(build)
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            await build_engine(lambda: LLMEngine(str(path), EngineConfig(kv_cache_memory=-1)))
+        return engine
+
+    assert isinstance(run_scenario(main()), LLMEngine)
+    assert builders[0] is not threading.main_thread() and not builders[0].is_alive()
