@@ -20,11 +20,18 @@ The model: --model DIR, a Hugging Face directory both systems load; without it, 
 model (SmolLM2-135M-Instruct, a Q4_1 GGUF) written out dequantized as a float32 Hugging Face
 directory (transformers reads the GGUF), so both serve exactly the same weights.
 
+The long-prompt mix (--long-rate R): a second client runs beside the first against the same
+deployment, over the same span of time, sending long prompts (--long-input-len, default 1500
+tokens within 1005-1995) for a few tokens each at R requests/s. The chats' figures are the
+main ones: the question is how much a colocated server's long prompts slow everyone else's
+tokens. The long requests' own figures are kept with a "long_" prefix.
+
 Reported per deployment (medians over the rounds, each round's figures kept): TTFT, TPOT and ITL
 percentiles (50/90/99), request and output-token throughput, goodput (requests/s within
 --ttft-slo and --tpot-slo), and the pdserve / vLLM ratios of the like-for-like pairs.
 
     python bench/serve_peer.py --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --rounds 2 --json
+    python bench/serve_peer.py --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --long-rate 0.1 --json
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--range-ratio", type=float, default=0.75,
                         help="lengths uniform within mean x (1 -/+ this) (default: 0.75: prompts 72-504, outputs 18-126)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default: 0)")
+    parser.add_argument("--long-rate", type=float, default=0.0,
+                        help="long prompts a second, sent beside the chats (default: 0, none)")  # fmt: skip
+    parser.add_argument("--long-input-len", type=int, default=1500, help="mean long prompt, tokens (default: 1500)")
+    parser.add_argument("--long-output-len", type=int, default=32, help="mean tokens a long prompt asks for (default: 32)")
+    parser.add_argument("--long-range-ratio", type=float, default=0.33,
+                        help="long lengths within mean x (1 -/+ this) (default: 0.33: prompts 1005-1995, outputs 21-42)")  # fmt: skip
     parser.add_argument("--ttft-slo", type=float, default=1000.0, help="goodput's TTFT bound, ms (default: 1000)")
     parser.add_argument("--tpot-slo", type=float, default=100.0, help="goodput's TPOT bound, ms (default: 100)")
     parser.add_argument("--threads", type=int, default=2, help="CPUs each deployment uses in all (default: 2)")
@@ -82,28 +96,69 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_client(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any] | None:
-    """`vllm bench serve` against ``base_url``; its saved result, or None when it did not end
+@dataclass(frozen=True)
+class Load:
+    """What one client sends: a random dataset of its own seed, at a Poisson rate."""
+
+    num_prompts: int
+    rate: float
+    input_len: int
+    output_len: int
+    range_ratio: float
+    seed: int
+
+
+def loads(args: argparse.Namespace) -> list[Load]:
+    """The chats, then (with --long-rate) the long prompts over the same span of time."""
+    chats = Load(args.num_prompts, args.rate, args.input_len, args.output_len, args.range_ratio, args.seed)
+    if not args.long_rate:
+        return [chats]
+    num_long = max(1, round(args.num_prompts / args.rate * args.long_rate))
+    return [chats, Load(num_long, args.long_rate, args.long_input_len, args.long_output_len, args.long_range_ratio,
+                        args.seed + 1)]  # fmt: skip
+
+
+def run_clients(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any] | None:
+    """`vllm bench serve` against ``base_url``, one client per load at once; the chats' saved
+    result with the long prompts' figures under "long", or None when a client did not end
     within --client-timeout (a deployment that falls behind the rate)."""
-    command = [
-        str(args.peer_python), "-c", _BENCH_SERVE, "--backend", "vllm",
-        "--base-url", base_url, "--endpoint", "/v1/completions", "--model", settings.model_name,
-        "--tokenizer", str(settings.model), "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
-        "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
-        "--ignore-eos", "--temperature", "0", "--percentile-metrics", ",".join([*METRICS, "e2el"]),
-        "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-        "--goodput", f"ttft:{args.ttft_slo}", f"tpot:{args.tpot_slo}", "--disable-tqdm",
-        "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
-    ]  # fmt: skip
+    clients = []
+    for index, load in enumerate(loads(args)):
+        path = result.with_name(f"{result.stem}-{index}.json")
+        command = [
+            str(args.peer_python), "-c", _BENCH_SERVE, "--backend", "vllm",
+            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", settings.model_name,
+            "--tokenizer", str(settings.model), "--dataset-name", "random", "--random-input-len", str(load.input_len),
+            "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
+            "--num-prompts", str(load.num_prompts), "--request-rate", str(load.rate), "--seed", str(load.seed),
+            "--ignore-eos", "--temperature", "0", "--percentile-metrics", ",".join([*METRICS, "e2el"]),
+            "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+            "--goodput", f"ttft:{args.ttft_slo}", f"tpot:{args.tpot_slo}", "--disable-tqdm",
+            "--save-result", "--result-dir", str(path.parent), "--result-filename", path.name,
+        ]  # fmt: skip
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=settings.client_env())  # fmt: skip
+        clients.append((process, path))
+    deadline = time.monotonic() + args.client_timeout
+    results: list[dict[str, Any]] = []
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.client_timeout,
-                              env=settings.client_env())  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return None
-    if done.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return json.loads(result.read_text())
+        for process, path in clients:
+            try:
+                output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                return None
+            if process.returncode != 0:
+                raise RuntimeError(f"vllm bench serve failed ({process.returncode}):\n{output[-3000:]}")
+            results.append(json.loads(path.read_text()))
+    finally:
+        for process, _ in clients:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    chats = results[0]
+    if len(results) > 1:
+        chats["long"] = results[1]
+    return chats
 
 
 def figures(raw: dict[str, Any]) -> dict[str, float]:
@@ -112,6 +167,8 @@ def figures(raw: dict[str, Any]) -> dict[str, float]:
     for metric in METRICS:
         for p in PERCENTILES:
             kept[f"p{p}_{metric}_ms"] = raw[f"p{p}_{metric}_ms"]
+    if "long" in raw:
+        kept.update({f"long_{key}": value for key, value in figures(raw["long"]).items()})
     return {k: round(float(v), 3) for k, v in kept.items()}
 
 
@@ -161,7 +218,7 @@ def main() -> None:
             for name in order:
                 started = time.monotonic()
                 with Deployment(name, settings) as base_url:
-                    raw = run_client(args, settings, base_url, work_dir / f"{name}-{round_index}.json")
+                    raw = run_clients(args, settings, base_url, work_dir / f"{name}-{round_index}.json")
                 runs[name].append(None if raw is None else figures(raw))
                 print(f"round {round_index + 1} {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)",
                       file=sys.stderr, flush=True)  # fmt: skip
