@@ -143,6 +143,32 @@ static inline v16 sum_lanes_of_16(v16 a[16]) {
     return fold_level(d[0], d[1], lo4, hi4);
 }
 
+/* One block of 16 scores into the online softmax: lanes from `live` on are masked out, the
+ * rest exponentiated against the new running max into p[16]; updates the running max and sum
+ * and returns the factor that rescales what was accumulated before. While the running max is
+ * still -inf (nothing seen), the factor is about 1e-38 times the empty sums: 0. */
+static inline float softmax_block(v16 s, int64_t live, float *run_max, float *run_sum, float *p) {
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (live < 16) {
+        const i16 seen = lane < (int32_t)live;
+        s = (v16)(((i16)s & seen) | ((i16)((v16){0} - INFINITY) & ~seen));
+    }
+    __builtin_memcpy(p, &s, sizeof s);
+    float block_max = -INFINITY;
+    for (int t = 0; t < 16; t++) block_max = p[t] > block_max ? p[t] : block_max;
+    const float new_max = block_max > *run_max ? block_max : *run_max;
+    const float rescale = exp_nonpositive(*run_max - new_max);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < 16; t++) {
+        p[t] = exp_nonpositive(p[t] - new_max);
+        sum += p[t];
+    }
+    *run_sum = *run_sum * rescale + sum;
+    *run_max = new_max;
+    return rescale;
+}
+
 /* attend_one's contract, with K_DIM and V_DIM constants (multiples of 16) and a block size of
  * a multiple of 16. `scratch` holds group * (2 + v_dim) floats. */
 static inline __attribute__((always_inline)) int attend_one_16(
@@ -158,8 +184,6 @@ static inline __attribute__((always_inline)) int attend_one_16(
         run_sum[g] = 0.0f;
         for (int64_t c = 0; c < vc; c++) acc[g * vc + c] = (v16){0};
     }
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 minus_inf = (v16){0} - INFINITY;
     for (int64_t start = 0; start < seq_len; start += W) {
         const int64_t in_block = start % block_size;
         const int64_t block = table[start / block_size];
@@ -188,21 +212,8 @@ static inline __attribute__((always_inline)) int attend_one_16(
                 }
                 a[t] = sum;
             }
-            v16 s = sum_lanes_of_16(a) * scale;
-            const i16 live = lane < (int32_t)n;
-            s = (v16)(((i16)s & live) | ((i16)minus_inf & ~live));
             float p[W];
-            __builtin_memcpy(p, &s, sizeof p);
-            float block_max = -INFINITY;
-            for (int t = 0; t < W; t++) block_max = p[t] > block_max ? p[t] : block_max;
-            const float new_max = block_max > run_max[g] ? block_max : run_max[g];
-            const float rescale = exp_nonpositive(run_max[g] - new_max);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int t = 0; t < W; t++) {
-                p[t] = exp_nonpositive(p[t] - new_max);
-                sum += p[t];
-            }
+            const float rescale = softmax_block(sum_lanes_of_16(a) * scale, n, &run_max[g], &run_sum[g], p);
             v16 out_acc[V_DIM / W];
             for (int64_t c = 0; c < vc; c++) out_acc[c] = acc[g * vc + c] * rescale;
             for (int64_t t = 0; t < n; t++) {
@@ -210,8 +221,6 @@ static inline __attribute__((always_inline)) int attend_one_16(
                 for (int64_t c = 0; c < vc; c++) out_acc[c] += p[t] * v[c];
             }
             for (int64_t c = 0; c < vc; c++) acc[g * vc + c] = out_acc[c];
-            run_sum[g] = run_sum[g] * rescale + sum;
-            run_max[g] = new_max;
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -316,8 +325,6 @@ static inline __attribute__((always_inline)) int prefill_tile(
             for (int64_t d = 0; d < D; d++) panel[d * PANEL + j] = k[d];
         }
     }
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 minus_inf = (v16){0} - INFINITY;
     const int64_t num_rows = ntok * group;
     for (int64_t r0 = 0; r0 < num_rows; r0 += ROWS) {
         const int64_t live = num_rows - r0 < ROWS ? num_rows - r0 : ROWS;
@@ -344,27 +351,9 @@ static inline __attribute__((always_inline)) int prefill_tile(
                 const v16 kt = panel[d];
                 for (int64_t r = 0; r < ROWS; r++) s[r] += qr[r][d] * kt;
             }
+            /* Keys past a row's own position are masked; every row sees key 0, in the first panel. */
             for (int64_t r = 0; r < ROWS; r++) {
-                v16 sr = s[r] * scale;
-                if (limit[r] - base < PANEL) { /* keys past this row's position: masked */
-                    const i16 seen = lane < (int32_t)(limit[r] - base);
-                    sr = (v16)(((i16)sr & seen) | ((i16)minus_inf & ~seen));
-                }
-                float *pr = prob[r];
-                __builtin_memcpy(pr, &sr, sizeof sr);
-                float block_max = -INFINITY;
-                for (int t = 0; t < PANEL; t++) block_max = pr[t] > block_max ? pr[t] : block_max;
-                /* Every row sees key 0, in the first panel: its running max is finite from there on. */
-                const float new_max = block_max > run_max[r] ? block_max : run_max[r];
-                const float rescale = exp_nonpositive(run_max[r] - new_max);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int t = 0; t < PANEL; t++) {
-                    pr[t] = exp_nonpositive(pr[t] - new_max);
-                    sum += pr[t];
-                }
-                run_sum[r] = run_sum[r] * rescale + sum;
-                run_max[r] = new_max;
+                const float rescale = softmax_block(s[r] * scale, limit[r] - base, &run_max[r], &run_sum[r], prob[r]);
                 for (int64_t c = 0; c < vc; c++) acc[r][c] *= rescale;
             }
             /* Only keys inside the context: rows past it may hold anything, NaN included. */
