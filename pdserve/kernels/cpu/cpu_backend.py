@@ -1,4 +1,4 @@
-"""``CpuBackend``: the torch reference, with the two changes that matter most on a CPU.
+"""``CpuBackend``: the torch reference, with the changes that matter most on a CPU.
 
 - **Attention** runs ``paged_decode.c``, which reads the cache in place; the reference
   copies every block a step reads before computing on it. Decodes always; prompts where the
