@@ -5,6 +5,8 @@ the same Poisson request rate and the same number of requests:
 
   pdserve-colocated  `pdserve up --prefill 0 --decode 1 --disaggregation off`: one worker, all the threads
   pdserve-disagg     `pdserve up --prefill 1 --decode 1 --disaggregation always`: a thread each
+  pdserve-conditional  the same two workers, `--disaggregation conditional --local-prefill-threshold
+                     768`: prompts up to 768 tokens prefill on the decode worker, longer ones apart
   vllm-colocated     one `vllm.entrypoints.openai.api_server`, its OpenMP threads bound to the CPUs
   vllm-disagg        a prefill and a decode api_server with NixlConnector (kv_buffer_device cpu), a
                      CPU each, behind bench/serve_peer_proxy.py (prefill with max_tokens 1, then decode)

@@ -15,7 +15,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-DEPLOYMENTS = ["pdserve-colocated", "pdserve-disagg", "vllm-colocated", "vllm-disagg"]
+DEPLOYMENTS = ["pdserve-colocated", "pdserve-disagg", "pdserve-conditional", "vllm-colocated", "vllm-disagg"]
+# pdserve-conditional: prompts of at most this many tokens prefill on the decode worker, longer
+# ones on the prefill worker: the chats stay local, the long prompts go away from the decodes.
+CONDITIONAL_LOCAL_PREFILL_TOKENS = 768
 _STOP_TIMEOUT_S = 60.0
 _NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
@@ -117,7 +120,7 @@ class Deployment:
 
     def _start(self) -> str:
         if self.name.startswith("pdserve"):
-            return self._start_pdserve(disaggregated=self.name.endswith("disagg"))
+            return self._start_pdserve(self.name.removeprefix("pdserve-"))
         if self.name == "vllm-colocated":
             port = _free_port()
             self._vllm("server", port, list(range(self.settings.threads)))
@@ -125,11 +128,16 @@ class Deployment:
             return f"http://127.0.0.1:{port}"
         return self._start_vllm_disagg()
 
-    def _start_pdserve(self, disaggregated: bool) -> str:
+    def _start_pdserve(self, mode: str) -> str:
+        """``mode``: colocated, disagg or conditional."""
         s = self.settings
-        workers = ["--prefill", "1", "--decode", "1", "--disaggregation", "always"] if disaggregated else \
-                  ["--prefill", "0", "--decode", "1", "--disaggregation", "off"]  # fmt: skip
-        threads = max(1, s.threads // 2) if disaggregated else s.threads
+        workers = {
+            "colocated": ["--prefill", "0", "--decode", "1", "--disaggregation", "off"],
+            "disagg": ["--prefill", "1", "--decode", "1", "--disaggregation", "always"],
+            "conditional": ["--prefill", "1", "--decode", "1", "--disaggregation", "conditional",
+                            "--local-prefill-threshold", str(CONDITIONAL_LOCAL_PREFILL_TOKENS)],
+        }[mode]  # fmt: skip
+        threads = s.threads if mode == "colocated" else max(1, s.threads // 2)
         log = s.logs / f"{self.name}-up.log"
         offset = log.stat().st_size if log.exists() else 0  # the log of an earlier round comes first
         process = self._spawn("up", [

@@ -24,7 +24,10 @@ from tests.e2e.prompts import shared_prefix_prompts
 pytestmark = pytest.mark.slow
 MODEL = "e2e-migration"
 DEADLINE_S = 120.0
-MAX_TOKENS = 300  # the scenario: 12 greedy streams of 300 tokens, one decode worker SIGKILLed
+# The scenario is 12 greedy streams of 300 tokens, one decode worker SIGKILLed. Since decode
+# steps got fast, 300 tokens can all be out before the last stream reaches the kill's barrier; 1000
+# keep every stream busy for seconds, so the kill always meets streams on the victim.
+MAX_TOKENS = 1000
 NUM_GREEDY = 12
 SEEDS = (11, 12)  # two seeded, sampled streams besides the greedy ones
 MESSAGES_BEFORE_KILL = 4  # every stream has this many messages before the kill: all are mid-stream
