@@ -22,6 +22,8 @@ from tests.utils.checkpoints import VOCAB, reference_greedy
 pytestmark = pytest.mark.slow
 DP2_EP = {"parallel": ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)}
 MODEL = "dp-deepseek"
+# Long enough that every stream is still generating when a rank is killed, however fast the steps.
+STREAM_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,7 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
         def one(i: int) -> None:
             request = inference_pb2.GenerateRequest(
                 model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
-                sampling=inference_pb2.SamplingOptions(max_tokens=40, temperature=0, ignore_eos=True),
+                sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
             )  # fmt: skip
             tokens, final = [], None
             for n, response in enumerate(deployment.stub.Generate(request, timeout=120)):
@@ -125,7 +127,7 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
         for prompt, result in zip(prompts, results):
             assert result is not None, "a stream did not end by its deadline"
             tokens, final = result
-            reference, num_clear = reference_greedy(hf_model, prompt, 40)
+            reference, num_clear = reference_greedy(hf_model, prompt, STREAM_TOKENS)
             assert tokens[:num_clear] == reference[:num_clear]
             # Every stream was on the group that died; one may first have moved to the dying
             # group's other rank (still registered for a moment) and then on again.
