@@ -2,7 +2,7 @@
 
 The shared library is cached under ``$PDSERVE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/pdserve``, else ``~/.cache/pdserve``) in ``cpu_kernels/``, named by a hash
-of the source, the compiler, the flags and the CPU, so that an edit, a new compiler or a
+of the source and the headers beside it, the compiler, the flags and the CPU, so that an edit, a new compiler or a
 checkout shared between different machines never loads a stale or foreign build. Processes
 that start together (a prefill and a decode worker) may both compile; each writes its own
 temporary file and renames it into place, so a reader never sees half a library. A new build
@@ -45,7 +45,8 @@ def cache_dir() -> Path:
 def load_library(source: Path) -> ctypes.CDLL:
     """The compiled ``source``, built now if no cached build matches; raises ``CpuKernelsUnavailable``."""
     compiler = _compiler()
-    code = source.read_bytes()
+    # The headers beside it (shared math) are part of what is built: an edit to one is a new build.
+    code = b"\0".join(path.read_bytes() for path in [source, *sorted(source.parent.glob("*.h"))])
     key = hashlib.sha256(
         b"\0".join([code, " ".join(FLAGS).encode(), _compiler_version(compiler).encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]

@@ -21,28 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 within 2 ulp of expf, written so that the compiler vectorizes the loops
- * that call it (libm's expf is a call it cannot vectorize). x = n ln2 + r with |r| <= ln2/2,
- * ln2 split in two so that n ln2 is exact enough; exp(r) by the Cephes library's degree-6
- * polynomial; 2^n built in the exponent bits. fmaf everywhere, so that the reassociation the
- * build allows (-fassociative-math) cannot reorder the steps. Below -87.3 the result is
- * clamped to about 1e-38, which is 0 to every sum it enters; NaN stays NaN. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = __builtin_floorf(__builtin_fmaf(x, 1.44269504088896341f, 0.5f));
-    const float r = __builtin_fmaf(n, 2.12194440e-4f, __builtin_fmaf(n, -0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
-    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
-    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
-    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
-    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
-    p = __builtin_fmaf(p * r, r, r + 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "vector_math.h"
 
 static float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;
@@ -296,34 +275,43 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
  * QUERY_TILE query tokens). The item first copies the keys its queries can see into panels of
  * 16 keys, transposed ([dim][16]): a query row's 16 scores are then one vector FMA per
  * dimension, with no horizontal sums, and ROWS query rows (token x query head of the group)
- * share each load of the panel. Values are read in place, row by row. The copy costs one pass
- * over the visible keys per tile, a few percent of the tile's arithmetic. */
-enum { PANEL = 16, ROWS = 8, QUERY_TILE = 64 };
+ * share each load of the panel. The copy costs one pass over the visible keys per tile, a few
+ * percent of the tile's arithmetic.
+ *
+ * A group of ROWS rows then keeps its whole rows of scores (ROWS x context floats, in L2 at
+ * any context the engine takes) rather than an online softmax: one max and one sum per row
+ * instead of two horizontal reductions and a rescale of the accumulators every 16 keys, which
+ * cost as much as the dot products. The values are read in place, block by block, into
+ * PV_ROWS x PV_COLS accumulator vectors: all of them, the value vectors and the broadcast
+ * probabilities fit the 32 vector registers, where ROWS x D/16 accumulators would not. */
+enum { PANEL = 16, ROWS = 8, QUERY_TILE = 64, PV_ROWS = 4, PV_COLS = 4 };
 
 /* One item. q and out rows: (token row, head) at ((row * num_heads) + head) * D. The tile's
  * tokens are the sequence's query tokens [tok0, tok0 + ntok), the first of them at token row
  * q_row0 + tok0 and position first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D
- * floats. Returns 0, or -2 for a block table entry outside the cache. */
+ * floats, `scores` ROWS times ceil(seq_len / 16) * 16. Returns 0, or -2 for a block table
+ * entry outside the cache. */
 static inline __attribute__((always_inline)) int prefill_tile(
     const float *q, float *out, int64_t num_heads, const float *k_base, const float *v_base,
     const int32_t *table, int64_t num_blocks, int64_t block_stride, int64_t token_stride, int64_t block_size,
     int64_t first_pos, int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group, float scale,
-    float *panels, const int64_t D) {
-    const int64_t vc = D / PANEL;
+    float *panels, float *scores, const int64_t D) {
     const int64_t num_keys = first_pos + tok0 + ntok;
-    for (int64_t p = 0; p * PANEL < num_keys; p++) {
-        float *panel = panels + p * D * PANEL;
-        for (int64_t j = 0; j < PANEL; j++) {
-            const int64_t key = p * PANEL + j;
-            if (key >= num_keys) {
-                for (int64_t d = 0; d < D; d++) panel[d * PANEL + j] = 0.0f;
-                continue;
-            }
-            const int64_t block = table[key / block_size];
-            if (block < 0 || block >= num_blocks) return -2;
-            const float *k = k_base + block * block_stride + (key % block_size) * token_stride;
-            for (int64_t d = 0; d < D; d++) panel[d * PANEL + j] = k[d];
+    const int64_t stride = (num_keys + PANEL - 1) / PANEL * PANEL; /* of a row of scores */
+    for (int64_t start = 0; start < num_keys; start += block_size) {
+        const int64_t block = table[start / block_size];
+        if (block < 0 || block >= num_blocks) return -2;
+        const int64_t n = num_keys - start < block_size ? num_keys - start : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t key = start + t;
+            float *lane = panels + key / PANEL * D * PANEL + key % PANEL;
+            const float *k = k_base + block * block_stride + t * token_stride;
+            for (int64_t d = 0; d < D; d++) lane[d * PANEL] = k[d];
         }
+    }
+    for (int64_t key = num_keys; key < stride; key++) { /* the last panel's lanes past the keys */
+        float *lane = panels + key / PANEL * D * PANEL + key % PANEL;
+        for (int64_t d = 0; d < D; d++) lane[d * PANEL] = 0.0f;
     }
     const int64_t num_rows = ntok * group;
     for (int64_t r0 = 0; r0 < num_rows; r0 += ROWS) {
@@ -336,13 +324,6 @@ static inline __attribute__((always_inline)) int prefill_tile(
             limit[r] = first_pos + token + 1;
             max_limit = limit[r] > max_limit ? limit[r] : max_limit;
         }
-        float run_max[ROWS], run_sum[ROWS], prob[ROWS][PANEL];
-        v16 acc[ROWS][D / PANEL];
-        for (int64_t r = 0; r < ROWS; r++) {
-            run_max[r] = -INFINITY;
-            run_sum[r] = 0.0f;
-            for (int64_t c = 0; c < vc; c++) acc[r][c] = (v16){0};
-        }
         for (int64_t base = 0; base < max_limit; base += PANEL) {
             const v16 *panel = (const v16 *)(panels + base * D);
             v16 s[ROWS];
@@ -351,28 +332,51 @@ static inline __attribute__((always_inline)) int prefill_tile(
                 const v16 kt = panel[d];
                 for (int64_t r = 0; r < ROWS; r++) s[r] += qr[r][d] * kt;
             }
-            /* Keys past a row's own position are masked; every row sees key 0, in the first panel. */
-            for (int64_t r = 0; r < ROWS; r++) {
-                const float rescale = softmax_block(s[r] * scale, limit[r] - base, &run_max[r], &run_sum[r], prob[r]);
-                for (int64_t c = 0; c < vc; c++) acc[r][c] *= rescale;
+            for (int64_t r = 0; r < ROWS; r++) __builtin_memcpy(scores + r * stride + base, &s[r], sizeof s[r]);
+        }
+        /* Row r's probabilities over its keys [0, limit[r]); 0 from there to max_limit, so that
+         * the rows share one walk over the values. Every row sees key 0. */
+        float inv_sum[ROWS];
+        for (int64_t r = 0; r < ROWS; r++) {
+            float *row = scores + r * stride;
+            float row_max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : row_max)
+            for (int64_t t = 0; t < limit[r]; t++) row_max = row[t] > row_max ? row[t] : row_max;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < limit[r]; t++) {
+                row[t] = exp_nonpositive((row[t] - row_max) * scale);
+                sum += row[t];
             }
-            /* Only keys inside the context: rows past it may hold anything, NaN included. */
-            const int64_t n = max_limit - base < PANEL ? max_limit - base : PANEL;
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t key = base + t;
-                const v16 *v = (const v16 *)(v_base + table[key / block_size] * block_stride +
-                                             (key % block_size) * token_stride);
-                for (int64_t r = 0; r < ROWS; r++) {
-                    const float p = prob[r][t];
-                    for (int64_t c = 0; c < vc; c++) acc[r][c] += p * v[c];
+            for (int64_t t = limit[r]; t < max_limit; t++) row[t] = 0.0f;
+            inv_sum[r] = 1.0f / sum;
+        }
+        /* Only keys inside the context: rows past it may hold anything, NaN included. */
+        for (int64_t rg = 0; rg < live; rg += PV_ROWS) {
+            const float *prob = scores + rg * stride;
+            for (int64_t c0 = 0; c0 < D / PANEL; c0 += PV_COLS) {
+                v16 acc[PV_ROWS][PV_COLS];
+                for (int64_t r = 0; r < PV_ROWS; r++)
+                    for (int64_t c = 0; c < PV_COLS; c++) acc[r][c] = (v16){0};
+                for (int64_t start = 0; start < max_limit; start += block_size) {
+                    const int64_t n = max_limit - start < block_size ? max_limit - start : block_size;
+                    const float *values = v_base + table[start / block_size] * block_stride + c0 * PANEL;
+                    for (int64_t t = 0; t < n; t++) {
+                        const v16 *v = (const v16 *)(values + t * token_stride);
+                        v16 p[PV_ROWS]; /* broadcast once; then each value vector is loaded once */
+                        for (int64_t r = 0; r < PV_ROWS; r++) p[r] = (v16){0} + prob[r * stride + start + t];
+                        for (int64_t c = 0; c < PV_COLS; c++) {
+                            v16 vc = v[c];
+                            __asm__("" : "+v"(vc)); /* in a register: GCC would load it again for every row */
+                            for (int64_t r = 0; r < PV_ROWS; r++) acc[r][c] += p[r] * vc;
+                        }
+                    }
+                }
+                for (int64_t r = 0; r < PV_ROWS && rg + r < live; r++) {
+                    const int64_t row = r0 + rg + r, token = tok0 + row / group;
+                    v16 *o = (v16 *)(out + ((q_row0 + token) * num_heads + head0 + row % group) * D) + c0;
+                    for (int64_t c = 0; c < PV_COLS; c++) o[c] = acc[r][c] * inv_sum[rg + r];
                 }
             }
-        }
-        for (int64_t r = 0; r < live; r++) {
-            const int64_t row = r0 + r, token = tok0 + row / group;
-            v16 *o = (v16 *)(out + ((q_row0 + token) * num_heads + head0 + row % group) * D);
-            const float inv = 1.0f / run_sum[r];
-            for (int64_t c = 0; c < vc; c++) o[c] = acc[r][c] * inv;
         }
     }
     return 0;
@@ -383,9 +387,9 @@ static inline __attribute__((always_inline)) int prefill_tile(
                                 const float *v_base, const int32_t *table, int64_t num_blocks,                  \
                                 int64_t block_stride, int64_t token_stride, int64_t block_size, int64_t first_pos, \
                                 int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group,        \
-                                float scale, float *panels) {                                                    \
+                                float scale, float *panels, float *scores) {                                     \
         return prefill_tile(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,    \
-                            block_size, first_pos, q_row0, tok0, ntok, head0, group, scale, panels, D);           \
+                            block_size, first_pos, q_row0, tok0, ntok, head0, group, scale, panels, scores, D);   \
     }
 PREFILL_TILE(64)
 PREFILL_TILE(128)
@@ -411,11 +415,12 @@ int pdserve_paged_prefill(const float *q, const float *k_cache, const float *v_c
         first_item[s + 1] = first_item[s] + (qlen + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
     }
     const int64_t items = first_item[num_seqs];
-    const int64_t panel_floats = (max_seq_len + PANEL - 1) / PANEL * PANEL * head_dim;
+    const int64_t padded_len = (max_seq_len + PANEL - 1) / PANEL * PANEL;
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *panels = malloc(sizeof(float) * panel_floats);
+        float *panels = malloc(sizeof(float) * padded_len * (head_dim + ROWS));
+        float *scores = panels + padded_len * head_dim;
         if (panels == NULL) {
 #pragma omp atomic write
             status = -1;
@@ -434,10 +439,10 @@ int pdserve_paged_prefill(const float *q, const float *k_cache, const float *v_c
             const int rc = head_dim == 64
                 ? prefill_tile_64(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
                                   block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
-                                  panels)
+                                  panels, scores)
                 : prefill_tile_128(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
                                    block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
-                                   panels);
+                                   panels, scores);
             if (rc != 0) {
 #pragma omp atomic write
                 status = rc;

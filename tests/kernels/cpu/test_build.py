@@ -43,6 +43,16 @@ def test_an_edited_source_gets_its_own_build_which_replaces_the_old_one(source):
     assert new != old
 
 
+def test_an_edited_header_beside_the_source_gets_its_own_build(source):
+    header = source.parent / "answer.h"
+    header.write_text("#define ANSWER 42\n")
+    source.write_text('#include "answer.h"\nint pdserve_answer(void) { return ANSWER; }\n')
+    assert load_library(source).pdserve_answer() == 42
+    header.write_text("#define ANSWER 44\n")
+    load_library.cache_clear()
+    assert load_library(source).pdserve_answer() == 44
+
+
 def test_no_compiler_says_what_to_install(source, monkeypatch, tmp_path):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
