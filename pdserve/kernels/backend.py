@@ -113,6 +113,10 @@ class Backend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``r = x + residual`` (or ``x``); returns ``(rms_norm(r) * weight, r)``."""
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation ``silu(gate) * up`` of gate, up [T, I]."""
+        return F.silu(gate) * up
+
     @abstractmethod
     def rotary(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, interleaved: bool

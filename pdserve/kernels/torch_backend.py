@@ -209,7 +209,7 @@ class TorchBackend(Backend):
             if start == end:
                 continue
             gate, up = (tokens.hidden[start:end] @ w13[expert].t()).chunk(2, dim=-1)
-            out[start:end] = (F.silu(gate) * up) @ w2[expert].t()
+            out[start:end] = self.silu_mul(gate, up) @ w2[expert].t()
         return out
 
     def combine(self, expert_out, tokens, num_tokens):

@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.models.tensor_parallel import row_parallel_bias, split
@@ -147,12 +146,13 @@ class DenseMLP:
             ckpt, f"{name}.down_proj", intermediate, hidden, backend, row_parallel_bias(bias, parallel),
             cols=share if parallel.tp_size > 1 else None,
         )
+        self.backend = backend
         self.parallel = parallel
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (the whole output on one rank)."""
         gate, up = self.gate_up(x)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.backend.silu_mul(gate, up))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.tp_all_reduce(self.partial(x))

@@ -62,6 +62,12 @@ class CpuBackend(TorchBackend):
             return super().rms_norm(x, weight, eps, residual)
         return layer_ops.rms_norm(x, weight.contiguous(), eps, residual)
 
+    def silu_mul(self, gate, up):
+        fits = gate.dim() == 2 and gate.dtype == up.dtype == torch.float32 and gate.stride() == up.stride()
+        if not fits or (gate.shape[0] and not (gate[0].is_contiguous() and up[0].is_contiguous())):
+            return super().silu_mul(gate, up)
+        return layer_ops.silu_mul(gate, up)
+
     def rope_write_kv(self, q, k, v, positions, cos_sin, layer_cache, slot_mapping):
         dim = q.shape[-1]
         fits = (

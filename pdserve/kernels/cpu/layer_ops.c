@@ -4,8 +4,10 @@
  * cost more in dispatch and temporaries (a torch op each for the add, the square, the mean, the
  * rsqrt, the products, the gathers of cos and sin, the halves, the concatenation, the scatter
  * into the cache) than in arithmetic. Each function here reads its inputs once and writes its
- * outputs once. They run on the calling thread: a few hundred kilobytes per call is less than
- * an OpenMP fork costs, and on a loaded machine a spinning team only steals the GEMMs' cores.
+ * outputs once. A decode step's call (a few hundred kilobytes) runs on the calling thread: that
+ * is less than an OpenMP fork costs, and on a loaded machine a spinning team only steals the
+ * GEMMs' cores. A prompt's (megabytes: 500 tokens are 6 MB of SwiGLU input a layer) is split
+ * over the tokens, on the torch threads' team.
  *
  * Layout, in elements (float32); a "row" is one token's vector and may sit in a wider row
  * (q, k and v are column slices of one fused projection), hence the row strides.
@@ -14,11 +16,18 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector_math.h"
+
+/* From this many elements in a call, the tokens are split over `num_threads` threads. */
+enum { PARALLEL_MIN_ELEMENTS = 1 << 16 };
+
 /* sum_out[t] = x[t] + residual[t] (residual NULL: no add, sum_out unused);
  * out[t] = weight * r / sqrt(mean(r^2) + eps) where r is that sum (or x[t]).
  * out and sum_out are contiguous [num_tokens, dim]. */
 void pdserve_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t residual_stride,
-                      const float *weight, float *out, float *sum_out, int64_t num_tokens, int64_t dim, float eps) {
+                      const float *weight, float *out, float *sum_out, int64_t num_tokens, int64_t dim, float eps,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *row = x + t * x_stride;
         float *o = out + t * dim;
@@ -54,16 +63,21 @@ static inline void rotate_half(const float *x, float *out, const float *cos, con
  * stride kv_stride. cos_sin [max_pos, dim]: cos of each of the dim/2 frequencies, then sin.
  * Token t goes to block slots[t] / block_size, offset slots[t] % block_size; the caches'
  * element strides are block_stride, head_stride and token_stride. Returns -1 if a position
- * or a slot is out of range (nothing after that token is written), else 0. */
+ * or a slot is out of range (then nothing is written), else 0. */
 int pdserve_rope_write_kv(float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                           const int64_t *positions, const float *cos_sin, int64_t max_positions,
                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
                           float *k_cache, float *v_cache, int64_t num_blocks, int64_t block_stride,
-                          int64_t head_stride, int64_t token_stride, const int64_t *slots, int64_t block_size) {
+                          int64_t head_stride, int64_t token_stride, const int64_t *slots, int64_t block_size,
+                          int num_threads) {
     const int64_t half = dim / 2;
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t pos = positions[t], slot = slots[t];
         if (pos < 0 || pos >= max_positions || slot < 0 || slot / block_size >= num_blocks) return -1;
+    }
+#pragma omp parallel for num_threads(num_threads) if (num_tokens * (num_heads + 2 * num_kv_heads) * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t pos = positions[t], slot = slots[t];
         const float *cos = cos_sin + pos * dim, *sin = cos + half;
         float *qt = q + t * q_stride;
         for (int64_t h = 0; h < num_heads; h++) {
@@ -78,4 +92,20 @@ int pdserve_rope_write_kv(float *q, int64_t q_stride, const float *k, const floa
         }
     }
     return 0;
+}
+
+/* out[t] = silu(gate[t]) * up[t], silu(x) = x / (1 + exp(-x)); gate and up rows of `dim` with
+ * row stride in_stride (the two halves of one fused projection), out contiguous. */
+void pdserve_silu_mul(const float *gate, const float *up, int64_t in_stride, float *out, int64_t num_tokens,
+                      int64_t dim, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_tokens * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *g = gate + t * in_stride, *u = up + t * in_stride;
+        float *o = out + t * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            /* exp(-|x|) never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below */
+            const float x = g[i], e = exp_nonpositive(-fabsf(x));
+            o[i] = x * (x >= 0.0f ? 1.0f : e) / (1.0f + e) * u[i];
+        }
+    }
 }

@@ -1,5 +1,6 @@
-"""A layer's small ops on CPU (``layer_ops.c``): RMSNorm with its residual add, and rotary
-embedding fused with the KV cache write, each one C call instead of several torch ops."""
+"""A layer's small ops on CPU (``layer_ops.c``): RMSNorm with its residual add, rotary
+embedding fused with the KV cache write, and SwiGLU's ``silu(gate) * up``, each one C call
+instead of several torch ops."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _library() -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     norm = library.pdserve_rms_norm
     norm.restype = None
-    norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     rope = library.pdserve_rope_write_kv
     rope.restype = ctypes.c_int
     rope.argtypes = [
@@ -28,7 +29,11 @@ def _library() -> ctypes.CDLL:
         ptr, ptr, i64,  # positions, cos_sin, max positions
         i64, i64, i64, i64,  # tokens, heads, KV heads, head dim
         ptr, ptr, i64, i64, i64, i64, ptr, i64,  # caches, blocks, strides, slots, block size
+        ctypes.c_int,  # threads
     ]
+    silu_mul = library.pdserve_silu_mul
+    silu_mul.restype = None
+    silu_mul.argtypes = [ptr, ptr, i64, ptr, i64, i64, ctypes.c_int]
     return library
 
 
@@ -60,7 +65,7 @@ def rms_norm(
         _library().pdserve_rms_norm(
             x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
             residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
-            total.data_ptr() if residual is not None else None, num_tokens, dim, eps,
+            total.data_ptr() if residual is not None else None, num_tokens, dim, eps, torch.get_num_threads(),
         )  # fmt: skip
     return out, total
 
@@ -87,8 +92,25 @@ def rope_write_kv(
         positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
         num_tokens, num_heads, num_kv_heads, dim,
         keys.data_ptr(), values.data_ptr(), num_blocks, keys.stride(0), keys.stride(1), keys.stride(2),
-        slots.data_ptr(), block_size,
+        slots.data_ptr(), block_size, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError("a position is beyond the rotary table or a slot outside the cache")
     return q
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of gate, up [T, I] float32 with contiguous rows and one row stride
+    (the halves of a fused gate/up projection, or two tensors alike); returns [T, I]."""
+    if gate.shape != up.shape or gate.dim() != 2:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must be [tokens, size] alike")
+    if not (_rows(gate) and _rows(up) and gate.stride() == up.stride()):
+        raise ValueError(f"gate and up need float32 rows with one row stride, got {gate.dtype} {gate.stride()}, "
+                         f"{up.dtype} {up.stride()}")  # fmt: skip
+    num_tokens, size = gate.shape
+    out = torch.empty(num_tokens, size, dtype=torch.float32)
+    if num_tokens:
+        _library().pdserve_silu_mul(
+            gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), num_tokens, size, torch.get_num_threads()
+        )
+    return out
