@@ -9,7 +9,9 @@ same tokenizer turns the workers' token ids into the client's text (``TextStream
 
 Tokenizing is slow for a large prompt (seconds for megabytes), so it runs on a thread, off the
 event loop that serves every other request: ``validate`` is a coroutine for that alone. A text
-longer than ``max_prompt_chars`` is refused before any of that work.
+longer than ``max_prompt_chars`` is refused before any of that work. Reading a tokenizer takes
+~100 ms, so it also runs on a thread, once per file, started when the model's first worker
+joins (``preload``): no request, token ids included, waits for it then.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class ModelCatalog:
     def __init__(self, tokenizer_path: str | None = None, max_prompt_chars: int | None = None) -> None:
         self.tokenizer_path = tokenizer_path
         self.max_prompt_chars = max_prompt_chars
-        self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._tokenizers: dict[str, Tokenizer | None] = {}  # by file, once read
+        self._reading: dict[str, asyncio.Future[Tokenizer | None]] = {}  # by file, while read
 
     @staticmethod
     def models(workers: Sequence[WorkerEntry]) -> dict[str, ModelInfo]:
@@ -129,7 +132,7 @@ class ModelCatalog:
         options = inference_pb2.SamplingOptions()
         options.CopyFrom(sampling)
         options.ClearField("stop")
-        return ValidRequest(model, token_ids, params, options, self.tokenizer(model))
+        return ValidRequest(model, token_ids, params, options, await self.tokenizer(model.name, model.model_path))
 
     async def _prompt(
         self, request: inference_pb2.GenerateRequest, model: ModelInfo, add_special_tokens: bool
@@ -143,7 +146,7 @@ class ModelCatalog:
                     f"prompt: {len(request.text)} characters, past the limit (max_prompt_chars) of "
                     f"{self.max_prompt_chars}"
                 )
-            tokenizer = await asyncio.to_thread(self.tokenizer, model)  # the first load reads a large file
+            tokenizer = await self.tokenizer(model.name, model.model_path)
             if tokenizer is None:
                 raise InvalidRequest(f"prompt: model {model.name!r} has no tokenizer.json; send token_ids")
             token_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens)
@@ -165,14 +168,37 @@ class ModelCatalog:
             )
         return token_ids
 
-    def tokenizer(self, model: ModelInfo) -> Tokenizer | None:
-        path = Path(self.tokenizer_path or model.model_path)
-        key = str(path)
-        if key not in self._tokenizers:
-            self._tokenizers[key] = find_tokenizer(path)
-            if self._tokenizers[key] is None:
-                logger.warning(
-                    "no tokenizer at %s (tokenizer.json or a GGUF file): text prompts for %s are refused, completions have no text",
-                    path, model.name,
-                )
-        return self._tokenizers[key]
+    async def tokenizer(self, model: str, model_path: str) -> Tokenizer | None:
+        """The model's tokenizer (None: it has none), read on a thread the first time; callers
+        meanwhile wait for that one read."""
+        key = str(Path(self.tokenizer_path or model_path))
+        if key in self._tokenizers:
+            return self._tokenizers[key]
+        reading = self._reading.get(key)
+        if reading is None or reading.get_loop() is not asyncio.get_running_loop():
+            reading = self._reading[key] = asyncio.ensure_future(asyncio.to_thread(self._read, key, model))
+        try:
+            tokenizer = await asyncio.shield(reading)  # one caller cancelled does not cancel the read
+        finally:
+            if reading.done():
+                self._reading.pop(key, None)
+        self._tokenizers[key] = tokenizer
+        return tokenizer
+
+    async def preload(self, model: str, model_path: str) -> None:
+        """Read the model's tokenizer now (a worker of it joined); a failure is logged, and
+        the first request that needs it reads it again."""
+        try:
+            await self.tokenizer(model, model_path)
+        except Exception:
+            logger.exception("reading the tokenizer of %s from %s failed", model, self.tokenizer_path or model_path)
+
+    @staticmethod
+    def _read(path: str, model: str) -> Tokenizer | None:
+        tokenizer = find_tokenizer(Path(path))
+        if tokenizer is None:
+            logger.warning(
+                "no tokenizer at %s (tokenizer.json or a GGUF file): text prompts for %s are refused, completions have no text",
+                path, model,
+            )
+        return tokenizer

@@ -1,5 +1,5 @@
-"""One gRPC channel per worker endpoint, opened on first use, closed when the worker leaves;
-over mTLS with the cluster's certificate set when the cluster has one."""
+"""One gRPC channel per worker endpoint, opened when the worker joins (or on first use),
+closed when it leaves; over mTLS with the cluster's certificate set when the cluster has one."""
 
 from __future__ import annotations
 
@@ -28,10 +28,18 @@ class WorkerChannels:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._channel(endpoint))
+
+    def connect(self, endpoint: str) -> None:
+        """Start connecting to a worker now, without waiting: its first request then finds the
+        connection made (TCP and HTTP/2, and TLS: ~100 ms on a busy machine) instead of paying for it."""
+        self._channel(endpoint).get_state(try_to_connect=True)
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = self._channels[endpoint] = secure_or_insecure_channel(endpoint, self.tls, CHANNEL_OPTIONS)
-        return worker_pb2_grpc.WorkerStub(channel)
+        return channel
 
     def close(self, endpoint: str) -> None:
         """Close the worker's channel (in the background: in-flight calls on it fail)."""

@@ -57,10 +57,13 @@ class Gateway:
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)
         view.add_listener(self._on_registry_change)
+        self._on_registry_change(view.workers(), [])  # those registered before this frontend started
 
     def _on_registry_change(self, added: list[WorkerEntry], removed: list[WorkerEntry]) -> None:
         for entry in added:
             logger.info("worker joined: %s %s at %s", entry.role, entry.worker_id, entry.endpoint)
+            self.routing.channels.connect(entry.endpoint)
+            self.routing.channels.in_background(self.catalog.preload(entry.model, entry.model_path))
         for entry in removed:
             logger.info("worker left: %s %s", entry.role, entry.worker_id)
             self.routing.router.forget(entry.worker_id)

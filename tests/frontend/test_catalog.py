@@ -10,6 +10,7 @@ import pytest
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelUnavailable
 from pdserve.v1 import inference_pb2
 from tests.frontend.test_router import entry
+from tests.utils.tiny_tokenizer import write_tiny_tokenizer
 
 
 def request(**fields) -> inference_pb2.GenerateRequest:
@@ -81,3 +82,34 @@ def test_a_text_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized()
         validate(catalog, request(text="x" * 11), [entry("d1", "decode")])
     with pytest.raises(InvalidRequest, match="has no tokenizer.json"):
         validate(catalog, request(text="x" * 10), [entry("d1", "decode")])
+
+
+def test_concurrent_requests_share_one_read_of_the_tokenizer_which_preload_starts(tmp_path):
+    write_tiny_tokenizer(tmp_path)
+    worker = msgspec.structs.replace(entry("d1", "decode"), model_path=str(tmp_path))
+
+    async def scenario():
+        catalog = ModelCatalog()
+        preloading = asyncio.ensure_future(catalog.preload("m", str(tmp_path)))
+        first, second = await asyncio.gather(
+            catalog.validate(request(text="Hello, world!"), [worker]),
+            catalog.validate(request(token_ids=inference_pb2.TokenIds(ids=[1, 2])), [worker]),
+        )
+        await preloading
+        later = await catalog.validate(request(token_ids=inference_pb2.TokenIds(ids=[3])), [worker])
+        return first, second, later
+
+    first, second, later = asyncio.run(scenario())
+    assert first.tokenizer is not None and first.tokenizer is second.tokenizer is later.tokenizer  # read once
+    assert first.token_ids == first.tokenizer.encode("Hello, world!", True)
+
+
+def test_preload_of_a_model_without_a_tokenizer_is_quiet_and_requests_still_get_none(tmp_path):
+    worker = msgspec.structs.replace(entry("d1", "decode"), model_path=str(tmp_path))
+
+    async def scenario():
+        catalog = ModelCatalog()
+        await catalog.preload("m", str(tmp_path))
+        return await catalog.validate(request(token_ids=inference_pb2.TokenIds(ids=[1])), [worker])
+
+    assert asyncio.run(scenario()).tokenizer is None
