@@ -256,6 +256,9 @@ class EngineLoop:
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            with self._lock:  # on this thread: its OpenMP team is the one that steps
+                self.engine.warm_up()
+                self._load = self._snapshot()
             while True:
                 # Block for a command only when a step would have nothing to run.
                 with self._lock:

@@ -251,3 +251,35 @@ def test_an_engine_is_built_on_a_thread_that_then_ends(checkpoints):
 
     assert isinstance(run_scenario(main()), LLMEngine)
     assert builders[0] is not threading.main_thread() and not builders[0].is_alive()
+
+
+def test_the_loop_warms_its_engine_up_on_the_engine_thread_before_the_first_request(checkpoints):
+    path, _ = checkpoints("llama")
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20))
+    step_threads: list[str] = []
+    steps_before_add: list[int] = []
+    step, add_request = engine.step, engine.add_request
+
+    def recording_step(*args, **kwargs):
+        step_threads.append(threading.current_thread().name)
+        return step(*args, **kwargs)
+
+    def recording_add(request_id, *args, **kwargs):
+        if request_id == "first":
+            steps_before_add.append(len(step_threads))
+        return add_request(request_id, *args, **kwargs)
+
+    engine.step, engine.add_request = recording_step, recording_add
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        outputs = await asyncio.wait_for(_collect(await loop.add("first", [5, 6, 7], GREEDY)), 60)
+        await loop.stop()
+        return outputs
+
+    outputs = run_scenario(main())
+    assert steps_before_add == [2]  # the warm-up's prompt step and decode step
+    assert set(step_threads) == {"pdserve-engine"}
+    assert outputs[-1].finished and len([t for o in outputs for t in o.new_token_ids]) == GREEDY.max_tokens
+    engine.check_idle_integrity()
