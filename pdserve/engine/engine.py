@@ -147,6 +147,7 @@ class LLMEngine:
         *,
         pin_s: float | None = None,
         generated_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
         """Queue a request; raises ValueError for a prompt the engine cannot serve.
 
@@ -155,8 +156,12 @@ class LLMEngine:
         its first output tokens, computed here with the prompt (or pulled, as a CONSUMER), and
         count as output for ``max_tokens`` and the penalties; a seeded request's generator
         skips the draws they took, so it goes on with the tokens it would have drawn there.
+        ``arrival_time`` (``time.monotonic``): when the caller received it, if before now (an
+        engine loop's request waits for the step under way); its queue time counts from there.
         """
         request = self._new_request(request_id, prompt, params, kv_role, pin_s, generated_token_ids)
+        if arrival_time is not None:
+            request.arrival_time = min(arrival_time, request.arrival_time)
         self.scheduler.add(request)
         return request
 

@@ -172,8 +172,10 @@ class EngineLoop:
                 if admitted is not None:
                     stream._put(KVAwaited(*admitted))
             else:
+                arrived = time.monotonic()  # the wait for the step under way is part of its queue time
                 await self._call(lambda: engine.add_request(
-                    request_id, prompt, params, kv_role, pin_s=pin_s, generated_token_ids=generated_token_ids
+                    request_id, prompt, params, kv_role, pin_s=pin_s, generated_token_ids=generated_token_ids,
+                    arrival_time=arrived,
                 ))  # fmt: skip
         except BaseException:
             # Cancelled while queued, the add still runs: the abort queued behind it, on the

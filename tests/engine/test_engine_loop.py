@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -283,3 +284,30 @@ def test_the_loop_warms_its_engine_up_on_the_engine_thread_before_the_first_requ
     assert set(step_threads) == {"pdserve-engine"}
     assert outputs[-1].finished and len([t for o in outputs for t in o.new_token_ids]) == GREEDY.max_tokens
     engine.check_idle_integrity()
+
+
+def test_a_request_that_waits_for_the_step_under_way_counts_that_wait_as_queue_time(checkpoints):
+    path, _ = checkpoints("llama")
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20))
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        output = step(*args, **kwargs)
+        time.sleep(0.3)  # a long step, with the engine's lock held as in a real one
+        return output
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        engine.step = slow_step
+        running = await loop.add("running", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        await running.next()
+        await asyncio.sleep(0.1)  # the next step is under way
+        queued = await loop.add("queued", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
+        outputs = await asyncio.wait_for(_collect(queued), 60)
+        await asyncio.wait_for(_collect(running), 60)
+        await loop.stop()
+        return outputs[-1]
+
+    final = run_scenario(main())
+    assert final.first_scheduled_time - final.arrival_time > 0.1
