@@ -338,7 +338,7 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one short prompt and one decode step through the model, so that the first
         request does not pay for what a process's first model run sets up: the thread pool,
-        the GEMM library's kernels, first-touch memory (on CPU, 20-140 ms of the first TTFT).
+        the GEMM library's kernels, first-touch memory (on CPU, ~20 ms of a 440-token prompt).
 
         For an idle single-rank engine (a group's ranks step together: they are not warmed
         here). The prompt's full blocks stay in the prefix cache, free to evict like any."""

@@ -32,7 +32,7 @@ class WorkerChannels:
 
     def connect(self, endpoint: str) -> None:
         """Start connecting to a worker now, without waiting: its first request then finds the
-        connection made (TCP and HTTP/2, and TLS: ~100 ms on a busy machine) instead of paying for it."""
+        connection (TCP, HTTP/2 and TLS when the cluster has certificates) made."""
         self._channel(endpoint).get_state(try_to_connect=True)
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:

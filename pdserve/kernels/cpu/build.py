@@ -2,11 +2,11 @@
 
 The shared library is cached under ``$PDSERVE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/pdserve``, else ``~/.cache/pdserve``) in ``cpu_kernels/``, named by a hash
-of the source and the headers beside it, the compiler, the flags and the CPU, so that an edit, a new compiler or a
-checkout shared between different machines never loads a stale or foreign build. Processes
-that start together (a prefill and a decode worker) may both compile; each writes its own
-temporary file and renames it into place, so a reader never sees half a library. A new build
-replaces the kernel's older ones in the cache.
+of the source and the headers beside it, the compiler, the flags and the CPU, so that an edit,
+a new compiler or a checkout shared between different machines never loads a stale or foreign
+build. Processes that start together (a prefill and a decode worker) may both compile; each
+writes its own temporary file and renames it into place, so a reader never sees half a
+library. A new build replaces the kernel's older ones in the cache.
 """
 
 from __future__ import annotations
