@@ -358,10 +358,18 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def step(self, while_running: AbstractContextManager[object] | None = None) -> StepOutput:
-        """Schedule, run the model, sample, update; ``while_running`` is entered around the
-        model run alone (``EngineLoop`` releases its lock there, so that consumers are admitted
-        and resumed while the model runs)."""
+    def step(
+        self, while_running: AbstractContextManager[object] | None = None,
+        mid_step: AbstractContextManager[object] | None = None,
+    ) -> StepOutput:  # fmt: skip
+        """Schedule, run the model, sample, update.
+
+        ``while_running`` is entered around the model run alone (``EngineLoop`` releases its
+        lock there, so that consumers are admitted and resumed while the model runs). With
+        ``mid_step`` (``EngineLoop`` passes its lock), consumers resumed while the model runs
+        join the run at its next layer boundary, under ``mid_step``, instead of waiting for
+        the next step: their second token comes from this one (single-rank engines).
+        """
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r, []) for r in sched.finished]
         now = time.monotonic()
@@ -374,9 +382,12 @@ class LLMEngine:
                 ran = self.runner.idle()
             return StepOutput(outputs, awaiting, group_ran_model=ran)
         inputs = self.runner.prepare(sched.scheduled)
+        joiners = None
+        if mid_step is not None:
+            joiners = self._joiners(mid_step, room=self.scheduler.config.max_num_batched_tokens - sched.num_tokens)
         with while_running or nullcontext():
-            logits = self.runner.execute(inputs)
-        for request, num_new in sched.scheduled:
+            logits = self.runner.execute(inputs, joiners)
+        for request, num_new in inputs.scheduled:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         if inputs.sampling_requests:
@@ -385,7 +396,22 @@ class LLMEngine:
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._accept_token(request, token, logprobs))
-        return StepOutput(outputs, awaiting, sched.num_tokens, group_ran_model=True)
+        num_tokens = sum(n for _, n in inputs.scheduled)
+        return StepOutput(outputs, awaiting, num_tokens, group_ran_model=True)
+
+    def _joiners(self, mid_step: AbstractContextManager[object], room: int) -> Callable[[], list[Request]]:
+        """The step's late joiners, asked for at each layer boundary: ``room`` tokens at most."""
+
+        def take() -> list[Request]:
+            nonlocal room
+            if not self.scheduler.resumed or room <= 0:  # the common case: no lock taken
+                return []
+            with mid_step:
+                joining = self.scheduler.take_resumed(room)
+            room -= len(joining)
+            return joining
+
+        return take
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)

@@ -18,7 +18,8 @@ The decode hand-off does not wait for step boundaries. A consumer is admitted (g
 and resumed after its pull (``kv_received``) on a second thread, the admitter, under the
 engine's lock — which the engine thread holds for everything but the model run itself. So a
 consumer's pull starts while a step runs, and the consumer joins the very next step after
-its KV lands; the engine thread never waits on a pull.
+its KV lands — the step under way, at a layer boundary, when the KV lands while the model
+runs (``LLMEngine.step``'s ``mid_step``); the engine thread never waits on a pull.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ class EngineLoop:
                         command()
                     idle = False
                 with self._lock:
-                    step = self.engine.step(while_running=_Released(self._lock))
+                    step = self.engine.step(while_running=_Released(self._lock), mid_step=self._lock)
                     # Snapshot first: whoever reads an output must see the load it left behind.
                     self._load = self._snapshot()
                 self._deliver(step.outputs, step.awaiting_kv)

@@ -5,11 +5,15 @@ tensor-parallel group rank 0 plans each step and sends the plan (``StepPlan``) t
 ranks, which run the same batch on their share of the model (``follow``). Data-parallel ranks
 each run their own batches; before each step they agree whether anyone has tokens, and a rank
 without any takes part in the expert-parallel exchanges with an empty batch.
+
+On a single rank, requests that become ready for a decode token while the model runs may join
+the run at a layer boundary (``execute``'s ``joiners``; ``DecoderModel.forward`` says how).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +22,7 @@ from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.models import DecoderModel
+from pdserve.engine.models.base import LateTokens
 from pdserve.engine.models.eplb import rebalance
 from pdserve.engine.request import Request
 from pdserve.engine.step_plan import StepPlan, array
@@ -32,6 +37,8 @@ class ModelInputs:
     sample_rows: torch.Tensor  # [R] index of the last token of each request that samples
     sampling_requests: list[Request]  # the R requests, in row order
     rebalance: bool = False  # re-place the experts after this step
+    # (request, tokens) in row order; requests that join the run mid-way are added here.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -59,6 +66,7 @@ class ModelRunner:
             self.parallel.channel.send(plan)
         inputs = self.inputs(plan)
         inputs.sampling_requests = sampling
+        inputs.scheduled = list(scheduled)
         return inputs
 
     def plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, list[Request]]:
@@ -124,15 +132,44 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def execute(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits [R, vocab] (float32) for the requests that sample this step."""
+    def execute(self, inputs: ModelInputs, joiners: Callable[[], list[Request]] | None = None) -> torch.Tensor:
+        """Logits [R, vocab] (float32) for the requests that sample this step.
+
+        ``joiners`` (single rank only), asked at each layer boundary: running requests that
+        need one decode token and were not scheduled, each with a slot for it. They join the
+        run there, and ``inputs`` is updated to the step as it ran (its scheduled requests,
+        rows and sampling requests include them).
+        """
         rebalance = inputs.rebalance
         if self.parallel.dp_size > 1:
             rebalance = self._agree(inputs.input_ids.shape[0])[1]  # this rank has tokens: every rank steps
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        late = None
+        if joiners is not None and self.parallel.world_size == 1:
+            late = self._late_join(inputs, joiners)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, late)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         self._stepped(rebalance)
         return logits
+
+    def _late_join(self, inputs: ModelInputs, joiners: Callable[[], list[Request]]) -> Callable[[int], LateTokens | None]:
+        def late(index: int) -> LateTokens | None:
+            joining = [(request, 1) for request in joiners()]
+            if not joining:
+                return None
+            # Decodes lead a batch: the newcomers go right after the step's decode rows.
+            at = inputs.meta.num_decodes
+            scheduled = inputs.scheduled[:at] + joining + inputs.scheduled[at:]
+            theirs = self.inputs(self.plan(joining)[0])
+            plan, sampling = self.plan(scheduled)
+            merged = self.inputs(plan)
+            inputs.input_ids, inputs.positions, inputs.meta = merged.input_ids, merged.positions, merged.meta
+            inputs.sample_rows, inputs.sampling_requests, inputs.scheduled = merged.sample_rows, sampling, scheduled
+            return LateTokens(
+                input_ids=theirs.input_ids, positions=theirs.positions, meta=theirs.meta, merged_meta=merged.meta,
+                insert_at=at,
+            )
+
+        return late
 
     def idle(self) -> bool:
         """A step with nothing scheduled here: with data-parallel ranks, step with them if any

@@ -70,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.awaiting_kv: dict[str, Request] = {}
+        # Consumers resumed since the last schedule: they may join the step under way.
+        self.resumed: list[Request] = []
         self.num_preemptions = 0  # since start, for metrics and tests
 
     def add(self, request: Request) -> None:
@@ -81,6 +83,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.pins.expire()
+        self.resumed.clear()  # every running request is considered below
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -184,7 +187,25 @@ class Scheduler:
         request.append_output(first_token_id, None)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self.resumed.append(request)
         return request
+
+    def take_resumed(self, room: int) -> list[Request]:
+        """Consumers resumed since the last schedule that join the step under way: up to
+        ``room``, each given a slot for its next token, in the order they were resumed.
+
+        When blocks run short the rest wait for the next schedule, which may preempt for them.
+        """
+        taken: list[Request] = []
+        while self.resumed and len(taken) < room:
+            request = self.resumed.pop(0)
+            if request.status is not RequestStatus.RUNNING or request.num_tokens - request.num_computed_tokens != 1:
+                continue  # ended meanwhile
+            if not self.kv.allocate(request.request_id, request.num_tokens):
+                self.resumed.clear()
+                break
+            taken.append(request)
+        return taken
 
     def finish(self, request: Request, reason: str, *, pin: bool = False) -> None:
         """End a request wherever it is; its blocks are freed, or pinned for a peer for ``request.pin_s``."""

@@ -2,6 +2,10 @@
 
 embed → N × (norm → attention → norm → MLP or MoE, with residuals) → norm → LM head.
 A model file supplies the attention and the feed-forward of each layer.
+
+Decode tokens may join a forward pass under way at a layer boundary (``LateTokens``): they
+run the layers they missed on their own, then go on in the batch. A request whose KV lands
+while a step runs so gets its next token from that step instead of the one after it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,21 @@ from pdserve.kernels.backend import AttentionMetadata, Backend
 # (hidden [T, H], positions [T], layer cache, metadata) → [T, H]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 FeedForward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LateTokens:
+    """Decode tokens (one per sequence) that join a forward pass at a layer boundary."""
+
+    input_ids: torch.Tensor  # [J]
+    positions: torch.Tensor  # [J]
+    meta: AttentionMetadata  # theirs alone: the layers they catch up on
+    merged_meta: AttentionMetadata  # the pass's batch with them, from the boundary on
+    insert_at: int  # their first row in the batch: right after its decode rows
+
+
+# Asked at each layer boundary after the first (the layer's index): tokens that join there, or None.
+LateJoin = Callable[[int], "LateTokens | None"]
 
 
 @dataclass
@@ -77,17 +96,40 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every input token."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+        late: LateJoin | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Hidden states [T, hidden] after the final norm, for every input token; with tokens
+        that ``late`` adds, for those too, in the rows of its ``merged_meta``."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for index, layer in enumerate(self.layers):
+        for index in range(len(self.layers)):
+            joining = late(index) if late is not None and index > 0 else None
+            if joining is not None:
+                caught_up, caught_up_residual = self._layers(
+                    self.embed_tokens(joining.input_ids), None, joining.positions, kv_cache, joining.meta, 0, index
+                )
+                at = joining.insert_at
+                hidden = torch.cat([hidden[:at], caught_up, hidden[at:]])
+                residual = torch.cat([residual[:at], caught_up_residual, residual[at:]])
+                positions = torch.cat([positions[:at], joining.positions, positions[at:]])
+                meta = joining.merged_meta
+            hidden, residual = self._layers(hidden, residual, positions, kv_cache, meta, index, index + 1)
+        return self.norm(hidden, residual)[0]
+
+    def _layers(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: KVCache,
+        meta: AttentionMetadata, start: int, stop: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Layers [start, stop) on the residual stream: (hidden, residual) after the last."""
+        for index in range(start, stop):
+            layer = self.layers[index]
             normed, residual = layer.input_norm(hidden, residual)
             hidden = layer.attention(normed, positions, kv_cache.layer(index), meta)
             normed, residual = layer.post_attention_norm(hidden, residual)
             hidden = layer.feed_forward(normed)
-        return self.norm(hidden, residual)[0]
+        assert residual is not None, "a model has layers"
+        return hidden, residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""A consumer whose KV lands while a step runs joins that step at a layer boundary: it runs
+the layers it missed on its own, then goes on in the batch, and its tokens stay exact."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.request import KVRole
+from pdserve.engine.sampling_params import SamplingParams
+from tests.utils.checkpoints import VOCAB, reference_greedy
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _produce(engine: LLMEngine, request_id: str, prompt: list[int]) -> RequestOutput:
+    engine.add_request(request_id, prompt, GREEDY, KVRole.PRODUCER, pin_s=30.0)
+    while True:
+        for output in engine.step().outputs:
+            if output.finished:
+                return output
+
+
+def _hand_over(engine: LLMEngine, request_id: str, prompt: list[int]) -> int:
+    """Produce ``prompt`` in ``engine`` and admit its consumer there, KV copied in; returns the
+    first token, for ``kv_received``."""
+    produced = _produce(engine, f"{request_id}-prefill", prompt)
+    block_ids, _ = engine.admit_consumer(request_id, prompt, GREEDY)
+    engine.kv_cache.data[block_ids] = engine.kv_cache.data[produced.held_block_ids]
+    engine.kv_sent(f"{request_id}-prefill")
+    return produced.token_ids[0]
+
+
+def _resume_during(engine: LLMEngine, layer: int, resumes: dict[str, int]) -> None:
+    """Resume the consumers ``resumes`` names while the model runs ``layer``'s feed-forward (as
+    the admitter thread does while a step runs)."""
+    feed_forward = engine.model.layers[layer].feed_forward
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
+        engine.model.layers[layer].feed_forward = feed_forward
+        for request_id, first_token in resumes.items():
+            assert engine.kv_received(request_id, first_token) is None
+        return feed_forward(hidden)
+
+    engine.model.layers[layer].feed_forward = run
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2_lite"])
+def test_consumers_resumed_mid_step_join_the_step_and_match_transformers(checkpoints, arch):
+    path, hf_model = checkpoints(arch)
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**21))
+    prompts = {"local": _prompt(1, 21), "c1": _prompt(2, 16), "c2": _prompt(3, 35)}
+    firsts = {rid: _hand_over(engine, rid, prompts[rid]) for rid in ("c1", "c2")}
+    engine.add_request("local", prompts["local"], GREEDY)
+    engine.step()  # local's prompt: it decodes from now on
+
+    _resume_during(engine, 0, firsts)  # the last layer boundary before the model's end is 1
+    step = engine.step(mid_step=nullcontext())
+    assert {o.request_id: len(o.token_ids) for o in step.outputs} == {"local": 2, "c1": 2, "c2": 2}
+    assert step.num_scheduled_tokens == 3 and not engine.scheduler.resumed
+
+    tokens = {o.request_id: o.token_ids for o in step.outputs}
+    while engine.has_unfinished():
+        for output in engine.step(mid_step=nullcontext()).outputs:
+            tokens[output.request_id] = output.token_ids
+    compared = 0
+    for request_id, prompt in prompts.items():
+        reference, num_clear = reference_greedy(hf_model, prompt, GREEDY.max_tokens)
+        assert tokens[request_id][:num_clear] == reference[:num_clear], request_id
+        compared += num_clear
+    assert compared >= GREEDY.max_tokens * 2, "too many near-ties: the comparison proves little"
+    engine.check_idle_integrity()
+    assert engine.block_pool.all_free()
+
+
+def test_without_mid_step_a_consumer_resumed_during_a_step_waits_for_the_next(checkpoints):
+    path, _ = checkpoints("llama")
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**21))
+    first = _hand_over(engine, "c", _prompt(2, 16))
+    engine.add_request("local", _prompt(1, 21), GREEDY)
+    engine.step()
+    _resume_during(engine, 0, {"c": first})
+    assert [o.request_id for o in engine.step().outputs] == ["local"]
+    assert [o.request_id for o in engine.step().outputs] == ["local", "c"]
+
+
+def test_a_joiner_short_of_blocks_waits_for_the_next_schedule(checkpoints):
+    """A 16-token prompt fills its block: the first token needs a new one, and none is free."""
+    path, _ = checkpoints("llama")
+    probe = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**21))
+    block_bytes = probe.kv_cache_spec.bytes_per_block
+    engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=4 * block_bytes))
+    first = _hand_over(engine, "c", _prompt(2, 16))
+    engine.add_request("local", _prompt(1, 40), GREEDY)  # 3 blocks: the pool is now full
+    engine.step()
+    assert engine.block_pool.num_free_blocks == 0
+    _resume_during(engine, 0, {"c": first})
+    assert [o.request_id for o in engine.step(mid_step=nullcontext()).outputs] == ["local"]
+    assert not engine.scheduler.resumed  # left to the schedule, which preempts for it
+    while engine.has_unfinished():
+        engine.step(mid_step=nullcontext())
+    engine.check_idle_integrity()
+    assert engine.block_pool.all_free()
