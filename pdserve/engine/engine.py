@@ -400,15 +400,18 @@ class LLMEngine:
         return StepOutput(outputs, awaiting, num_tokens, group_ran_model=True)
 
     def _joiners(self, mid_step: AbstractContextManager[object], room: int) -> Callable[[], list[Request]]:
-        """The step's late joiners, asked for at each layer boundary: ``room`` tokens at most."""
+        """The step's late joiners, asked for at each layer boundary: ``room`` tokens at most,
+        all at one boundary. Catching up is a second pass over the weights of the layers the
+        joiners missed, which the whole batch waits for: once a step bounds that cost."""
+        joined = False
 
         def take() -> list[Request]:
-            nonlocal room
-            if not self.scheduler.resumed or room <= 0:  # the common case: no lock taken
+            nonlocal joined
+            if joined or not self.scheduler.resumed or room <= 0:  # the common case: no lock taken
                 return []
             with mid_step:
                 joining = self.scheduler.take_resumed(room)
-            room -= len(joining)
+            joined = bool(joining)
             return joining
 
         return take

@@ -1,5 +1,6 @@
 """A consumer whose KV lands while a step runs joins that step at a layer boundary: it runs
-the layers it missed on its own, then goes on in the batch, and its tokens stay exact."""
+the layers it missed on its own, then goes on in the batch, and its tokens stay exact. One
+boundary a step takes joiners."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import KVRole
 from pdserve.engine.sampling_params import SamplingParams
-from tests.utils.checkpoints import VOCAB, reference_greedy
+from tests.utils.checkpoints import VOCAB, reference_greedy, write_checkpoint
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -37,6 +38,23 @@ def _hand_over(engine: LLMEngine, request_id: str, prompt: list[int]) -> int:
     engine.kv_cache.data[block_ids] = engine.kv_cache.data[produced.held_block_ids]
     engine.kv_sent(f"{request_id}-prefill")
     return produced.token_ids[0]
+
+
+def _assert_matches_transformers(hf_model, prompts: dict[str, list[int]], tokens: dict[str, list[int]]) -> None:
+    compared = 0
+    for request_id, prompt in prompts.items():
+        reference, num_clear = reference_greedy(hf_model, prompt, GREEDY.max_tokens)
+        assert tokens[request_id][:num_clear] == reference[:num_clear], request_id
+        compared += num_clear
+    assert compared >= GREEDY.max_tokens * 2, "too many near-ties: the comparison proves little"
+
+
+def _finish(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:
+    while engine.has_unfinished():
+        for output in engine.step(mid_step=nullcontext()).outputs:
+            tokens[output.request_id] = output.token_ids
+    engine.check_idle_integrity()
+    assert engine.block_pool.all_free()
 
 
 def _resume_during(engine: LLMEngine, layer: int, resumes: dict[str, int]) -> None:
@@ -68,17 +86,43 @@ def test_consumers_resumed_mid_step_join_the_step_and_match_transformers(checkpo
     assert step.num_scheduled_tokens == 3 and not engine.scheduler.resumed
 
     tokens = {o.request_id: o.token_ids for o in step.outputs}
-    while engine.has_unfinished():
-        for output in engine.step(mid_step=nullcontext()).outputs:
-            tokens[output.request_id] = output.token_ids
-    compared = 0
-    for request_id, prompt in prompts.items():
-        reference, num_clear = reference_greedy(hf_model, prompt, GREEDY.max_tokens)
-        assert tokens[request_id][:num_clear] == reference[:num_clear], request_id
-        compared += num_clear
-    assert compared >= GREEDY.max_tokens * 2, "too many near-ties: the comparison proves little"
-    engine.check_idle_integrity()
-    assert engine.block_pool.all_free()
+    _finish(engine, tokens)
+    _assert_matches_transformers(hf_model, prompts, tokens)
+
+
+def test_joiners_catch_up_several_layers_and_one_boundary_a_step_takes_them(tmp_path):
+    """Four layers: consumers resumed during layer 1 catch up on layers 0 and 1 and join at 2;
+    one resumed during layer 2 waits for the next step, since this one has had its joiners.
+    Their logprobs equal those of the same requests joining the next step instead."""
+    hf_model = write_checkpoint(tmp_path, "llama", num_layers=4)
+    prompts = {"local": _prompt(1, 21), "c1": _prompt(2, 16), "c2": _prompt(3, 35), "c3": _prompt(4, 9)}
+
+    def run(mid_step: nullcontext[None] | None) -> tuple[list[str], dict[str, RequestOutput]]:
+        engine = LLMEngine(str(tmp_path), EngineConfig(kv_cache_memory=2**21))
+        firsts = {rid: _hand_over(engine, rid, prompts[rid]) for rid in ("c1", "c2", "c3")}
+        engine.add_request("local", prompts["local"], GREEDY)
+        engine.step()
+        _resume_during(engine, 1, {"c1": firsts["c1"], "c2": firsts["c2"]})
+        _resume_during(engine, 2, {"c3": firsts["c3"]})
+        stepped = sorted(o.request_id for o in engine.step(mid_step=mid_step).outputs)
+        finals: dict[str, RequestOutput] = {}
+        while engine.has_unfinished():
+            finals |= {o.request_id: o for o in engine.step(mid_step=mid_step).outputs if o.finished}
+        engine.check_idle_integrity()
+        assert engine.block_pool.all_free()
+        return stepped, finals
+
+    stepped, joined = run(nullcontext())
+    assert stepped == ["c1", "c2", "local"]  # c3 came after the step's joiners
+    stepped, waited = run(None)
+    assert stepped == ["local"]
+    _assert_matches_transformers(hf_model, prompts, {rid: out.token_ids for rid, out in joined.items()})
+    for request_id, output in joined.items():
+        assert output.token_ids == waited[request_id].token_ids, request_id
+        ours = [lp.token_logprob for lp in output.logprobs if lp is not None]
+        theirs = [lp.token_logprob for lp in waited[request_id].logprobs if lp is not None]
+        assert len(ours) == GREEDY.max_tokens - (request_id != "local")  # a consumer's first is the producer's
+        assert ours == pytest.approx(theirs, abs=1e-5), request_id
 
 
 def test_without_mid_step_a_consumer_resumed_during_a_step_waits_for_the_next(checkpoints):

@@ -63,9 +63,12 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2
 
 
 def write_checkpoint(directory: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     max_shard_size: str | None = None):
-    """Write a tiny random ``arch`` checkpoint with a tokenizer; returns the transformers model."""
+                     max_shard_size: str | None = None, num_layers: int | None = None):
+    """Write a tiny random ``arch`` checkpoint with a tokenizer; returns the transformers model.
+    ``num_layers``: other than the usual 2."""
     model_cls, config = _configs()[arch]
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if arch == "deepseek_v3":
