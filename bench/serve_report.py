@@ -209,7 +209,7 @@ def print_table(report: dict[str, Any]) -> None:
         handoff = run.get("handoff_ms")
         if handoff:
             print(f"  hand-off on the decode workers, means: admit {handoff['admit_mean']} ms, pull "
-                  f"{handoff['pull_mean']} ms, resume (wait for a step + the step) {handoff['resume_mean']} ms "
+                  f"{handoff['pull_mean']} ms, resume (KV landed → next token) {handoff['resume_mean']} ms "
                   f"(n={handoff['num_requests']})")  # fmt: skip
     m = report["machine"]
     print(

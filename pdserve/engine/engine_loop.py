@@ -17,9 +17,9 @@ they leave at the same step, and none is left waiting in an exchange.
 The decode hand-off does not wait for step boundaries. A consumer is admitted (given blocks)
 and resumed after its pull (``kv_received``) on a second thread, the admitter, under the
 engine's lock — which the engine thread holds for everything but the model run itself. So a
-consumer's pull starts while a step runs, and the consumer joins the very next step after
-its KV lands — the step under way, at a layer boundary, when the KV lands while the model
-runs (``LLMEngine.step``'s ``mid_step``); the engine thread never waits on a pull.
+consumer's pull starts while a step runs, and a consumer whose KV lands while the model runs
+joins that run at its next layer boundary (``LLMEngine.step``'s ``mid_step``), else the next
+step; the engine thread never waits on a pull.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ class EngineLoop:
     async def kv_received(self, request_id: str, first_token_id: int) -> None:
         """Decode role: the KV is in the request's blocks; its outputs continue on its stream.
 
-        Runs at once, even while a step runs; the request joins the next step.
+        Runs at once, even while a step runs; the request joins the step under way at a layer
+        boundary, or the next one.
         """
 
         def received() -> None:

@@ -96,7 +96,7 @@ class WorkerMetrics:
         self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV pull",
                                              names, buckets=LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
         self.resume_seconds = Histogram(
-            "pdserve_kv_resume_seconds", "Decode role: a pulled request's KV landed -> its next token (a step's wait and the step)",
+            "pdserve_kv_resume_seconds", "Decode role: a pulled request's KV landed -> its next token (joining the step under way, or waiting for the next)",
             names, buckets=LATENCY_BUCKETS, registry=r,
         ).labels(**labels)  # fmt: skip
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled", names, registry=r).labels(
