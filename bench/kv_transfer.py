@@ -1,4 +1,5 @@
-"""KV transfer benchmark: a 4,096-token request's blocks, scattered vs one contiguous region.
+"""KV transfer benchmark: a request's blocks (4,096 tokens by default), scattered vs one
+contiguous region.
 
 Two processes: this one is the decode side (``KVAgent`` + ``KVPuller``); it starts a prefill
 process (``--role prefill``) that registers its pool and publishes its ``PeerInfo`` on
@@ -8,6 +9,7 @@ descriptor lists, coalescing, completion notice) — and then the same number of
 contiguous region with a single descriptor (the ceiling).
 
     python bench/kv_transfer.py --json
+    python bench/kv_transfer.py --json --layouts smollm2-135m --tokens 304   # a serving-sized request
 
 prints one JSON list, an object per layout: layout, tokens, bytes, scattered_gbps,
 contiguous_gbps, ratio (scattered / contiguous), setup_ms_p50, setup_ms_p99 (the time from
@@ -37,6 +39,9 @@ from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, PeerInfo  # noqa: E4
 TOKENS = 4096
 BLOCK_SIZE = 16
 LAYOUTS = {
+    # SmolLM2-135M, the default model's shape: 30 layers, 3 KV heads x 64, float32 → 45 KiB per token.
+    "smollm2-135m": KVCacheSpec(num_layers=30, block_size=BLOCK_SIZE, dtype=torch.float32, is_mla=False,
+                                num_kv_heads=3, head_dim=64),
     # Llama-3.1-8B: 32 layers, 8 KV heads x 128, bf16 → 128 KiB per token.
     "llama-3.1-8b": KVCacheSpec(num_layers=32, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=False,
                                 num_kv_heads=8, head_dim=128),
@@ -55,6 +60,7 @@ class BenchConfig(msgspec.Struct, frozen=True):
     layout: str
     num_blocks: int
     progress_delay_us: int
+    tokens: int = TOKENS
 
 
 def pool_for(cfg: BenchConfig, name: str, tp_rank: int = 0) -> tuple[KVCache, KVLayout]:
@@ -111,7 +117,7 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout=120)
         peer = await agent.add_peer(msgspec.json.decode(line, type=bytes))
         puller = KVPuller(agent, deadline_s=60)
-        num_blocks = TOKENS // BLOCK_SIZE
+        num_blocks = cfg.tokens // BLOCK_SIZE
         rng = np.random.default_rng(seed)
         num_bytes = num_blocks * layout.bytes_per_block
         scattered, setups, contiguous = [], [], []
@@ -134,7 +140,7 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
     setups_ms = sorted(s * 1e3 for s in setups)
     return {
         "layout": cfg.layout,
-        "tokens": TOKENS,
+        "tokens": cfg.tokens,
         "bytes": num_bytes,
         "scattered_gbps": round(scattered_gbps, 3),
         "contiguous_gbps": round(contiguous_gbps, 3),
@@ -151,6 +157,7 @@ def main() -> None:
     parser.add_argument("--pool-factor", type=int, default=2, help="pool size in requests' worth of blocks")
     parser.add_argument("--progress-delay-us", type=int, default=1000)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"the request's tokens, whole blocks (default: {TOKENS})")
     parser.add_argument("--role", default="decode", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -160,9 +167,14 @@ def main() -> None:
     if args.role == "prefill":
         asyncio.run(prefill_main(msgspec.json.decode(args.config, type=BenchConfig), out))
         return
+    if args.tokens < BLOCK_SIZE or args.tokens % BLOCK_SIZE:
+        parser.error(f"--tokens must be a positive multiple of the block size ({BLOCK_SIZE}), got {args.tokens}")
+    unknown = sorted(set(args.layouts.split(",")) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"--layouts: unknown {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
     results = []
     for name in args.layouts.split(","):
-        cfg = BenchConfig(name, args.pool_factor * TOKENS // BLOCK_SIZE, args.progress_delay_us)
+        cfg = BenchConfig(name, args.pool_factor * args.tokens // BLOCK_SIZE, args.progress_delay_us, args.tokens)
         results.append(asyncio.run(bench_layout(cfg, args.reps, seed=0)))
         if not args.json:
             print(results[-1], file=sys.stderr)
