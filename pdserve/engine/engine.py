@@ -368,7 +368,8 @@ class LLMEngine:
         lock there, so that consumers are admitted and resumed while the model runs). With
         ``mid_step`` (``EngineLoop`` passes its lock), consumers resumed while the model runs
         join the run at its next layer boundary, under ``mid_step``, instead of waiting for
-        the next step: their second token comes from this one (single-rank engines).
+        the next step: their second token comes from this one (single-rank engines). It is
+        entered while the model runs, so ``while_running`` must have freed it.
         """
         sched = self.scheduler.schedule()
         outputs = [self._finish_output(r, []) for r in sched.finished]
