@@ -4,11 +4,11 @@
   copies every block a step reads before computing on it. Decodes always; prompts where the
   head size is 64 or 128 (the kernel's vector paths), 1.5-3x faster than torch's SDPA per
   sequence (bench/RESULTS.md).
-- **Linear layers** run oneDNN's GEMM on weights repacked once at load time into its
-  blocked layout (torch's ``torch.ops.mkldnn`` ops). With the few rows of a decode step,
-  and above all the LM head's 32 rows against a vocabulary-wide weight, MKL's GEMM on the
-  plain layout runs at a third of the machine's speed; the repacked GEMM is 1.1–3× faster
-  (2048 rows to 32; bench/RESULTS.md), the same float32 arithmetic.
+- **Linear layers** run ``panel_gemm.c`` on weights packed once at load time into 32-column
+  panels: with a decode step's few rows it overlaps the weights' trip from memory with the
+  arithmetic, 1.2–1.4× oneDNN's speed from 1 to 128 rows and within 5% of it above
+  (bench/RESULTS.md). Without AVX-512 they run oneDNN's GEMM on weights repacked into its
+  blocked layout (``torch.ops.mkldnn``), which is itself 1.1–3× MKL's on the plain layout.
 
 - **RMSNorm** (with its residual add) and **rotary embedding with the KV cache write** run
   ``layer_ops.c``: one pass each instead of the handful of torch ops (and temporaries) the
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels.backend import AttentionMetadata
-from pdserve.kernels.cpu import heap, layer_ops
+from pdserve.kernels.cpu import heap, layer_ops, panel_gemm
 from pdserve.kernels.cpu.paged_decode import has_vector_path, load, paged_decode, paged_prefill
 from pdserve.kernels.torch_backend import TorchBackend, attend_cached, gather_gqa, mla_gather
 
@@ -37,21 +37,28 @@ class CpuBackend(TorchBackend):
     def __init__(self) -> None:
         load()  # compile now, so that a missing compiler shows at start-up, not mid-request
         layer_ops.load()
-        self.repacks_weights = _onednn_linear_works()
+        # How float32 weights are prepared: "panels", else "onednn", else kept as they are.
+        self.weight_format = "panels" if panel_gemm.available() else "onednn" if _onednn_linear_works() else "plain"
         heap.keep_freed_memory()
 
     def prepare_weight(self, weight):
-        if not self.repacks_weights or weight.dtype != torch.float32:
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32:
             return weight
-        return torch.ops.mkldnn._reorder_linear_weight(weight)
+        if self.weight_format == "panels":
+            return panel_gemm.pack(weight)
+        if self.weight_format == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight)
+        return weight
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, panel_gemm.PanelWeight):
+            return panel_gemm.linear(x, weight, bias)
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return super().linear(x, weight, bias)
 
     def logits(self, hidden, lm_head):
-        if lm_head.is_mkldnn:
+        if isinstance(lm_head, panel_gemm.PanelWeight) or lm_head.is_mkldnn:
             return self.linear(hidden, lm_head)
         return super().logits(hidden, lm_head)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from pdserve.kernels.cpu import paged_decode
 from pdserve.kernels.cpu.build import CpuKernelsUnavailable, load_library
 from pdserve.kernels.cpu.cpu_backend import CpuBackend
+from pdserve.kernels.cpu.panel_gemm import PanelWeight
 from pdserve.kernels.select import select_backend
 from pdserve.kernels.torch_backend import TorchBackend
 from tests.kernels.helpers import assert_close, gqa_cache, make_metadata, mla_cache
@@ -62,19 +63,29 @@ def test_bfloat16_takes_the_reference_path():
     assert torch.equal(out, TorchBackend().paged_attention(q, cache, meta, 0.125))
 
 
+def _backend(weight_format: str) -> CpuBackend:
+    backend = CpuBackend()
+    if weight_format == "panels" and backend.weight_format != "panels":
+        pytest.skip("this CPU has no AVX-512: the panel GEMM is not built for it")
+    backend.weight_format = weight_format  # "onednn" is the fallback: every x86 CPU runs it
+    return backend
+
+
+@pytest.mark.parametrize("weight_format", ["panels", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 32, 300])
-def test_repacked_linear_matches_plain_linear(rows, bias):
-    backend = CpuBackend()
+def test_repacked_linear_matches_plain_linear(rows, bias, weight_format):
+    backend = _backend(weight_format)
     weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
     packed = backend.prepare_weight(weight)
-    assert packed.is_mkldnn and packed is not weight
+    assert isinstance(packed, PanelWeight) if weight_format == "panels" else packed.is_mkldnn
     x = torch.randn(rows, 40)
     assert_close(backend.linear(x, packed, b), F.linear(x, weight, b))
 
 
-def test_logits_are_float32_rows_by_vocabulary():
-    backend = CpuBackend()
+@pytest.mark.parametrize("weight_format", ["panels", "onednn"])
+def test_logits_are_float32_rows_by_vocabulary(weight_format):
+    backend = _backend(weight_format)
     lm_head = torch.randn(1000, 32)
     hidden = torch.randn(3, 32)
     logits = backend.logits(hidden, backend.prepare_weight(lm_head))
