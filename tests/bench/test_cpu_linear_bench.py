@@ -1,0 +1,34 @@
+"""``bench/cpu_linear.py`` runs (one layer, two row counts) and reports both systems."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.kernels.cpu import panel_gemm
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.skipif(not panel_gemm.available(), reason="this CPU has no AVX-512")
+def test_a_short_run_reports_both_systems_per_row_count():
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "cpu_linear.py"), "--rows", "1,20", "--layers", "1", "--reps", "2", "--json"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert [r["rows"] for r in report["results"]] == [1, 20]
+    for row in report["results"]:
+        assert row["onednn"]["ms"] > 0 and row["panels"]["gflops"] > 0 and row["onednn_over_panels"] > 0
+
+
+def test_bad_rows_are_refused_by_name():
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "cpu_linear.py"), "--rows", "1,x"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "--rows" in result.stderr
