@@ -88,9 +88,11 @@ void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
             const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
             const int64_t passes = (rows + MAX_ROWS - 1) / MAX_ROWS;
             const int64_t rows_per_pass = (rows + passes - 1) / passes;
-            /* Passes after the first share the next panel's lines between them. */
-            const int64_t share = passes > 1 ? (lines + passes - 2) / (passes - 1) : 0;
-            const int per_k = passes > 1 ? (int)((share + K - 1) / K) : 0;
+            /* Passes after the first share the next panel's lines between them; a lone pass
+             * prefetches the next panel itself, so that two panels' reads are in flight. */
+            const int64_t prefetchers = passes > 1 ? passes - 1 : 1;
+            const int64_t share = (lines + prefetchers - 1) / prefetchers;
+            const int per_k = (int)((share + K - 1) / K);
             for (int64_t j = first; j < last; j++) {
                 const float *panel = panels + j * K * PANEL;
                 const char *next = j + 1 < last ? (const char *)(panels + (j + 1) * K * PANEL) : NULL;
@@ -99,8 +101,9 @@ void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 int64_t pass = 0;
                 for (int64_t r = 0; r < rows; r += rows_per_pass, pass++) {
                     const int64_t n = rows - r < rows_per_pass ? rows - r : rows_per_pass;
-                    const char *prefetch = pass > 0 && next != NULL ? next + (pass - 1) * share * 64 : NULL;
-                    const int64_t left = lines - (pass - 1) * share;
+                    const int64_t part = passes > 1 ? pass - 1 : 0;
+                    const char *prefetch = (pass > 0 || passes == 1) && next != NULL ? next + part * share * 64 : NULL;
+                    const int64_t left = lines - part * share;
                     PASSES[n](x + (m0 + r) * ldx, ldx, panel, K, y + (m0 + r) * N + j * PANEL, N, b, m0_mask, m1_mask,
                               prefetch, prefetch ? (share < left ? share : left) : 0, per_k);
                 }
