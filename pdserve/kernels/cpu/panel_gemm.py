@@ -49,7 +49,7 @@ def available() -> bool:
 def pack(weight: torch.Tensor) -> PanelWeight:
     """``weight`` [out, in] float32 as panels (a copy)."""
     out_features, in_features = weight.shape
-    padded = F.pad(weight.float(), (0, 0, 0, -out_features % PANEL))
+    padded = F.pad(weight, (0, 0, 0, -out_features % PANEL)) if out_features % PANEL else weight
     panels = padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
     return PanelWeight(panels, out_features)
 
