@@ -6,7 +6,7 @@
   sequence (bench/RESULTS.md).
 - **Linear layers** run ``panel_gemm.c`` on weights packed once at load time into 32-column
   panels: with a decode step's few rows it overlaps the weights' trip from memory with the
-  arithmetic, 1.2–1.4× oneDNN's speed from 1 to 128 rows and within 5% of it above
+  arithmetic: about 1.1–1.2× oneDNN's speed from 1 to 128 rows, 0.94× at 2048
   (bench/RESULTS.md). Without AVX-512 they run oneDNN's GEMM on weights repacked into its
   blocked layout (``torch.ops.mkldnn``), which is itself 1.1–3× MKL's on the plain layout.
 

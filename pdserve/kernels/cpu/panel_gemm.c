@@ -5,11 +5,14 @@
  * x against one panel with 28 vector accumulators (14 rows x 2 x 16 columns): per k, two loads
  * of the panel and 14 broadcasts of x feed 28 FMAs.
  *
- * Why not oneDNN's GEMM: with the few rows of a decode step, it reads a panel from memory and
- * then computes on it. Here, when a panel takes several passes (more than 14 rows), the later
- * passes prefetch the next panel into L2 while they compute on the current one from cache, so
- * the weights' trip from memory overlaps the arithmetic. From 1 to 128 rows this is 1.2-1.4x
- * oneDNN's speed on SmolLM2's layers; above, both are near the FMA peak (bench/RESULTS.md).
+ * Why not oneDNN's GEMM: with a decode step's few rows it ran at 313 GFLOPS (32 rows) where
+ * it reaches ~450 with 2048, as if the weights' trip from memory and the arithmetic did not
+ * overlap. Here, when a panel takes several passes (more than 14 rows), the later passes
+ * prefetch the next panel into L2 while they compute on the current one from cache, and a
+ * lone pass prefetches the next panel itself, so that two panels' reads are in flight. On
+ * SmolLM2's layers this is about
+ * 1.1-1.2x oneDNN's speed from 1 to 128 rows (1.2x at 32 and 64), and 0.94-0.95x of it at
+ * 512 and 2048, where both are near the FMA peak (bench/RESULTS.md).
  * Rows are taken in chunks of 128, so that a chunk of x stays in L2 while the panels stream.
  *
  * The output columns are split over `num_threads` threads, each a contiguous range of panels.
