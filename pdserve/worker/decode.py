@@ -106,6 +106,7 @@ class DecodeService(WorkerServicer):
             if source is not None and peers is not None:
                 started, stats, ended = await self._pull(request_id, source, peers, stream, received_at, context)
                 if ended is not None:  # the engine ended the request before it got blocks
+                    await self._refuse_if_failed(ended, context)
                     yield self._response(ended, source, stats, is_first=False)
                     done = True
                     return
@@ -113,11 +114,7 @@ class DecodeService(WorkerServicer):
                 yield worker_pb2.DecodeResponse(started=started)
             num_resumed = len(request.generated_token_ids)
             async for output in stream.outputs():
-                if output.finished and output.finish_reason == "abort" and engine_loop.error is not None:
-                    # Not the request's end: its worker failed (a rank died). UNAVAILABLE has the
-                    # frontend move the stream to another decode worker.
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode of {request_id} on "
-                                        f"{self.runtime.worker_id} stopped: {engine_loop.error}")  # fmt: skip
+                await self._refuse_if_failed(output, context)
                 if resumed_at is not None:
                     self.runtime.metrics.resume_seconds.observe(time.monotonic() - resumed_at)
                     resumed_at = None
@@ -131,6 +128,15 @@ class DecodeService(WorkerServicer):
         finally:
             if not done:
                 engine_loop.abort(request_id)
+
+    async def _refuse_if_failed(self, output: RequestOutput, context: grpc.aio.ServicerContext) -> None:
+        """An abort that is not the request's end, because its worker failed (a rank died),
+        whether it was decoding or still waiting for blocks: UNAVAILABLE has the frontend move
+        the stream to another decode worker."""
+        engine_loop = self.runtime.engine_loop
+        if output.finished and output.finish_reason == "abort" and engine_loop.error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode of {output.request_id} on "
+                                f"{self.runtime.worker_id} stopped: {engine_loop.error}")  # fmt: skip
 
     async def _peer(self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext) -> list[PeerInfo]:
         """The prefill group's ranks (one for a single-rank worker), loaded into this rank's agent."""
