@@ -26,7 +26,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { PANEL = 32, MAX_ROWS = 14, ROW_CHUNK = 128, LINE_FLOATS = 16 };
+enum { PANEL = 32, MAX_ROWS = 14, ROW_CHUNK = 128 };
 
 int pdserve_panel_gemm_available(void) { return 1; }
 
