@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pdserve.distributed import ParallelConfig
+from pdserve.engine.engine_config import EngineConfig
 from pdserve.launch.supervisor import RestartPolicy
 from pdserve.v1 import inference_pb2
 from tests.e2e.deployment import Deployment, rank_children
@@ -137,5 +138,58 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
             and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
             30, "the decode group back, both ranks, and no block held anywhere",
         )  # fmt: skip
+    finally:
+        deployment.close()
+
+
+def test_a_stream_waiting_for_a_seat_on_a_failing_group_migrates_too(checkpoints, etcd_url):
+    """One decode seat a rank: of four streams, one per rank decodes and one per rank waits for
+    the seat (its first token, the prefill worker's, already streamed). Killing rank 1 fails
+    rank 0's engine; the stream waiting there moves on like those being decoded, and none ends
+    early."""
+    path, hf_model = checkpoints("deepseek_v3")
+    decode = {**DP2_EP, "engine": EngineConfig(max_num_seqs=1)}
+    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-seats",
+                            disaggregation="always", decode_fields=decode,
+                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    try:
+        worker = deployment.worker("decode")
+        (rank,) = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
+        rank0_id = next(w.worker_id for w in deployment.registered() if w.role == "decode" and "-dp" not in w.worker_id)
+        generator = torch.Generator().manual_seed(13)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (14, 22, 31, 9)]
+        first_tokens = threading.Barrier(len(prompts) + 1)
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            request = inference_pb2.GenerateRequest(
+                model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+                sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
+            )  # fmt: skip
+            tokens, final = [], None
+            for n, response in enumerate(deployment.stub.Generate(request, timeout=120)):
+                tokens += response.token_ids
+                if n == 0:
+                    first_tokens.wait(60)
+                if response.HasField("final"):
+                    final = response.final
+            results[i] = (tokens, final)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        first_tokens.wait(90)
+        os.kill(rank, signal.SIGKILL)
+        for t in threads:
+            t.join(130)
+        waited_on_rank0 = 0
+        for prompt, result in zip(prompts, results):
+            assert result is not None, "a stream did not end by its deadline"
+            tokens, final = result
+            reference, num_clear = reference_greedy(hf_model, prompt, STREAM_TOKENS)
+            assert len(tokens) == STREAM_TOKENS and tokens[:num_clear] == reference[:num_clear]
+            moves = final.breakdown.migration_history
+            waited_on_rank0 += any(m.from_worker == rank0_id and m.tokens_streamed == 1 for m in moves)
+        assert waited_on_rank0 >= 1, "no stream was waiting for its seat on rank 0: the case was not reached"
     finally:
         deployment.close()
