@@ -92,39 +92,11 @@ def test_a_dead_rank_takes_its_whole_group_down(checkpoints, etcd_url):
 
 
 def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoints, etcd_url):
-    path, hf_model = checkpoints("deepseek_v3")
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-restart",
-                            disaggregation="always", decode_fields=DP2_EP,
-                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    hf_model, deployment, rank = _restarting_group(checkpoints, etcd_url, "restart", DP2_EP)
     try:
-        worker = deployment.worker("decode")
-        (rank,) = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
-        generator = torch.Generator().manual_seed(12)
-        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (14, 22, 31, 9)]
-        mid_stream = threading.Barrier(len(prompts) + 1)
-        results: list = [None] * len(prompts)
-
-        def one(i: int) -> None:
-            request = inference_pb2.GenerateRequest(
-                model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
-                sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
-            )  # fmt: skip
-            tokens, final = [], None
-            for n, response in enumerate(deployment.stub.Generate(request, timeout=120)):
-                tokens += response.token_ids
-                if n == 2:
-                    mid_stream.wait(60)
-                if response.HasField("final"):
-                    final = response.final
-            results[i] = (tokens, final)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        mid_stream.wait(90)
-        os.kill(rank, signal.SIGKILL)  # the whole decode group goes; its supervisor starts it again
-        for t in threads:
-            t.join(130)
+        prompts = _prompts(12)
+        # The whole decode group goes once every stream is under way; its supervisor starts it again.
+        results = _streams_across_a_kill(deployment, prompts, rank, after_responses=3)
         for prompt, result in zip(prompts, results):
             assert result is not None, "a stream did not end by its deadline"
             tokens, final = result
@@ -147,41 +119,12 @@ def test_a_stream_waiting_for_a_seat_on_a_failing_group_migrates_too(checkpoints
     the seat (its first token, the prefill worker's, already streamed). Killing rank 1 fails
     rank 0's engine; the stream waiting there moves on like those being decoded, and none ends
     early."""
-    path, hf_model = checkpoints("deepseek_v3")
     decode = {**DP2_EP, "engine": EngineConfig(max_num_seqs=1)}
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-seats",
-                            disaggregation="always", decode_fields=decode,
-                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    hf_model, deployment, rank = _restarting_group(checkpoints, etcd_url, "seats", decode)
     try:
-        worker = deployment.worker("decode")
-        (rank,) = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
         rank0_id = next(w.worker_id for w in deployment.registered() if w.role == "decode" and "-dp" not in w.worker_id)
-        generator = torch.Generator().manual_seed(13)
-        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (14, 22, 31, 9)]
-        first_tokens = threading.Barrier(len(prompts) + 1)
-        results: list = [None] * len(prompts)
-
-        def one(i: int) -> None:
-            request = inference_pb2.GenerateRequest(
-                model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
-                sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
-            )  # fmt: skip
-            tokens, final = [], None
-            for n, response in enumerate(deployment.stub.Generate(request, timeout=120)):
-                tokens += response.token_ids
-                if n == 0:
-                    first_tokens.wait(60)
-                if response.HasField("final"):
-                    final = response.final
-            results[i] = (tokens, final)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        first_tokens.wait(90)
-        os.kill(rank, signal.SIGKILL)
-        for t in threads:
-            t.join(130)
+        prompts = _prompts(13)
+        results = _streams_across_a_kill(deployment, prompts, rank, after_responses=1)
         waited_on_rank0 = 0
         for prompt, result in zip(prompts, results):
             assert result is not None, "a stream did not end by its deadline"
@@ -193,3 +136,54 @@ def test_a_stream_waiting_for_a_seat_on_a_failing_group_migrates_too(checkpoints
         assert waited_on_rank0 >= 1, "no stream was waiting for its seat on rank 0: the case was not reached"
     finally:
         deployment.close()
+
+
+def _restarting_group(checkpoints, etcd_url: str, name: str, decode_fields: dict) -> tuple:
+    """(transformers' model, a deployment of 1 prefill and 1 DP 2 + EP decode worker whose
+    supervisor restarts what dies, the decode group's rank-1 process id)."""
+    path, hf_model = checkpoints("deepseek_v3")
+    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-{name}",
+                            disaggregation="always", decode_fields=decode_fields,
+                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    try:
+        (rank,) = rank_children([deployment.worker("decode").process.pid], "pdserve.worker.data_parallel")
+    except BaseException:
+        deployment.close()
+        raise
+    return hf_model, deployment, rank
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (14, 22, 31, 9)]
+
+
+def _streams_across_a_kill(deployment: Deployment, prompts: list[list[int]], pid: int, after_responses: int) -> list:
+    """Stream ``STREAM_TOKENS`` greedy tokens for every prompt at once; SIGKILL ``pid`` once each
+    stream has had ``after_responses`` responses. Each stream's (tokens, final), None for a
+    stream that did not end."""
+    under_way = threading.Barrier(len(prompts) + 1)
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        request = inference_pb2.GenerateRequest(
+            model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+            sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
+        )  # fmt: skip
+        tokens, final = [], None
+        for n, response in enumerate(deployment.stub.Generate(request, timeout=120), start=1):
+            tokens += response.token_ids
+            if n == after_responses:
+                under_way.wait(60)
+            if response.HasField("final"):
+                final = response.final
+        results[i] = (tokens, final)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    under_way.wait(90)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(130)
+    return results
