@@ -4,6 +4,13 @@
               (fails before the first token: once more on another worker)
           ─▶ Decode on the decode worker, told where the KV is ──tokens──▶ client
 
+The Decode call opens together with the Prefill call, its ``kv_source`` ``pending``: the decode
+worker sets the call up and loads the prefill worker as a peer while the prompt computes, and
+the prefill worker tells it (``KVReady``) the moment the KV is ready, so the pull starts then.
+The frontend sends the same ``KVReady`` when the Prefill call returns, in case the first was
+lost. When the prefill fails over to a second worker, that call is cancelled and a new one
+made with the KV's place known.
+
 Without a prefill worker (conditional disaggregation said so, or ``off``) the decode worker
 computes the prompt itself. Every call carries what is left of the request's deadline.
 
@@ -46,10 +53,11 @@ import grpc
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
-from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
+from pdserve.rpc.channels import WorkerChannels
+from pdserve.rpc.kv_source import ready_source
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
@@ -60,8 +68,8 @@ _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
 }  # fmt: skip
-# The decode worker must finish pulling this long before the prefill worker's pin runs out.
-_PIN_MARGIN_S = 2.0
+# A KVReady the decode worker has not answered within this long is not waited for.
+_KV_READY_TIMEOUT_S = 5.0
 # A migrating request with no decode worker to go to looks again this often, until its deadline.
 _WORKER_WAIT_S = 0.2
 
@@ -205,11 +213,22 @@ class RequestFlow:
     async def _prefill_then_decode(
         self, decode: WorkerEntry, choice: PrefillChoice | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        prefilled = await self._prefill(choice, decode) if choice is not None else None
+        early = self._open_decode(decode, choice) if choice is not None else None
+        try:
+            prefilled = await self._prefill(choice, decode, early is not None) if choice is not None else None
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        if early is not None and (prefilled is None or prefilled.attempts > 1):
+            early.cancel()  # the KV is on another prefill worker, or nowhere: a new call says so
+            early = None
         if self._migration is not None:
             self._migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
             if prefilled is not None:
+                if early is not None:
+                    self._announce(decode, prefilled)
                 if not self.breakdown.ttft_ms:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 self._token_times.append((time.monotonic(), 1))
@@ -220,9 +239,11 @@ class RequestFlow:
                     yield self._final(first, "stop")
                     return
                 yield first
-            async for message in self._decode(decode, prefilled):
+            async for message in self._decode(decode, prefilled, early):
                 yield message
         finally:
+            if early is not None:
+                early.cancel()  # a no-op unless no decode used it (a stop string in the first token, a client gone)
             if prefilled is not None and not self._decode_started:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
@@ -262,8 +283,9 @@ class RequestFlow:
         return [*self.request.token_ids, *self.output.token_ids]
 
     # ---- prefill -----------------------------------------------------------------------------------
-    async def _prefill(self, choice: PrefillChoice, decode: WorkerEntry) -> _Prefilled | None:
-        """Prefill on ``choice``, then once more elsewhere; None: fall back to the decode worker."""
+    async def _prefill(self, choice: PrefillChoice, decode: WorkerEntry, announce: bool) -> _Prefilled | None:
+        """Prefill on ``choice``, then once more elsewhere; None: fall back to the decode worker.
+        ``announce``: the first worker tells ``decode`` itself when the KV is ready."""
         router, view = self.routing.router, self.routing.view
         failures: list[str] = []
         current: PrefillChoice | None = choice
@@ -271,7 +293,7 @@ class RequestFlow:
             if current is None:
                 break
             try:
-                return await self._prefill_on(current, attempt)
+                return await self._prefill_on(current, attempt, decode.endpoint if announce and attempt == 1 else "")
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise FlowError(exc.code(), exc.details() or str(exc.code())) from None
@@ -290,13 +312,13 @@ class RequestFlow:
                     return None  # no other prefill worker: compute the prompt on the decode worker
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {'; '.join(failures) or 'no other worker'}")
 
-    async def _prefill_on(self, choice: PrefillChoice, attempt: int) -> _Prefilled:
+    async def _prefill_on(self, choice: PrefillChoice, attempt: int, kv_consumer: str) -> _Prefilled:
         router = self.routing.router
         num_tokens = len(self._known_token_ids())
         stub = self.routing.channels.stub(choice.worker.endpoint)
         message = worker_pb2.PrefillRequest(
             request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
-            generated_token_ids=self.output.token_ids,
+            generated_token_ids=self.output.token_ids, kv_consumer=kv_consumer,
         )  # fmt: skip
         sent_at = time.monotonic()
         router.prefill_started(choice, num_tokens)
@@ -328,34 +350,57 @@ class RequestFlow:
         self.routing.channels.in_background(release())
 
     # ---- decode --------------------------------------------------------------------------------------
+    def _open_decode(self, decode: WorkerEntry, choice: PrefillChoice) -> grpc.aio.UnaryStreamCall:
+        """The Decode call opened beside the Prefill call on ``choice``: its kv_source pending."""
+        source = worker_pb2.KVSource(worker_id=choice.worker.worker_id, peer_info=choice.worker.nixl, pending=True)
+        message = worker_pb2.DecodeRequest(
+            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            generated_token_ids=self.output.token_ids, kv_source=source,
+        )  # fmt: skip
+        return self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
+
+    def _ready_source(self, prefilled: _Prefilled) -> worker_pb2.KVSource:
+        """Where the prefilled KV is, and how long its pin has left."""
+        pr = prefilled.response
+        pin_left = pr.hold_seconds - (time.monotonic() - prefilled.sent_at)
+        return ready_source(prefilled.worker.worker_id, pr.block_ids, pr.first_token_id, pin_left,
+                            peer_info=prefilled.worker.nixl)  # fmt: skip
+
+    def _announce(self, decode: WorkerEntry, prefilled: _Prefilled) -> None:
+        """Tell the open Decode call its KV is ready, in the background (the prefill worker has
+        most likely done so already: this one then counts as a repeat)."""
+        stub = self.routing.channels.stub(decode.endpoint)
+        message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=self._ready_source(prefilled))
+
+        async def announce() -> None:
+            try:
+                await stub.KVReady(message, timeout=_KV_READY_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:  # the Decode call fails too, and says why
+                logger.info("KVReady of %s on %s: %s", prefilled.request_id, decode.worker_id, exc.code().name)
+
+        self.routing.channels.in_background(announce())
+
     async def _decode(
-        self, decode: WorkerEntry, prefilled: _Prefilled | None
+        self, decode: WorkerEntry, prefilled: _Prefilled | None, early: grpc.aio.UnaryStreamCall | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Stream the decode, on ``early`` (the call opened beside the prefill) when there is one."""
         message = worker_pb2.DecodeRequest(
             request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
             # The prefill worker's token (the last one streamed) comes in kv_source.
             generated_token_ids=self.output.token_ids if prefilled is None else self.output.token_ids[:-1],
         )  # fmt: skip
         if prefilled is not None:
-            pr = prefilled.response
-            pin_left = pr.hold_seconds - (time.monotonic() - prefilled.sent_at) - _PIN_MARGIN_S
-            message.kv_source.CopyFrom(
-                worker_pb2.KVSource(
-                    worker_id=pr.worker_id,
-                    peer_info=prefilled.worker.nixl,
-                    block_ids=pr.block_ids,
-                    first_token_id=pr.first_token_id,
-                    pull_within_s=max(pin_left, 0.0),
-                )  # fmt: skip
-            )
+            message.kv_source.CopyFrom(self._ready_source(prefilled))
         refused: list[str] = []
+        call = early
         while True:
             self._migrated_to(decode)
             try:
-                async for response in self._decode_on(decode, message, prefilled):
+                async for response in self._decode_on(decode, message, call):
                     yield response
                 return
             except grpc.aio.AioRpcError as exc:
+                call = None  # any second call carries the whole kv_source
                 reason = refusal_reason(exc)
                 if reason == KV_SOURCE_FAILED and prefilled is not None:
                     raise _Broken(decode.worker_id, exc.details(), kv_source=prefilled.worker.worker_id) from None
@@ -390,10 +435,11 @@ class RequestFlow:
         self._migration = None  # recorded once; a refusal's second worker is not a second migration
 
     async def _decode_on(
-        self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, prefilled: _Prefilled | None
+        self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, call: grpc.aio.UnaryStreamCall | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         sent_at = time.monotonic()
-        call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
+        if call is None:
+            call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
         try:
             async for response in call:
                 if response.HasField("started"):
@@ -407,7 +453,7 @@ class RequestFlow:
                     return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
                 if not response.token_ids:
                     continue  # only news of the start
-                if prefilled is None and not self.breakdown.ttft_ms and out.token_ids:
+                if not message.HasField("kv_source") and not self.breakdown.ttft_ms and out.token_ids:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 yield out
             raise _Broken(decode.worker_id, "the stream ended without a final message")

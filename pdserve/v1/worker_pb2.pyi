@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "generated_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "generated_token_ids", "kv_consumer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONSUMER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _inference_pb2.SamplingOptions
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_consumer: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_inference_pb2.SamplingOptions, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., kv_consumer: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("worker_id", "first_token_id", "block_ids", "num_cached_tokens", "queue_ms", "prefill_ms", "hold_seconds", "first_token_logprobs")
@@ -53,18 +55,34 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class KVSource(_message.Message):
-    __slots__ = ("worker_id", "peer_info", "block_ids", "first_token_id", "pull_within_s")
+    __slots__ = ("worker_id", "peer_info", "block_ids", "first_token_id", "pull_within_s", "pending")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INFO_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PULL_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     peer_info: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     pull_within_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., peer_info: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., pull_within_s: _Optional[float] = ...) -> None: ...
+    pending: bool
+    def __init__(self, worker_id: _Optional[str] = ..., peer_info: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., pull_within_s: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class KVReadyRequest(_message.Message):
+    __slots__ = ("request_id", "kv_source")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVReadyResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source", "generated_token_ids")

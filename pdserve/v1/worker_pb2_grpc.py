@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.KVReady = channel.unary_unary(
+                '/pdserve.v1.Worker/KVReady',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVReadyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVReadyResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/pdserve.v1.Worker/Drain',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
@@ -82,6 +87,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVReady(self, request, context):
+        """Decode role: the KV of a Decode call whose `kv_source` was `pending` is ready to pull.
+        Sent by the prefill worker the moment its prompt is done, and by the frontend when the
+        Prefill call returns; the first to arrive is used, a repeat is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Either role: stop taking work, finish what is in flight, leave the registry, exit.
         """
@@ -106,6 +120,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'KVReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVReady,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVReadyRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVReadyResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -194,6 +213,33 @@ class Worker:
             '/pdserve.v1.Worker/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/KVReady',
+            pdserve_dot_v1_dot_worker__pb2.KVReadyRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,

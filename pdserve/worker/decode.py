@@ -6,6 +6,11 @@ decoding continues from the prefill worker's first token. Without one the prompt
 here (conditional disaggregation, or a colocated deployment). Either way the stream ends with
 a ``DecodeFinal``; a cancelled call aborts the request and frees its blocks.
 
+A ``pending`` kv_source opens the call while the prompt is still being computed: the peer is
+loaded, and the call waits in the ``KVMailbox`` for its ``KVReady`` (the prefill worker's, at
+once, or the frontend's) before the request takes any blocks or seat. So the call's set-up
+and the peer's loading are done by the time the KV is ready.
+
 Prefill workers that leave the registry are dropped as NIXL peers at once, which fails their
 in-flight pulls before the pulls' own deadlines.
 
@@ -36,9 +41,13 @@ from pdserve.rpc.sampling import sampling_params
 from pdserve.rpc.status import KV_SOURCE_FAILED, refuse
 from pdserve.v1 import worker_pb2
 from pdserve.worker.group_pull import GroupPuller
+from pdserve.worker.kv_mailbox import KVMailbox
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 
 logger = logging.getLogger(__name__)
+
+# A pending call without a deadline of its own gives up on its KVReady after this long.
+_PENDING_WAIT_S = 600.0
 
 
 class DecodeService(WorkerServicer):
@@ -47,6 +56,7 @@ class DecodeService(WorkerServicer):
         link = None if runtime.group is None else runtime.group.link
         self.puller = GroupPuller(KVPuller(runtime.agent, deadline_s=runtime.config.transfer_timeout_s), link)
         self.view = RegistryView(runtime.etcd)
+        self.mailbox = KVMailbox()
         self._removals: set[asyncio.Task[None]] = set()  # peer removals under way (owned here)
 
     async def start(self) -> None:
@@ -87,6 +97,9 @@ class DecodeService(WorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         peers = await self._peer(source, context) if source is not None else None
+        if source is not None and source.pending:
+            source = await self._await_kv(request.request_id, source, context)
+            received_at = time.monotonic()  # the hand-off's admission starts with the KV ready
         engine_loop = self.runtime.engine_loop
         request_id = request.request_id
         role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
@@ -128,6 +141,35 @@ class DecodeService(WorkerServicer):
         finally:
             if not done:
                 engine_loop.abort(request_id)
+
+    async def KVReady(
+        self, request: worker_pb2.KVReadyRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVReadyResponse:
+        """A pending Decode call's KV is ready: hand it to the call (or keep it for the call)."""
+        source = request.kv_source
+        for name, value in (("request_id", request.request_id), ("kv_source.worker_id", source.worker_id),
+                            ("kv_source.block_ids", source.block_ids)):  # fmt: skip
+            if not value:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KVReady needs {name}")
+        return worker_pb2.KVReadyResponse(accepted=self.mailbox.deliver(request.request_id, source))
+
+    async def _await_kv(
+        self, request_id: str, pending: worker_pb2.KVSource, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVSource:
+        """The pending source completed by its KVReady, within the call's deadline."""
+        remaining = context.time_remaining()
+        timeout_s = _PENDING_WAIT_S if remaining is None else remaining
+        try:
+            ready = await self.mailbox.receive(request_id, pending.worker_id, timeout_s)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except TimeoutError:
+            await refuse(context, KV_SOURCE_FAILED,
+                         f"{request_id}: no KVReady from {pending.worker_id} within {timeout_s:.0f} s")  # fmt: skip
+        source = worker_pb2.KVSource()
+        source.CopyFrom(ready)
+        source.peer_info = pending.peer_info
+        return source
 
     async def _refuse_if_failed(self, output: RequestOutput, context: grpc.aio.ServicerContext) -> None:
         """An abort that is not the request's end, because its worker failed (a rank died),

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve import LLM, SamplingParams
-from pdserve.v1 import inference_pb2
+from pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.deployment import Deployment, Frontend, collect, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
 from tests.utils.checkpoints import reference_greedy
@@ -139,6 +139,57 @@ def test_cancelling_a_stream_frees_its_blocks_on_both_workers(llama):
     )
     call.cancel()
     deployment.wait_registered(_idle, 10, "every block free after the cancel")
+
+
+def test_a_decode_call_opened_before_its_prompt_is_started_by_the_prefill_workers_kv_ready(llama):
+    """The worker API as the frontend uses it, without the frontend: nobody but the prefill
+    worker tells the decode worker where the KV is (a missing KVReady fails the call at its deadline)."""
+    deployment, path, _ = llama
+    workers = deployment.registered()
+    prefill = next(w for w in workers if w.role == "prefill")
+    decode = next(w for w in workers if w.role == "decode")
+    prompt = list(range(5, 75))
+    want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    sampling = inference_pb2.SamplingOptions(max_tokens=8, temperature=0, ignore_eos=True)
+    with grpc.insecure_channel(prefill.endpoint) as p, grpc.insecure_channel(decode.endpoint) as d:
+        decode_stub = worker_pb2_grpc.WorkerStub(d)
+        pending = worker_pb2.KVSource(worker_id=prefill.worker_id, peer_info=prefill.nixl, pending=True)
+        call = decode_stub.Decode(worker_pb2.DecodeRequest(request_id="early-1", prompt_token_ids=prompt,
+                                                           sampling=sampling, kv_source=pending), timeout=20)  # fmt: skip
+        first = worker_pb2_grpc.WorkerStub(p).Prefill(worker_pb2.PrefillRequest(
+            request_id="early-1", prompt_token_ids=prompt, sampling=sampling, kv_consumer=decode.endpoint,
+        ), timeout=20)  # fmt: skip
+        responses = list(call)
+        source = worker_pb2.KVSource(worker_id=prefill.worker_id, block_ids=first.block_ids,
+                                     first_token_id=first.first_token_id, pull_within_s=10)  # fmt: skip
+        repeat = decode_stub.KVReady(worker_pb2.KVReadyRequest(request_id="early-1", kv_source=source), timeout=5)
+    assert responses[0].started.kv_transfer_bytes > 0  # pulled, not computed
+    assert [first.first_token_id, *(t for r in responses for t in r.token_ids)] == want.token_ids
+    assert responses[-1].final.finish_reason == "length"
+    assert not repeat.accepted  # what the frontend sends too, once the Prefill call returns
+    deployment.wait_registered(_idle, 10, "every block free after the pull")
+
+
+def test_a_pending_decode_call_whose_kv_never_comes_ends_at_its_deadline_holding_nothing(llama):
+    deployment, _, _ = llama
+    workers = deployment.registered()
+    prefill = next(w for w in workers if w.role == "prefill")
+    decode = next(w for w in workers if w.role == "decode")
+    sampling = inference_pb2.SamplingOptions(max_tokens=8)
+    with grpc.insecure_channel(decode.endpoint) as d:
+        stub = worker_pb2_grpc.WorkerStub(d)
+        pending = worker_pb2.KVSource(worker_id=prefill.worker_id, peer_info=prefill.nixl, pending=True)
+        call = stub.Decode(worker_pb2.DecodeRequest(request_id="never-1", prompt_token_ids=list(range(5, 40)),
+                                                    sampling=sampling, kv_source=pending), timeout=1.5)  # fmt: skip
+        deployment.wait_registered(_idle, 1, "a waiting call takes no blocks")
+        with pytest.raises(grpc.RpcError) as waited:
+            list(call)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.KVReady(worker_pb2.KVReadyRequest(request_id="never-2", kv_source=worker_pb2.KVSource(
+                worker_id=prefill.worker_id, first_token_id=3)), timeout=5)  # fmt: skip
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source.block_ids" in bad.value.details()
+    deployment.wait_registered(_idle, 10, "nothing held after the deadline")
 
 
 def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(llama):

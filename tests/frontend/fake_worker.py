@@ -20,7 +20,7 @@ from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.load import EngineLoad
-from pdserve.frontend.channels import WorkerChannels
+from pdserve.rpc.channels import WorkerChannels
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import Routing
 from pdserve.frontend.router import Router
@@ -109,10 +109,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.script = script
         self.load = load
         self.prefills: list[worker_pb2.PrefillRequest] = []
+        # Decode calls as they started: a pending one once its KVReady came, completed by it.
         self.decodes: list[worker_pb2.DecodeRequest] = []
+        self.pending_decodes: list[worker_pb2.DecodeRequest] = []  # those opened pending, as they opened
         self.releases: list[str] = []  # request ids, in the order their Release calls came
+        self.kv_readies: list[worker_pb2.KVReadyRequest] = []
+        self._ready: dict[str, asyncio.Future[worker_pb2.KVSource]] = {}  # by request id
         self.num_in_flight = 0  # calls being handled now
         self.decode_cancelled = asyncio.Event()  # a Decode call was cancelled while it streamed
+        self.endpoint = ""  # once started
         self._server: RpcServer | None = None
         self._registration: WorkerRegistration | None = None
         self._etcd: EtcdConnection | None = None
@@ -121,9 +126,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._server = RpcServer()
         self._server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(self, s), "pdserve.v1.Worker")
         port = await self._server.start("127.0.0.1", 0)
+        self.endpoint = f"127.0.0.1:{port}"
         entry = WorkerEntry(
             worker_id=self.worker_id, role=self.role, model=model, model_path=model_path,
-            endpoint=f"127.0.0.1:{port}", nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
+            endpoint=self.endpoint, nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
             num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
             started_at=time.time(), tensor_parallel_size=self.tensor_parallel_size, num_kv_heads=self.num_kv_heads,
         )  # fmt: skip
@@ -176,11 +182,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Decode(
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        self.decodes.append(request)
         self.num_in_flight += 1
         try:
             if self.script.draining:
+                self.decodes.append(request)
                 await self._refuse(context)
+            if request.kv_source.pending:  # as a real decode worker, wait for its KVReady
+                self.pending_decodes.append(request)
+                request.kv_source.MergeFrom(await self._kv_ready(request.request_id))
+            self.decodes.append(request)
             if request.HasField("kv_source"):
                 if sum(d.HasField("kv_source") for d in self.decodes) <= self.script.failed_pulls:
                     source = request.kv_source.worker_id
@@ -205,6 +215,19 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.num_in_flight -= 1
+
+    async def KVReady(
+        self, request: worker_pb2.KVReadyRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KVReadyResponse:
+        self.kv_readies.append(request)
+        waiter = self._ready.setdefault(request.request_id, asyncio.get_running_loop().create_future())
+        if waiter.done():
+            return worker_pb2.KVReadyResponse(accepted=False)
+        waiter.set_result(request.kv_source)
+        return worker_pb2.KVReadyResponse(accepted=True)
+
+    async def _kv_ready(self, request_id: str) -> worker_pb2.KVSource:
+        return await self._ready.setdefault(request_id, asyncio.get_running_loop().create_future())
 
     def _tokens(self, request: worker_pb2.DecodeRequest) -> list[int]:
         """What Decode streams: the output after what the request was generated (and the kv_source's token)."""

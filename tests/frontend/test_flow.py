@@ -103,7 +103,10 @@ def test_prefill_is_retried_once_on_another_worker_after_unavailable(
     breakdown = final_of(responses).breakdown
     assert (breakdown.prefill_attempts, breakdown.prefill_worker, breakdown.decode_worker) == (2, "p2", "d1")
     assert [len(failing.prefills), len(healthy.prefills)] == [1, 1]
-    assert [d.kv_source.worker_id for d in decode.decodes] == ["p2"]
+    # The call opened beside the first prefill was cancelled with it; the second one knew where the KV was.
+    assert [d.kv_source.worker_id for d in decode.pending_decodes] == ["p1"]
+    assert [d.kv_source.worker_id for d in decode.decodes] == ["p2"] and not decode.decodes[0].kv_source.pending
+    assert (failing.prefills[0].kv_consumer, healthy.prefills[0].kv_consumer) == (decode.endpoint, "")
     assert any(request_id in r.getMessage() and "p1" in r.getMessage() for r in caplog.records)
     assert failing.releases == healthy.releases == []
 
@@ -175,6 +178,50 @@ def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_onl
 
 
 # ---- decode --------------------------------------------------------------------------------------
+
+
+def test_the_decode_call_opens_while_the_prompt_computes_and_learns_where_the_kv_is(
+    etcd_url: str, model: str
+) -> None:
+    prefill = FakeWorker("p1", "prefill", Script(first_token_id=5, prefill_s=0.5))
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            flow = await new_flow(routing, model)
+            running = asyncio.ensure_future(run_flow(flow))
+            await eventually(lambda: len(decode.pending_decodes) == 1, 5.0, "a decode call opened")
+            assert prefill.num_in_flight == 1 and decode.decodes == []  # the prompt still computes
+            opened = decode.pending_decodes[0]
+            assert (opened.request_id, list(opened.prompt_token_ids)) == (flow.request_id, PROMPT)
+            assert opened.kv_source.worker_id == "p1" and opened.kv_source.peer_info == b"fake-nixl-p1"
+            assert prefill.prefills[0].kv_consumer == decode.endpoint  # told whom to announce the KV to
+            return await running
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == [5, 11, 12, 13]
+    # The fake prefill worker announces nothing itself: the frontend's KVReady completed the call.
+    [ready] = decode.kv_readies
+    source = ready.kv_source
+    assert (source.worker_id, list(source.block_ids), source.first_token_id) == ("p1", [0, 1], 5)
+    assert 25.0 < source.pull_within_s < 30.0  # the pin's 30 s, less the margin and the time since
+    assert [len(decode.decodes), decode.decodes[0].kv_source.pending] == [1, True]
+
+
+def test_a_client_gone_during_the_prefill_leaves_no_decode_call_open(etcd_url: str, model: str) -> None:
+    prefill = FakeWorker("p1", "prefill", Script(stall=True))
+    decode = FakeWorker("d1", "decode")
+
+    async def body() -> None:
+        async with serving(etcd_url, model, [prefill, decode]) as routing:
+            running = asyncio.ensure_future(run_flow(await new_flow(routing, model)))
+            await eventually(lambda: len(decode.pending_decodes) == 1 and prefill.num_in_flight == 1, 5.0,
+                             "both calls open")  # fmt: skip
+            await cancel_and_wait(running)
+            await eventually(lambda: decode.num_in_flight == prefill.num_in_flight == 0, 5.0, "both calls ended")
+            assert decode.decode_cancelled.is_set() and decode.decodes == []
+
+    run_scenario(body(), SCENARIO_TIMEOUT_S)
 
 
 def test_a_draining_decode_worker_hands_the_request_to_another_in_one_stream(etcd_url: str, model: str) -> None:
