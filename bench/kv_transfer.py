@@ -131,6 +131,7 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
                 scattered.append(stats.seconds)
                 setups.append(stats.setup_seconds)
                 contiguous.append(seconds)
+        await puller.close()
     finally:
         await agent.close()
         proc.stdin.close()

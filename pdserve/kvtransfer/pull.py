@@ -7,9 +7,11 @@ on success, when nothing was needed, and when it gave up — so the prefill side
 for its deadline unless this process died.
 
 Contract: when ``pull`` returns or raises, no transfer it posted is still writing into
-``local_block_ids`` (handles are released, which cancels them, before it returns), so the
-blocks may be freed at once. The caller owns them and frees them, after a failure as after
-a success.
+``local_block_ids``, so the blocks may be freed at once. The caller owns them and frees them,
+after a failure as after a success. A failed pull releases its handles (which cancels them)
+before it raises. A successful one returns as soon as every transfer is done; releasing the
+handles and sending the notices then go on in the background (``close`` waits for them), so
+the request resumes without waiting for NIXL's bookkeeping.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ class KVPuller:
         self.deadline_s = deadline_s
         self.max_run_blocks = max_run_blocks
         self.cancel_grace_s = cancel_grace_s
+        self._finishing: set[asyncio.Task[None]] = set()  # successful pulls' release and notices
+
+    async def close(self) -> None:
+        """Wait for the background releases and notices (each bounded by its pull's deadline)."""
+        await asyncio.gather(*self._finishing, return_exceptions=True)
 
     async def pull(
         self,
@@ -121,13 +128,23 @@ class KVPuller:
         except Exception as exc:  # NIXL errors (e.g. a dead peer at post time)
             failure = f"{type(exc).__name__}: {exc}"
         finally:
-            if handles:
-                await self._release(handles)
-            await self._notify(request_id, names, failure, deadline)
+            if failure is None:  # every transfer is done: nothing writes into the blocks any more
+                task = asyncio.get_running_loop().create_task(self._finish(request_id, names, handles, None, deadline))
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+            else:
+                await self._finish(request_id, names, handles, failure, deadline)
         stats.seconds = time.perf_counter() - start
         if failure is not None:
             raise TransferFailed(request_id, failure)
         return stats
+
+    async def _finish(
+        self, request_id: str, names: list[str], handles: list[tuple[Any, str]], failure: str | None, deadline: float
+    ) -> None:
+        if handles:
+            await self._release(handles)
+        await self._notify(request_id, names, failure, deadline)
 
     def _group(self, names: list[str]) -> list[PeerInfo]:
         """The prefill group's infos in rank order, checked to be one whole group."""

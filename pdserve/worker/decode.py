@@ -65,6 +65,7 @@ class DecodeService(WorkerServicer):
 
     async def close(self) -> None:
         await self.view.close()
+        await self.puller.close()
         await asyncio.gather(*self._removals, return_exceptions=True)
 
     def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:

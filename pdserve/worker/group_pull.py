@@ -33,6 +33,10 @@ class GroupPuller:
     def deadline_s(self) -> float:
         return self.puller.deadline_s
 
+    async def close(self) -> None:
+        """Wait for this rank's pulls' background releases and notices."""
+        await self.puller.close()
+
     async def pull(
         self,
         request_id: str,

@@ -65,6 +65,7 @@ class RankService:
             for future in (reading, stopping):
                 future.cancel()
             await asyncio.gather(reading, stopping, *self._tasks, return_exceptions=True)
+            await self.puller.close()
         finally:
             self.sent.close()
             if self._writer is not None:

@@ -170,6 +170,7 @@ class Peer:
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), self.send(t.result())))
         await cancel_and_wait(sweeper)
+        await self.puller.close()
         self.reporter.close()
         self.pins.release_all()
         await self.agent.close()
