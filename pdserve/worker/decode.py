@@ -68,6 +68,11 @@ class DecodeService(WorkerServicer):
         await self.puller.close()
         await asyncio.gather(*self._removals, return_exceptions=True)
 
+    @property
+    def num_waiting(self) -> int:
+        """Decode calls waiting for their KVReady."""
+        return self.mailbox.num_waiting
+
     def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
         # The view watches every model's knobs already: one watch serves both.
         return KnobsFollower.from_view(self.view, self.runtime.config.served_model_name, apply)
@@ -159,7 +164,8 @@ class DecodeService(WorkerServicer):
     ) -> worker_pb2.KVSource:
         """The pending source completed by its KVReady, within the call's deadline."""
         remaining = context.time_remaining()
-        timeout_s = _PENDING_WAIT_S if remaining is None else remaining
+        # With a deadline, the deadline ends the call (DEADLINE_EXCEEDED): this wait outlasts it.
+        timeout_s = _PENDING_WAIT_S if remaining is None else remaining + 1.0
         try:
             ready = await self.mailbox.receive(request_id, pending.worker_id, timeout_s)
         except ValueError as exc:

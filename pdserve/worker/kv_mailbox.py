@@ -79,6 +79,11 @@ class KVMailbox:
     def __len__(self) -> int:
         return len(self._slots)
 
+    @property
+    def num_waiting(self) -> int:
+        """Calls waiting for their delivery now."""
+        return sum(slot.waiter is not None for slot in self._slots.values())
+
     def _prune(self) -> None:
         """Forget expired slots nobody waits on, and the oldest beyond ``max_slots``."""
         now = time.monotonic()

@@ -58,6 +58,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def close(self) -> None:
         """Release what ``start`` acquired (called after the drain)."""
 
+    @property
+    def num_waiting(self) -> int:
+        """Calls in flight that are not in the engine yet (a drain waits for them too)."""
+        return 0
+
     def knobs_follower(self, apply: Callable[[Knobs | None], Awaitable[None]]) -> KnobsFollower:
         """What follows the model's live knobs for this role: a watch of the model's key."""
         return KnobsFollower.from_etcd(self.runtime.etcd, self.runtime.config.served_model_name, apply)
@@ -67,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.DrainResponse:
         await self.runtime.admin.authorize(context, "Drain")
         self.runtime.request_stop("Drain RPC")
-        return worker_pb2.DrainResponse(in_flight=self.runtime.engine_loop.num_in_flight)
+        return worker_pb2.DrainResponse(in_flight=self.runtime.num_in_flight)
 
     async def refuse_if_draining(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse the call, typed as DRAINING (``pdserve.rpc.status``), while the worker drains."""
@@ -216,12 +221,16 @@ class WorkerRuntime:
         if self.registration is not None:
             await self.registration.refresh_now()
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.engine_loop.num_in_flight and self.failure is None and time.monotonic() < deadline:
+        while self.num_in_flight and self.failure is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.engine_loop.num_in_flight:
-            logger.warning(
-                "%s: drain timed out with %d requests in flight", self.worker_id, self.engine_loop.num_in_flight
-            )
+        if self.num_in_flight:
+            logger.warning("%s: drain timed out with %d requests in flight", self.worker_id, self.num_in_flight)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests this worker still owes an answer: in the engine, or waiting to enter it."""
+        waiting = self.servicer.num_waiting if self.servicer is not None else 0
+        return self.engine_loop.num_in_flight + waiting
 
     async def close(self) -> None:
         """Leave the registry, stop serving, free the agent and the engine thread."""

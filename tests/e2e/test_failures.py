@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.deployment import Deployment, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
 
@@ -77,8 +78,6 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
     results: list[object] = [None] * 8
 
     def one(i: int) -> None:
-        from pdserve.v1 import inference_pb2
-
         request = inference_pb2.GenerateRequest(
             model=MODEL, token_ids=inference_pb2.TokenIds(ids=[2 + i, 3, 4, 5]),
             sampling=inference_pb2.SamplingOptions(max_tokens=600, ignore_eos=True, seed=i),
@@ -95,6 +94,17 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
         except grpc.RpcError as exc:
             results[i] = exc.code().name
 
+    # A Decode call opened beside a prefill that has not ended yet is in flight too.
+    workers = deployment.registered()
+    prefill_entry = next(w for w in workers if w.role == "prefill")
+    decode_entry = next(w for w in workers if w.role == "decode")
+    prompt, sampling = [7, 8, 9, 10], inference_pb2.SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True)
+    pending = worker_pb2.KVSource(worker_id=prefill_entry.worker_id, peer_info=prefill_entry.nixl, pending=True)
+    decode_channel = grpc.insecure_channel(decode_entry.endpoint)
+    waiting = worker_pb2_grpc.WorkerStub(decode_channel).Decode(
+        worker_pb2.DecodeRequest(request_id="waiting-1", prompt_token_ids=prompt, sampling=sampling, kv_source=pending),
+        timeout=DEADLINE_S,
+    )  # fmt: skip
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -106,6 +116,15 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
     for t in threads:
         t.join(DEADLINE_S)
     assert results == [(600, "length")] * 8
+    time.sleep(0.5)  # a drain that counted only the engine's requests would be over by now
+    assert decode.process.returncode is None
+    with grpc.insecure_channel(prefill_entry.endpoint) as channel:
+        worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
+            request_id="waiting-1", prompt_token_ids=prompt, sampling=sampling, kv_consumer=decode_entry.endpoint,
+        ), timeout=DEADLINE_S)  # fmt: skip
+    streamed = list(waiting)
+    decode_channel.close()
+    assert sum(len(r.token_ids) for r in streamed) == 4 and streamed[-1].final.finish_reason == "length"
     assert deployment.run(decode.process.wait(), timeout=30) == 0
     deployment.wait_registered(lambda ws: not any(w.role == "decode" for w in ws), 3, "the decode worker to leave")
 

@@ -19,9 +19,9 @@ def test_a_delivery_reaches_the_call_waiting_for_it_and_a_repeat_is_refused():
         mailbox = KVMailbox()
         waiting = asyncio.ensure_future(mailbox.receive("r1", "p1", timeout_s=5))
         await asyncio.sleep(0.01)
-        assert not waiting.done()
+        assert not waiting.done() and mailbox.num_waiting == 1  # what a drain waits for
         assert mailbox.deliver("r1", ready(first_token_id=7))
-        assert (await waiting).first_token_id == 7
+        assert (await waiting).first_token_id == 7 and mailbox.num_waiting == 0
         assert not mailbox.deliver("r1", ready(first_token_id=8))  # the frontend's, after the prefill worker's
 
     asyncio.run(scenario())
