@@ -89,6 +89,9 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05, lockstep_idle_s: float = 0.002) -> None:
         self.engine = engine
+        # Called on the engine thread with each PRODUCER's output the moment its prompt is done,
+        # before the event loop has it; it must not block (a prefill worker's KVAnnouncer).
+        self.on_produced: Callable[[RequestOutput], None] | None = None
         self.idle_wait_s = idle_wait_s
         self.lockstep = engine.parallel.dp_size > 1
         self.lockstep_idle_s = lockstep_idle_s
@@ -316,6 +319,13 @@ class EngineLoop:
                 continue
 
     def _deliver(self, outputs: list[RequestOutput], awaiting: list[tuple[str, list[int], int]]) -> None:
+        if self.on_produced is not None:
+            for output in outputs:
+                if output.finish_reason == "kv_transfer":
+                    try:
+                        self.on_produced(output)
+                    except Exception:  # a hook's failure is the hook's, not the engine's
+                        logger.exception("on_produced failed for %s", output.request_id)
         items: list[tuple[str, RequestOutput | KVAwaited]] = [(o.request_id, o) for o in outputs]
         items += [(rid, KVAwaited(blocks, cached)) for rid, blocks, cached in awaiting]
         if items and self._loop is not None:

@@ -6,10 +6,12 @@
 
 The Decode call opens together with the Prefill call, its ``kv_source`` ``pending``: the decode
 worker sets the call up and loads the prefill worker as a peer while the prompt computes, and
-the prefill worker tells it (``KVReady``) the moment the KV is ready, so the pull starts then.
-The frontend sends the same ``KVReady`` when the Prefill call returns, in case the first was
-lost. When the prefill fails over to a second worker, that call is cancelled and a new one
-made with the KV's place known.
+the prefill worker's engine tells it (``KVReady``) the moment the KV is ready, so the pull
+starts then. If the decode worker has not reported the pull ``_KV_READY_BACKUP_S`` after the
+Prefill call returned, the frontend sends the same ``KVReady``: the first may have been lost
+(sent at once, it would land in the middle of most pulls and slow them). When the prefill
+fails over to a second worker, the call is cancelled and a new one made with the KV's place
+known.
 
 Without a prefill worker (conditional disaggregation said so, or ``off``) the decode worker
 computes the prompt itself. Every call carries what is left of the request's deadline.
@@ -43,6 +45,7 @@ aborts the request on the worker and frees its blocks) and sends the final messa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -53,10 +56,10 @@ import grpc
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
+from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
-from pdserve.rpc.channels import WorkerChannels
 from pdserve.rpc.kv_source import ready_source
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
@@ -70,6 +73,8 @@ _RETRYABLE = {
 }  # fmt: skip
 # A KVReady the decode worker has not answered within this long is not waited for.
 _KV_READY_TIMEOUT_S = 5.0
+# The frontend's own KVReady goes this long after the Prefill call returned, unless the pull was done.
+_KV_READY_BACKUP_S = 0.5
 # A migrating request with no decode worker to go to looks again this often, until its deadline.
 _WORKER_WAIT_S = 0.2
 
@@ -159,8 +164,9 @@ class RequestFlow:
         num_broken = 0
         while True:
             try:
-                async for message in self._attempt():
-                    yield message
+                async with contextlib.aclosing(self._attempt()) as attempt:
+                    async for message in attempt:
+                        yield message
                 return
             except _Broken as broken:
                 num_broken += 1
@@ -205,8 +211,9 @@ class RequestFlow:
         self._decode_worker = decode
         router.decode_started(decode)
         try:
-            async for message in self._prefill_then_decode(decode, choice):
-                yield message
+            async with contextlib.aclosing(self._prefill_then_decode(decode, choice)) as messages:
+                async for message in messages:
+                    yield message
         finally:
             router.decode_done(self._decode_worker)
 
@@ -214,6 +221,7 @@ class RequestFlow:
         self, decode: WorkerEntry, choice: PrefillChoice | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         early = self._open_decode(decode, choice) if choice is not None else None
+        backup: asyncio.Task[None] | None = None
         try:
             prefilled = await self._prefill(choice, decode, early is not None) if choice is not None else None
         except BaseException:
@@ -228,7 +236,7 @@ class RequestFlow:
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
             if prefilled is not None:
                 if early is not None:
-                    self._announce(decode, prefilled)
+                    backup = self._announce_later(decode, prefilled)
                 if not self.breakdown.ttft_ms:
                     self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
                 self._token_times.append((time.monotonic(), 1))
@@ -239,11 +247,14 @@ class RequestFlow:
                     yield self._final(first, "stop")
                     return
                 yield first
-            async for message in self._decode(decode, prefilled, early):
-                yield message
+            async with contextlib.aclosing(self._decode(decode, prefilled, early)) as messages:
+                async for message in messages:
+                    yield message
         finally:
             if early is not None:
                 early.cancel()  # a no-op unless no decode used it (a stop string in the first token, a client gone)
+            if backup is not None:
+                backup.cancel()  # the request is over: nobody waits for the KV any more
             if prefilled is not None and not self._decode_started:
                 self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
 
@@ -366,19 +377,22 @@ class RequestFlow:
         return ready_source(prefilled.worker.worker_id, pr.block_ids, pr.first_token_id, pin_left,
                             peer_info=prefilled.worker.nixl)  # fmt: skip
 
-    def _announce(self, decode: WorkerEntry, prefilled: _Prefilled) -> None:
-        """Tell the open Decode call its KV is ready, in the background (the prefill worker has
-        most likely done so already: this one then counts as a repeat)."""
+    def _announce_later(self, decode: WorkerEntry, prefilled: _Prefilled) -> asyncio.Task[None]:
+        """Tell the open Decode call its KV is ready unless it reported the pull done within
+        ``_KV_READY_BACKUP_S`` (the prefill worker's KVReady was lost), in the background."""
         stub = self.routing.channels.stub(decode.endpoint)
-        message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=self._ready_source(prefilled))
 
         async def announce() -> None:
+            await asyncio.sleep(_KV_READY_BACKUP_S)
+            if self._decode_started:
+                return
+            message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=self._ready_source(prefilled))
             try:
                 await stub.KVReady(message, timeout=_KV_READY_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # the Decode call fails too, and says why
                 logger.info("KVReady of %s on %s: %s", prefilled.request_id, decode.worker_id, exc.code().name)
 
-        self.routing.channels.in_background(announce())
+        return self.routing.channels.in_background(announce())
 
     async def _decode(
         self, decode: WorkerEntry, prefilled: _Prefilled | None, early: grpc.aio.UnaryStreamCall | None
@@ -396,8 +410,9 @@ class RequestFlow:
         while True:
             self._migrated_to(decode)
             try:
-                async for response in self._decode_on(decode, message, call):
-                    yield response
+                async with contextlib.aclosing(self._decode_on(decode, message, call)) as responses:
+                    async for response in responses:
+                        yield response
                 return
             except grpc.aio.AioRpcError as exc:
                 call = None  # any second call carries the whole kv_source

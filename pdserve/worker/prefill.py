@@ -8,16 +8,14 @@ each rank holds its heads of those blocks and hears its own notices; the pin is 
 every rank's are in (``GroupSent``).
 
 A request whose decode worker already has its Decode call open (``kv_consumer``) is announced
-to that worker with ``KVReady`` the moment the prompt is done, alongside this call's own
-reply: the pull then starts without waiting for the frontend's hop. Best effort, once; the
-frontend sends the same when this call returns.
+to that worker with ``KVReady`` from the engine thread the moment the prompt is done
+(``KVAnnouncer``): the pull starts before this call has even returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import time
 
 import grpc
@@ -25,18 +23,12 @@ import grpc
 from pdserve.engine.engine_loop import EngineStopped
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import SentReporter
-from pdserve.rpc.channels import WorkerChannels
-from pdserve.rpc.kv_source import ready_source
 from pdserve.rpc.logprobs import token_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
 from pdserve.worker.group_sent import GroupSent
+from pdserve.worker.kv_announcer import KVAnnouncer
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
-
-logger = logging.getLogger(__name__)
-
-# A KVReady not answered within this long is left to the frontend's.
-_KV_READY_TIMEOUT_S = 5.0
 
 
 class PrefillService(WorkerServicer):
@@ -52,14 +44,15 @@ class PrefillService(WorkerServicer):
             on_sent = functools.partial(self.group_sent.rank_sent, 0)
         self.sent = SentReporter(runtime.agent, on_sent, is_wanted=lambda: engine_loop.load.held_requests > 0)
         cluster = runtime.config.cluster_tls
-        self.consumers = WorkerChannels(None if cluster is None else cluster.client)  # to decode workers
+        self.announcer = KVAnnouncer(runtime.worker_id, runtime.config.hold_s, None if cluster is None else cluster.client)
+        engine_loop.on_produced = self.announcer.produced
 
     async def start(self) -> None:
         self.sent.start()
 
     async def close(self) -> None:
         self.sent.close()
-        await self.consumers.close_all()
+        self.announcer.close()
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -67,6 +60,8 @@ class PrefillService(WorkerServicer):
         await self.refuse_if_draining(context)
         engine_loop = self.runtime.engine_loop
         request_id = request.request_id
+        if request.kv_consumer:
+            self.announcer.expect(request_id, request.kv_consumer)
         try:
             params = sampling_params(request.sampling)
             stream = await engine_loop.add(
@@ -74,8 +69,10 @@ class PrefillService(WorkerServicer):
                 pin_s=self.runtime.config.hold_s, generated_token_ids=list(request.generated_token_ids),
             )  # fmt: skip
         except ValueError as exc:
+            self.announcer.forget(request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineStopped as exc:  # its worker is failing: another prefill worker may take it
+            self.announcer.forget(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.runtime.worker_id}: {exc}")
         try:
             final = None
@@ -84,6 +81,8 @@ class PrefillService(WorkerServicer):
         except asyncio.CancelledError:
             engine_loop.abort(request_id)  # frees the blocks, pinned or not
             raise
+        finally:
+            self.announcer.forget(request_id)  # announced by now, or never to be
         assert final is not None
         if final.finish_reason != "kv_transfer" or final.held_block_ids is None:
             self.runtime.metrics.request_ended(final.finish_reason or "abort")
@@ -92,8 +91,6 @@ class PrefillService(WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED if final.finish_reason == "length" else grpc.StatusCode.UNAVAILABLE,
                 f"prefill of {request_id} on {self.runtime.worker_id} ended with {final.finish_reason!r}",
             )
-        if request.kv_consumer:
-            self._announce(request.kv_consumer, request_id, final.held_block_ids, final.token_ids[-1])
         self.sent.wake()  # a pin waits for notices now (the load read by is_wanted counts it)
         if self.runtime.group is not None:
             self.runtime.group.link.expect_notices(request_id, self.runtime.config.hold_s)
@@ -116,23 +113,6 @@ class PrefillService(WorkerServicer):
         if final.new_logprobs and final.new_logprobs[0] is not None:
             response.first_token_logprobs.CopyFrom(token_logprobs(final.new_logprobs[0]))
         return response
-
-    def _announce(self, endpoint: str, request_id: str, block_ids: list[int], first_token_id: int) -> None:
-        """Send the decode worker at ``endpoint`` its ``KVReady``, in the background."""
-        source = ready_source(self.runtime.worker_id, block_ids, first_token_id, self.runtime.config.hold_s)
-        call = self.consumers.stub(endpoint).KVReady(
-            worker_pb2.KVReadyRequest(request_id=request_id, kv_source=source), timeout=_KV_READY_TIMEOUT_S
-        )
-
-        async def answered() -> None:
-            try:
-                await call
-            except grpc.aio.AioRpcError as exc:
-                logger.info("KVReady of %s to %s: %s %s", request_id, endpoint, exc.code().name, exc.details())
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.consumers.close(endpoint)  # most likely gone: no channel kept for it
-
-        self.consumers.in_background(answered())
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

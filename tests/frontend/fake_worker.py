@@ -20,7 +20,7 @@ from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.engine.load import EngineLoad
-from pdserve.rpc.channels import WorkerChannels
+from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import Routing
 from pdserve.frontend.router import Router
@@ -58,6 +58,8 @@ class Script:
         untyped_refusal: with ``draining``, refuse without saying why (``refuse_untyped``).
         first_token_id: what Prefill answers.
         prefill_s: Prefill takes this long, as a prompt being computed does.
+        silent_prefill: Prefill does not send its ``kv_consumer`` the ``KVReady`` a real prefill
+            worker sends (as if it were lost), so only the frontend's reaches the decode worker.
         tokens: Decode streams these, one a message, then its final message (a migrated request:
             those after the ones it was generated).
         token_gap_s: Decode waits this long before each token after the first.
@@ -81,6 +83,7 @@ class Script:
     untyped_refusal: bool = False
     first_token_id: int = FIRST_TOKEN_ID
     prefill_s: float = 0.0
+    silent_prefill: bool = False
     tokens: tuple[int, ...] = (11, 12, 13)
     token_gap_s: float = 0.0
     decode_error: grpc.StatusCode | None = None
@@ -166,6 +169,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 first = COUNTING_BASE + num_generated
             else:  # the output is the first token, then ``tokens``
                 first = [self.script.first_token_id, *self.script.tokens][num_generated]
+            if request.kv_consumer and not self.script.silent_prefill:  # as a real prefill worker does
+                source = worker_pb2.KVSource(worker_id=self.worker_id, block_ids=[0, 1], first_token_id=first,
+                                             pull_within_s=28.0)  # fmt: skip
+                async with grpc.aio.insecure_channel(request.kv_consumer) as channel:
+                    await worker_pb2_grpc.WorkerStub(channel).KVReady(
+                        worker_pb2.KVReadyRequest(request_id=request.request_id, kv_source=source), timeout=5.0
+                    )
             return worker_pb2.PrefillResponse(
                 worker_id=self.worker_id, first_token_id=first, block_ids=[0, 1], hold_seconds=30.0
             )

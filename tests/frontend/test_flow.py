@@ -32,7 +32,7 @@ from pdserve.frontend.flow import FlowError, RequestFlow, Routing
 from pdserve.lifecycle import cancel_and_wait
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script, serving
-from tests.utils.aio import run_scenario
+from tests.utils.aio import eventually, run_scenario
 
 PROMPT = list(range(1, 41))  # long enough that conditional disaggregation sends it to a prefill worker
 DEADLINE_S = 10.0  # each request's deadline unless a test sets a shorter one
@@ -72,14 +72,6 @@ def token_ids(responses: Sequence[inference_pb2.GenerateResponse]) -> list[int]:
 def final_of(responses: Sequence[inference_pb2.GenerateResponse]) -> inference_pb2.Final:
     assert [r.HasField("final") for r in responses] == [False] * (len(responses) - 1) + [True]
     return responses[-1].final
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 # ---- prefill -------------------------------------------------------------------------------------
@@ -183,7 +175,7 @@ def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_onl
 def test_the_decode_call_opens_while_the_prompt_computes_and_learns_where_the_kv_is(
     etcd_url: str, model: str
 ) -> None:
-    prefill = FakeWorker("p1", "prefill", Script(first_token_id=5, prefill_s=0.5))
+    prefill = FakeWorker("p1", "prefill", Script(first_token_id=5, prefill_s=0.5, silent_prefill=True))
     decode = FakeWorker("d1", "decode")
 
     async def body() -> list[inference_pb2.GenerateResponse]:
@@ -200,7 +192,7 @@ def test_the_decode_call_opens_while_the_prompt_computes_and_learns_where_the_kv
 
     responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == [5, 11, 12, 13]
-    # The fake prefill worker announces nothing itself: the frontend's KVReady completed the call.
+    # The prefill worker's KVReady was lost: the frontend's own, sent after a wait, completed the call.
     [ready] = decode.kv_readies
     source = ready.kv_source
     assert (source.worker_id, list(source.block_ids), source.first_token_id) == ("p1", [0, 1], 5)

@@ -18,7 +18,7 @@ from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.flow import RequestFlow, Routing
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FakeWorker, Script, serving
-from tests.utils.aio import run_scenario
+from tests.utils.aio import eventually, run_scenario
 from tests.utils.tiny_tokenizer import write_tiny_tokenizer
 
 TEXT = "Hello world, and more"  # tokens "Hello" | " world" | "," | " and" | ...
@@ -94,17 +94,22 @@ def test_without_a_stop_the_first_token_reaches_the_client_once_and_the_held_tex
     assert not decode.decode_cancelled.is_set()
 
 
-def test_a_stop_string_in_the_first_token_needs_no_decode_call(etcd_url, tokenizer_dir, tokens, model):
+def test_a_stop_string_in_the_first_token_ends_the_decode_call_and_releases_the_pin(
+    etcd_url, tokenizer_dir, tokens, model
+):
     prefill, decode = FakeWorker("p1", "prefill", speaking(tokens)), FakeWorker("d1", "decode", speaking(tokens))
 
     async def main():
         async with serving(etcd_url, model, [prefill, decode], model_path=tokenizer_dir) as routing:
-            return await generate(routing, model, ["ell"])  # leaving waits for the background Release
+            messages = await generate(routing, model, ["ell"])  # leaving waits for the background Release
+            await eventually(lambda: decode.num_in_flight == 0, 5.0, "the decode call ended")
+            return messages
 
     [message] = run_scenario(main(), timeout_s=60)
     assert (list(message.token_ids), message.text) == (tokens[:1], "H")
     assert (message.final.finish_reason, message.final.text, message.final.usage.completion_tokens) == ("stop", "H", 1)
-    assert decode.decodes == [] and prefill.releases == ["r1"]  # the pinned blocks are let go at once
+    # The Decode call opened with the prefill was cancelled, and the pinned blocks are let go at once.
+    assert len(decode.pending_decodes) == 1 and prefill.releases == ["r1"]
 
 
 @pytest.mark.parametrize("refusal", ["typed", "untyped"])

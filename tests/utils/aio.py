@@ -1,11 +1,13 @@
-"""Running a test's asyncio scenario under a deadline that explains itself when it passes."""
+"""Running a test's asyncio scenario under a deadline that explains itself when it passes, and
+waiting in one for a condition."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import sys
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -36,3 +38,12 @@ def run_scenario(scenario: Coroutine[Any, Any, T], timeout_s: float = DEFAULT_TI
         raise AssertionError(f"the scenario did not finish within {timeout_s:g} s; pending tasks:\n{stacks.getvalue()}")
 
     return asyncio.run(guarded())
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Return once ``predicate()`` holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.02)

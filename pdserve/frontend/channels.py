@@ -47,11 +47,12 @@ class WorkerChannels:
         if channel is not None:
             self.in_background(channel.close(grace=1.0))
 
-    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+    def in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``work`` without waiting for it; ``close_all`` does."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close_all(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from pdserve.rpc.channels import WorkerChannels
+from pdserve.frontend.channels import WorkerChannels
 
 
 def test_connect_opens_the_connection_without_a_call():
