@@ -89,8 +89,8 @@ class WorkerServicer:
 
     def KVReady(self, request, context):
         """Decode role: the KV of a Decode call whose `kv_source` was `pending` is ready to pull.
-        Sent by the prefill worker the moment its prompt is done, and by the frontend when the
-        Prefill call returns; the first to arrive is used, a repeat is ignored.
+        Sent by the prefill worker the moment its prompt is done, and by the frontend if the
+        decode worker has not reported the pull soon after; the first to arrive is used.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,9 +1,9 @@
 """Where a decode worker's pending Decode calls receive their ``KVReady``.
 
 A Decode call may open while its prompt is still being computed (``KVSource.pending``): it
-waits here for the blocks and the first token, sent by the prefill worker the moment they are
-ready and by the frontend once its Prefill call returns. The first delivery is used; the other
-is a repeat. A delivery may also come before its call (a short prompt, a slow call): it is kept
+waits here for the blocks and the first token, sent by the prefill worker's engine the moment
+they are ready and, if that message was lost, by the frontend. The first delivery is used; a
+second is a repeat. A delivery may also come before its call (a short prompt, a slow call): it is kept
 ``keep_s`` for the call to claim, then dropped.
 
 Deliveries are keyed by request id *and* prefill worker, so a message meant for one prefill
@@ -87,10 +87,12 @@ class KVMailbox:
     def _prune(self) -> None:
         """Forget expired slots nobody waits on, and the oldest beyond ``max_slots``."""
         now = time.monotonic()
-        for key in list(self._slots):
-            slot = self._slots[key]
+        doomed: list[_Key] = []
+        for key, slot in self._slots.items():
             if slot.waiter is not None:
                 continue
-            if slot.expires_at > now and len(self._slots) < self.max_slots:
+            if slot.expires_at > now and len(self._slots) - len(doomed) < self.max_slots:
                 break
+            doomed.append(key)
+        for key in doomed:
             del self._slots[key]
