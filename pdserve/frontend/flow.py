@@ -6,8 +6,8 @@
 
 The Decode call opens together with the Prefill call, its ``kv_source`` ``pending``: the decode
 worker sets the call up and loads the prefill worker as a peer while the prompt computes, and
-the prefill worker's engine tells it (``KVReady``) the moment the KV is ready, so the pull
-starts then. If the decode worker has not reported the pull ``_KV_READY_BACKUP_S`` after the
+the prefill worker tells it (``KVReady``) the moment the KV is ready, so the pull starts
+then. If the decode worker has not reported the pull ``_KV_READY_BACKUP_S`` after the
 Prefill call returned, the frontend sends the same ``KVReady``: the first may have been lost
 (sent at once, it would land in the middle of most pulls and slow them). When the prefill
 fails over to a second worker, the call is cancelled and a new one made with the KV's place

@@ -1,9 +1,9 @@
 """Where a decode worker's pending Decode calls receive their ``KVReady``.
 
 A Decode call may open while its prompt is still being computed (``KVSource.pending``): it
-waits here for the blocks and the first token, sent by the prefill worker's engine the moment
-they are ready and, if that message was lost, by the frontend. The first delivery is used; a
-second is a repeat. A delivery may also come before its call (a short prompt, a slow call): it is kept
+waits here for the blocks and the first token, sent by the prefill worker the moment they are
+ready and, if that message was lost, by the frontend. The first delivery is used; a second is
+a repeat. A delivery may also come before its call (a short prompt, a slow call): it is kept
 ``keep_s`` for the call to claim, then dropped.
 
 Deliveries are keyed by request id *and* prefill worker, so a message meant for one prefill

@@ -8,8 +8,8 @@ each rank holds its heads of those blocks and hears its own notices; the pin is 
 every rank's are in (``GroupSent``).
 
 A request whose decode worker already has its Decode call open (``kv_consumer``) is announced
-to that worker with ``KVReady`` from the engine thread the moment the prompt is done
-(``KVAnnouncer``): the pull starts before this call has even returned.
+to that worker with ``KVReady`` the moment the prompt is done (``KVAnnouncer``: queued by the
+engine thread, sent by a thread of its own), without waiting for this call's event loop.
 """
 
 from __future__ import annotations
