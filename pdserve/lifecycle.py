@@ -22,19 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import io
+import linecache
 import logging
 import os
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
 DUMP_SIGNAL = signal.SIGUSR1
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Where a coroutine, generator or async generator keeps its frame, and what it awaits.
+_FRAME_ATTRS = ("cr_frame", "gi_frame", "ag_frame")
+_AWAIT_ATTRS = ("cr_await", "gi_yieldfrom", "ag_await")
+_MAX_AWAIT_DEPTH = 100  # a bound, should a chain ever loop
 
 
 def install_stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> None:
@@ -43,12 +50,12 @@ def install_stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> None:
 
 
 def stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> str:
-    """Every pending task of ``loop`` and every thread, innermost frame last."""
+    """Every pending task of ``loop``, down the chain of what it awaits, and every thread,
+    innermost frame last."""
     out = io.StringIO()
     tasks = asyncio.all_tasks(loop)
     out.write(f"--- {name}: {len(tasks)} asyncio tasks ---\n")
-    for task in sorted(tasks, key=lambda t: t.get_name()):
-        task.print_stack(file=out)
+    out.write(task_stacks(tasks))
     frames = sys._current_frames()
     out.write(f"--- {name}: {len(frames)} threads ---\n")
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -57,6 +64,44 @@ def stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> str:
         out.write("".join(traceback.format_stack(frame)))
     out.write(f"--- {name}: end ---")
     return out.getvalue()
+
+
+def task_stacks(tasks: Iterable[asyncio.Task]) -> str:
+    """Each task by name, with the chain of awaits it is suspended in, innermost last."""
+    return "".join(f"task {task.get_name()}:\n{_await_chain(task.get_coro())}"
+                   for task in sorted(tasks, key=lambda t: t.get_name()))  # fmt: skip
+
+
+def _await_chain(awaitable: object) -> str:
+    """Where a task waits: its coroutine's frame, then the frame of each coroutine or
+    generator it awaits, down to the innermost, and the future that one awaits.
+
+    ``Task.print_stack`` shows only the outermost frame, and raises on the Cython coroutines
+    gRPC runs its handlers in (their frames have no line number).
+    """
+    lines = []
+    for _ in range(_MAX_AWAIT_DEPTH):
+        frame = next((f for attr in _FRAME_ATTRS if (f := getattr(awaitable, attr, None)) is not None), None)
+        if frame is None:
+            break
+        code, lineno = frame.f_code, frame.f_lineno
+        lines.append(f'  File "{code.co_filename}", line {lineno or "?"}, in {code.co_name}\n')
+        source = linecache.getline(code.co_filename, lineno).strip() if lineno else ""
+        if source:
+            lines.append(f"    {source}\n")
+        awaitable = _awaited(awaitable)
+    if awaitable is not None:
+        lines.append(f"  awaiting {awaitable!r}\n")
+    return "".join(lines)
+
+
+def _awaited(awaitable: object) -> object | None:
+    """What ``awaitable`` waits on now. A coroutine awaited from Cython code is seen through
+    its ``__await__`` wrapper, which names the coroutine to the garbage collector only."""
+    awaited = next((a for attr in _AWAIT_ATTRS if (a := getattr(awaitable, attr, None)) is not None), None)
+    if awaited is not None and type(awaited).__name__ == "coroutine_wrapper":
+        return next((r for r in gc.get_referents(awaited) if hasattr(r, "cr_frame")), awaited)
+    return awaited
 
 
 def die_with_parent() -> None:

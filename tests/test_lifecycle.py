@@ -1,4 +1,5 @@
-"""Stopping background tasks for certain, even when a cancellation is swallowed."""
+"""Stopping background tasks for certain, even when a cancellation is swallowed; the stack
+dump a stuck server prints."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import logging
 import sys
 import time
 
-from pdserve.lifecycle import cancel_and_wait
+import grpc
+from grpc import aio
+
+from pdserve.lifecycle import cancel_and_wait, stack_dump
 from tests.utils.aio import run_scenario
 
 
@@ -61,3 +65,44 @@ def test_an_exception_the_task_ended_with_is_logged_not_raised(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="pdserve.lifecycle"):
         run_scenario(scenario())
     assert any("failing loop" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
+
+
+async def _stuck_deep_inside(entered: asyncio.Event) -> None:
+    entered.set()
+    await asyncio.Event().wait()
+
+
+def test_the_stack_dump_follows_a_grpc_handler_down_to_the_await_it_is_stuck_in() -> None:
+    """gRPC runs handlers in Cython coroutines, whose frames have no line number: the dump
+    must get through them (``Task.print_stack`` raises there) to the handler's own frames."""
+
+    async def scenario() -> str:
+        entered = asyncio.Event()
+
+        async def handler(request: bytes, context: aio.ServicerContext) -> bytes:
+            await _stuck_deep_inside(entered)
+            return request
+
+        server = aio.server()
+        methods = {"Call": grpc.unary_unary_rpc_method_handler(handler)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Stuck", methods),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = asyncio.ensure_future(channel.unary_unary("/test.Stuck/Call")(b"", timeout=30))
+                await asyncio.wait_for(entered.wait(), 10)
+                dump = stack_dump(asyncio.get_running_loop(), "stuck server")
+                call.cancel()
+        finally:
+            await server.stop(0)
+        return dump
+
+    dump = run_scenario(scenario(), timeout_s=60)
+    assert dump.startswith("--- stuck server:") and dump.endswith("--- stuck server: end ---")
+    handler_task = dump[dump.index("task HandleExceptions[/test.Stuck/Call]"):]
+    handler_task = handler_task[: handler_task.index("\ntask ")]
+    # The handler's frames, innermost last, each with its line, then what the innermost awaits.
+    assert handler_task.index("in handler\n") < handler_task.index("in _stuck_deep_inside\n")
+    assert "await asyncio.Event().wait()" in handler_task
+    assert "thread MainThread:" in dump

@@ -4,11 +4,12 @@ waiting in one for a condition."""
 from __future__ import annotations
 
 import asyncio
-import io
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
+
+from pdserve.lifecycle import task_stacks
 
 T = TypeVar("T")
 
@@ -27,15 +28,12 @@ def run_scenario(scenario: Coroutine[Any, Any, T], timeout_s: float = DEFAULT_TI
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
         if task in done:
             return task.result()
-        stacks = io.StringIO()
-        for pending in asyncio.all_tasks():
-            if pending is not asyncio.current_task():
-                pending.print_stack(file=stacks)
+        stacks = task_stacks(t for t in asyncio.all_tasks() if t is not asyncio.current_task())
         # Printed before cancelling: should a task ignore the cancel, asyncio.run's clean-up
         # would hang, and pytest-timeout's report still shows what was captured.
-        print(stacks.getvalue(), file=sys.stderr, flush=True)
+        print(stacks, file=sys.stderr, flush=True)
         task.cancel()
-        raise AssertionError(f"the scenario did not finish within {timeout_s:g} s; pending tasks:\n{stacks.getvalue()}")
+        raise AssertionError(f"the scenario did not finish within {timeout_s:g} s; pending tasks:\n{stacks}")
 
     return asyncio.run(guarded())
 
