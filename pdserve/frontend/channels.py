@@ -1,10 +1,18 @@
 """One gRPC channel per worker endpoint, opened when the worker joins (or on first use),
-closed when it leaves; over mTLS with the cluster's certificate set when the cluster has one."""
+closed when it leaves; over mTLS with the cluster's certificate set when the cluster has one.
+
+Closing a channel cancels the calls still on it, and gRPC tells their callers so by raising
+``asyncio.CancelledError`` in them, as if their own task had been cancelled. Left alone, that
+error would end a client's stream with no status at all (grpc.aio sends none for a cancelled
+handler), and the client would wait for its deadline. Code awaiting a worker's call does so
+inside ``unavailable_if_closed``, which turns it into the UNAVAILABLE it is.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import grpc
@@ -58,3 +66,19 @@ class WorkerChannels:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
+
+
+@contextlib.contextmanager
+def unavailable_if_closed(endpoint: str) -> Iterator[None]:
+    """Raise UNAVAILABLE (``grpc.aio.AioRpcError``) where a call to ``endpoint`` raised
+    ``CancelledError`` without the awaiting task being cancelled: its channel was closed,
+    because the worker left the registry. A real cancellation goes through as it is."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        empty = grpc.aio.Metadata()
+        details = f"the channel to {endpoint} was closed: the worker left the registry"
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, details) from None

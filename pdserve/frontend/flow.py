@@ -56,7 +56,7 @@ import grpc
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
-from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.channels import WorkerChannels, unavailable_if_closed
 from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
@@ -337,7 +337,8 @@ class RequestFlow:
         sent_at = time.monotonic()
         router.prefill_started(choice, num_tokens)
         try:
-            response = await stub.Prefill(message, timeout=self._timeout())
+            with unavailable_if_closed(choice.worker.endpoint):
+                response = await stub.Prefill(message, timeout=self._timeout())
         finally:
             router.prefill_done(choice, num_tokens)
         if self._is_first_attempt:  # the figures describe the request's first attempt
@@ -459,21 +460,22 @@ class RequestFlow:
         if call is None:
             call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
         try:
-            async for response in call:
-                if response.HasField("started"):
-                    self._started(response.started, sent_at)
-                out = self.output.add(response.token_ids, response.logprobs)
-                if out.token_ids:
-                    self._token_times.append((time.monotonic(), len(out.token_ids)))
-                if response.HasField("final") or self.output.stopped:
-                    reason = response.final.finish_reason if response.HasField("final") else "stop"
-                    yield self._final(out, reason, decode)
-                    return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
-                if not response.token_ids:
-                    continue  # only news of the start
-                if not message.HasField("kv_source") and not self.breakdown.ttft_ms and out.token_ids:
-                    self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-                yield out
+            with unavailable_if_closed(decode.endpoint):
+                async for response in call:
+                    if response.HasField("started"):
+                        self._started(response.started, sent_at)
+                    out = self.output.add(response.token_ids, response.logprobs)
+                    if out.token_ids:
+                        self._token_times.append((time.monotonic(), len(out.token_ids)))
+                    if response.HasField("final") or self.output.stopped:
+                        reason = response.final.finish_reason if response.HasField("final") else "stop"
+                        yield self._final(out, reason, decode)
+                        return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
+                    if not response.token_ids:
+                        continue  # only news of the start
+                    if not message.HasField("kv_source") and not self.breakdown.ttft_ms and out.token_ids:
+                        self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
+                    yield out
             raise _Broken(decode.worker_id, "the stream ended without a final message")
         finally:
             call.cancel()

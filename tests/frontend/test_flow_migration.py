@@ -9,6 +9,7 @@ tokens shows in the stream. ``fail_after`` breaks a worker's stream as a dying w
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -18,6 +19,7 @@ from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import COUNTING_BASE, FakeWorker, Script, serving
 from tests.frontend.test_flow import (
     BUSY_DECODE,
+    DEADLINE_S,
     SCENARIO_TIMEOUT_S,
     final_of,
     flow_error,
@@ -25,7 +27,7 @@ from tests.frontend.test_flow import (
     run_flow,
     token_ids,
 )
-from tests.utils.aio import run_scenario
+from tests.utils.aio import eventually, run_scenario
 
 MAX_TOKENS = 8  # new_flow's
 EXPECTED = [COUNTING_BASE + n for n in range(MAX_TOKENS)]
@@ -195,3 +197,48 @@ def test_a_pull_that_failed_with_no_other_prefill_worker_fails_at_once_naming_it
     assert took < 5.0
     assert error.code == grpc.StatusCode.UNAVAILABLE
     assert "no prefill worker is available" in error.message and "KV could not be pulled from p1" in error.message
+
+
+# ---- a worker's channel closed under a call (the frontend closes it when the worker leaves) ------
+
+
+def test_a_stream_whose_channel_is_closed_mid_request_migrates_instead_of_hanging(etcd_url: str, model: str) -> None:
+    """Closing a channel cancels its calls, and gRPC raises that in the caller as a
+    CancelledError, though nobody cancelled the flow. Let through, it would end the client's
+    stream with no status: the client would wait for its deadline."""
+    slow = FakeWorker("d1", "decode", Script(counting=True, token_gap_s=0.5))
+    taker = _decode("d2", busy=1)
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [slow, taker], "off") as routing:
+            received = []
+            async with asyncio.timeout(DEADLINE_S):
+                async for response in (await new_flow(routing, model)).run():
+                    received.append(response)
+                    if len(received) == 2:
+                        routing.channels.close(slow.endpoint)  # what the gateway does as d1 leaves
+            return received
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED
+    [move] = final_of(responses).breakdown.migration_history
+    assert (move.from_worker, move.to_worker) == ("d1", "d2")
+    assert f"UNAVAILABLE the channel to {slow.endpoint} was closed" in move.reason
+
+
+def test_a_decode_call_opened_beside_the_prefill_on_a_worker_that_leaves_moves_on(etcd_url: str, model: str) -> None:
+    prefill = FakeWorker("p1", "prefill", Script(counting=True, prefill_s=2.0, silent_prefill=True))
+    leaving, taker = _decode("d1"), _decode("d2", busy=1)
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [prefill, leaving, taker], "always") as routing:
+            running = asyncio.ensure_future(run_flow(await new_flow(routing, model)))
+            await eventually(lambda: len(leaving.pending_decodes) == 1, 5.0, "the decode call opened on d1")
+            routing.channels.close(leaving.endpoint)  # while the prompt still computes
+            return await running
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED
+    assert leaving.decodes == []  # its call never got the KV
+    [move] = final_of(responses).breakdown.migration_history
+    assert (move.from_worker, move.to_worker, move.tokens_streamed) == ("d1", "d2", 1)
