@@ -220,10 +220,7 @@ class RequestFlow:
     async def _prefill_then_decode(
         self, decode: WorkerEntry, choice: PrefillChoice | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        # A migration goes the sequential way. Its decode worker may be in a group that is failing,
-        # and a call opened early to one hung the migrated stream until its deadline (the DP
-        # seat test); why is not known yet.
-        early = self._open_decode(decode, choice) if choice is not None and self._is_first_attempt else None
+        early = self._open_decode(decode, choice) if choice is not None else None
         backup: asyncio.Task[None] | None = None
         try:
             prefilled = await self._prefill(choice, decode, early is not None) if choice is not None else None
