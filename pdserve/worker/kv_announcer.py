@@ -3,11 +3,15 @@
 The frontend opens the request's Decode call while the prompt computes and names that decode
 worker in the Prefill call (``kv_consumer``). The moment the engine samples the prompt's first
 token, on the engine thread and before the output reaches the event loop, ``KVAnnouncer``
-hands the message to a sender thread of its own, which sends ``KVReady`` over a blocking gRPC
-channel without waiting for the answer. The engine thread itself only queues: no gRPC call,
-channel or lock of gRPC's is ever on its path. (Sent from the engine thread itself, the message
-reached the decode worker before the Prefill handler ran; from this thread it takes 2.4 ms at
-the median on 2 CPUs, about what the event loop took.)
+sends ``KVReady`` over a blocking gRPC channel without waiting for the answer.
+
+The engine thread sends only on a channel that is open already: starting a call on one is a
+few hundred microseconds and never blocks (a call to an unreachable worker fails on its own,
+later). Opening a channel, and closing that of a worker that could not be reached, is the
+work of a sender thread of the announcer's own, which also sends each worker's first
+message. (With every message handed to that thread, the median message reached the decode
+worker 2.4 ms after the Prefill handler had the output, on 2 busy CPUs: the thread waits for
+a core and the GIL while the engine computes. Sent from the engine thread, 0.4 ms before.)
 
 Best effort, once: the frontend sends the same ``KVReady`` if the decode worker has not
 reported the pull soon after the Prefill call returned.
@@ -46,11 +50,13 @@ class KVAnnouncer:
         self.tls = tls
         self.timeout_s = timeout_s
         self._consumers: dict[str, str] = {}  # request id -> its decode worker's endpoint
-        self._outbox: queue.SimpleQueue[tuple[str, worker_pb2.KVReadyRequest] | None] = queue.SimpleQueue()
-        # The sender thread's own: the channels, and the calls until answered (a dropped one may be cancelled).
+        # Messages for the sender thread, and (endpoint, None): close that worker's channel.
+        self._outbox: queue.SimpleQueue[tuple[str, worker_pb2.KVReadyRequest | None] | None] = queue.SimpleQueue()
+        # A channel is used only under the lock: closing one that a call is starting on crashes the process.
+        self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._calls: set[grpc.Future] = set()
-        self._unreachable: queue.SimpleQueue[str] = queue.SimpleQueue()  # endpoints whose call failed UNAVAILABLE
+        self._closed = False
+        self._calls: set[grpc.Future] = set()  # until answered: a dropped call may be cancelled
         self._sender = threading.Thread(target=self._send_all, name=f"kv-announcer-{worker_id}", daemon=True)
         self._sender.start()
 
@@ -63,39 +69,62 @@ class KVAnnouncer:
         self._consumers.pop(request_id, None)
 
     def produced(self, output: RequestOutput) -> None:
-        """Engine thread: a PRODUCER's prompt is done (``EngineLoop.on_produced``). Only queues."""
+        """Engine thread: a PRODUCER's prompt is done (``EngineLoop.on_produced``). Sends on
+        an open channel, else queues for the sender thread; never blocks."""
         endpoint = self._consumers.pop(output.request_id, None)
         if endpoint is None or output.held_block_ids is None:
             return
         source = ready_source(self.worker_id, output.held_block_ids, output.token_ids[-1], self.hold_s)
-        self._outbox.put((endpoint, worker_pb2.KVReadyRequest(request_id=output.request_id, kv_source=source)))
+        message = worker_pb2.KVReadyRequest(request_id=output.request_id, kv_source=source)
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is not None and not self._closed:
+                self._send(channel, endpoint, message)
+                return
+        self._outbox.put((endpoint, message))
 
     def close(self) -> None:
         """Stop the sender thread (within ``_JOIN_S``); later prompts are not announced."""
+        with self._lock:
+            self._closed = True
         self._outbox.put(_STOP)
         self._sender.join(_JOIN_S)
         if self._sender.is_alive():
             logger.warning("the KV announcer's sender did not stop within %.0f s", _JOIN_S)
 
+    def _send(self, channel: grpc.Channel, endpoint: str, message: worker_pb2.KVReadyRequest) -> None:
+        """Start the call without waiting for it (under the lock)."""
+        call = worker_pb2_grpc.WorkerStub(channel).KVReady.future(message, timeout=self.timeout_s)
+        self._calls.add(call)
+        call.add_done_callback(lambda done, rid=message.request_id: self._answered(done, rid, endpoint))
+
     def _send_all(self) -> None:
         try:
             while (item := self._outbox.get()) is not _STOP:
-                self._drop_unreachable()
                 endpoint, message = item
-                try:
-                    call = self._stub(endpoint).KVReady.future(message, timeout=self.timeout_s)
-                except Exception:  # a bad endpoint, a closed channel: the frontend's KVReady covers it
-                    logger.exception("KVReady of %s to %s not sent", message.request_id, endpoint)
+                if message is None:
+                    self._close_channel(endpoint)
                     continue
-                self._calls.add(call)
-                call.add_done_callback(lambda done, rid=message.request_id, at=endpoint: self._answered(done, rid, at))
+                with self._lock:
+                    if self._closed:
+                        continue
+                    try:
+                        channel = self._channel(endpoint)
+                    except Exception:  # a bad endpoint: the frontend's KVReady covers it
+                        logger.exception("KVReady of %s to %s not sent", message.request_id, endpoint)
+                        continue
+                    self._send(channel, endpoint, message)
         finally:
+            with self._lock:
+                self._closed = True
+                channels, self._channels = list(self._channels.values()), {}
             for call in list(self._calls):
                 call.cancel()
-            for channel in self._channels.values():
+            for channel in channels:
                 channel.close()
 
-    def _stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
+    def _channel(self, endpoint: str) -> grpc.Channel:
+        """The worker's channel, opened now if it has none (under the lock)."""
         channel = self._channels.get(endpoint)
         if channel is None:
             options = list(CHANNEL_OPTIONS)
@@ -104,18 +133,15 @@ class KVAnnouncer:
             else:
                 channel = grpc.secure_channel(endpoint, self.tls.grpc_credentials(), options + self.tls.grpc_options())
             self._channels[endpoint] = channel
-        return worker_pb2_grpc.WorkerStub(channel)
+        return channel
 
-    def _drop_unreachable(self) -> None:
-        """Close the channels of workers that could not be reached: most likely gone."""
-        while True:
-            try:
-                endpoint = self._unreachable.get_nowait()
-            except queue.Empty:
-                return
+    def _close_channel(self, endpoint: str) -> None:
+        """Close the channel of a worker that could not be reached: most likely gone. The next
+        message for it opens a new one."""
+        with self._lock:
             channel = self._channels.pop(endpoint, None)
-            if channel is not None:
-                channel.close()
+        if channel is not None:  # no longer in the table: nobody else can start a call on it
+            channel.close()
 
     def _answered(self, call: grpc.Future, request_id: str, endpoint: str) -> None:
         """On a gRPC thread: let the call go; a failure is the frontend's KVReady to cover."""
@@ -126,4 +152,4 @@ class KVAnnouncer:
         if isinstance(error, grpc.RpcError):
             logger.info("KVReady of %s to %s: %s %s", request_id, endpoint, error.code().name, error.details())
             if error.code() == grpc.StatusCode.UNAVAILABLE:
-                self._unreachable.put(endpoint)
+                self._outbox.put((endpoint, None))

@@ -13,7 +13,7 @@ from pdserve.rpc.kv_source import PULL_MARGIN_S
 from pdserve.rpc.server import RpcServer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.kv_announcer import KVAnnouncer
-from tests.utils.aio import run_scenario
+from tests.utils.aio import eventually, run_scenario
 from tests.utils.certs import CertificateAuthority
 
 HOLD_S = 30.0
@@ -71,3 +71,38 @@ def test_a_finished_prompt_is_announced_to_its_decode_worker_once(tmp_path, secu
     source = ready.kv_source
     assert (ready.request_id, source.worker_id, list(source.block_ids), source.first_token_id) == ("r1", "prefill-a", [4, 5, 6], 9)
     assert HOLD_S - PULL_MARGIN_S - 1 < source.pull_within_s <= HOLD_S - PULL_MARGIN_S
+
+
+def test_announcements_go_on_after_their_decode_worker_restarts_at_the_same_endpoint():
+    """The first message to a worker opens its channel; the next ones go on it from the engine
+    thread. A call that finds the worker gone closes the channel, and the worker back at the
+    same address gets the next message on a new one."""
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        first, second = _DecodeWorker(), _DecodeWorker()
+        server = RpcServer()
+        server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(first, s), "pdserve.v1.Worker")
+        port = await server.start("127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{port}"
+        announcer = KVAnnouncer("prefill-a", HOLD_S, None)
+        try:
+            for request_id in ("r1", "r2", "r3"):
+                announcer.expect(request_id, endpoint)
+                await asyncio.to_thread(announcer.produced, _produced(request_id))
+                await eventually(lambda: len(first.readies) == int(request_id[1]), 10, f"{request_id} announced")
+            await server.stop(0)
+            announcer.expect("lost", endpoint)
+            await asyncio.to_thread(announcer.produced, _produced("lost"))  # UNAVAILABLE: the channel goes
+            await asyncio.sleep(0.5)
+            server = RpcServer()
+            server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(second, s), "pdserve.v1.Worker")
+            assert await server.start("127.0.0.1", port) == port
+            announcer.expect("r4", endpoint)
+            await asyncio.to_thread(announcer.produced, _produced("r4"))
+            await eventually(lambda: len(second.readies) == 1, 10, "r4 announced to the worker back")
+            return [r.request_id for r in first.readies], [r.request_id for r in second.readies]
+        finally:
+            announcer.close()
+            await server.stop(0)
+
+    assert run_scenario(scenario(), timeout_s=60) == (["r1", "r2", "r3"], ["r4"])
