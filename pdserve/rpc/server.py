@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.rpc.cancellation import CancellationGuard
 from pdserve.rpc.tls import ServerTLS
 
 # Tokens and text deltas are small; a prompt of token ids can be large.
@@ -26,11 +27,12 @@ class RpcServer:
     which is also what health and reflection report. With ``tls`` it serves TLS only (and
     with its ``client_ca``, only to clients presenting a certificate that CA signed);
     ``interceptors`` see every call first (the frontend's API-key check, a worker's ``AdminGuard``).
+    Every server also has a ``CancellationGuard``: no handler ends without a status.
     """
 
     def __init__(self, tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self.tls = tls
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[*interceptors, CancellationGuard()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._services: list[str] = []
