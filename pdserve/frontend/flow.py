@@ -57,6 +57,7 @@ from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.catalog import ValidRequest
 from pdserve.frontend.channels import WorkerChannels, unavailable_if_closed
+from pdserve.frontend.flow_report import FlowReport
 from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.router import NoWorker, PrefillChoice, Router
 from pdserve.frontend.text_stream import TextStream
@@ -133,10 +134,8 @@ class RequestFlow:
         self.request_id = request_id
         self.arrival = arrival
         self.deadline = deadline
-        self.breakdown = inference_pb2.LatencyBreakdown()
+        self.report = FlowReport(arrival)
         self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
-        self._token_times: list[tuple[float, int]] = []  # (when, how many tokens) per message
-        self._cached_tokens = 0  # prompt tokens the prompt's worker found in its prefix cache
         self._decode_started = False  # this attempt's decode worker reported the start (after the pull, if any)
         self._attempt_id = request_id  # the request id the workers see on this attempt
         self._migration: inference_pb2.Migration | None = None  # this attempt's, when it is a migration
@@ -158,7 +157,7 @@ class RequestFlow:
     @property
     def num_migrations(self) -> int:
         """Times the request moved to another decode worker so far."""
-        return self.breakdown.migrations
+        return self.report.breakdown.migrations
 
     async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
         num_broken = 0
@@ -237,9 +236,8 @@ class RequestFlow:
             if prefilled is not None:
                 if early is not None:
                     backup = self._announce_later(decode, prefilled)
-                if not self.breakdown.ttft_ms:
-                    self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
-                self._token_times.append((time.monotonic(), 1))
+                self.report.first_token()
+                self.report.streamed(1)
                 pr = prefilled.response
                 first_logprobs = [pr.first_token_logprobs] if pr.HasField("first_token_logprobs") else []
                 first = self.output.add([pr.first_token_id], first_logprobs)
@@ -338,14 +336,8 @@ class RequestFlow:
                 response = await stub.Prefill(message, timeout=self._timeout())
         finally:
             router.prefill_done(choice, num_tokens)
-        if self._is_first_attempt:  # the figures describe the request's first attempt
-            b = self.breakdown
-            b.disaggregated = True
-            b.prefill_worker = response.worker_id
-            b.prefill_attempts = attempt
-            b.queue_ms = (sent_at - self.arrival) * 1e3 + response.queue_ms
-            b.prefill_ms = response.prefill_ms
-            self._cached_tokens = response.num_cached_tokens
+        if self._is_first_attempt:
+            self.report.prefilled(response, attempt, sent_at)
         return _Prefilled(choice.worker, response, time.monotonic(), attempt, self._attempt_id)
 
     def _release(self, prefilled: _Prefilled) -> None:
@@ -446,8 +438,7 @@ class RequestFlow:
         self._migration.to_worker = decode.worker_id
         if not self._migration.prefill_worker:
             self._migration.prefill_worker = decode.worker_id
-        self.breakdown.migration_history.append(self._migration)
-        self.breakdown.migrations += 1
+        self.report.migrated(self._migration)
         self._migration = None  # recorded once; a refusal's second worker is not a second migration
 
     async def _decode_on(
@@ -463,15 +454,15 @@ class RequestFlow:
                         self._started(response.started, sent_at)
                     out = self.output.add(response.token_ids, response.logprobs)
                     if out.token_ids:
-                        self._token_times.append((time.monotonic(), len(out.token_ids)))
+                        self.report.streamed(len(out.token_ids))
                     if response.HasField("final") or self.output.stopped:
                         reason = response.final.finish_reason if response.HasField("final") else "stop"
                         yield self._final(out, reason, decode)
                         return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
                     if not response.token_ids:
                         continue  # only news of the start
-                    if not message.HasField("kv_source") and not self.breakdown.ttft_ms and out.token_ids:
-                        self.breakdown.ttft_ms = (time.monotonic() - self.arrival) * 1e3
+                    if out.token_ids:  # the first token computed here, with the prompt
+                        self.report.first_token()
                     yield out
             raise _Broken(decode.worker_id, "the stream ended without a final message")
         finally:
@@ -480,40 +471,16 @@ class RequestFlow:
     def _started(self, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
         """The decode worker began the request: after the pull, or with a prompt computed there."""
         self._decode_started = True
-        if not self._is_first_attempt:
-            return
-        b = self.breakdown
-        b.kv_transfer_ms = started.kv_transfer_ms
-        b.kv_transfer_bytes = started.kv_transfer_bytes
-        if not b.disaggregated:
-            b.queue_ms = (sent_at - self.arrival) * 1e3 + started.queue_ms
-            b.prefill_ms = started.prefill_ms
-            self._cached_tokens = started.num_cached_tokens
+        if self._is_first_attempt:
+            self.report.decode_started(started, sent_at)
 
     def _final(
         self, message: inference_pb2.GenerateResponse, finish_reason: str, decode: WorkerEntry | None = None
     ) -> inference_pb2.GenerateResponse:
         """``message`` made the last one: the usage and the latency breakdown go with it."""
-        b = self.breakdown
-        if decode is not None:
-            b.decode_worker = decode.worker_id
-            if not b.prefill_worker:
-                b.prefill_worker = decode.worker_id
-        b.e2e_ms = (time.monotonic() - self.arrival) * 1e3
-        if not b.ttft_ms:
-            b.ttft_ms = b.e2e_ms
         self.output.finish(message, finish_reason)
-        message.final.usage.prompt_tokens = len(self.request.token_ids)
-        message.final.usage.cached_prompt_tokens = self._cached_tokens
-        message.final.breakdown.CopyFrom(b)
+        self.report.finish(message, decode.worker_id if decode is not None else "", len(self.request.token_ids))
         return message
-
-    def token_gaps(self) -> list[float]:
-        """Inter-token latencies in seconds: a message of n tokens after a gap counts n gaps of gap/n."""
-        gaps: list[float] = []
-        for (before, _), (at, count) in zip(self._token_times, self._token_times[1:]):
-            gaps += [(at - before) / count] * count
-        return gaps
 
     def _sampling(self) -> inference_pb2.SamplingOptions:
         return self.request.options

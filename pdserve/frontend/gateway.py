@@ -131,7 +131,7 @@ class Gateway:
             m.migrations.labels(model).inc(flow.num_migrations)
         if code == grpc.StatusCode.CANCELLED:  # the caller left: neither a latency nor a failure of ours
             return
-        b, gaps = flow.breakdown, flow.token_gaps()
+        b, gaps = flow.report.breakdown, flow.report.token_gaps()
         ok = code == grpc.StatusCode.OK
         e2e_s = b.e2e_ms / 1e3 if ok else time.monotonic() - flow.arrival
         self.window.record(
