@@ -379,7 +379,8 @@ class RequestFlow:
             await asyncio.sleep(_KV_READY_BACKUP_S)
             if self._decode_started:
                 return
-            message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=self._ready_source(prefilled))
+            source = self._ready_source(prefilled)
+            message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=source)
             try:
                 await stub.KVReady(message, timeout=_KV_READY_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # the Decode call fails too, and says why
@@ -458,10 +459,11 @@ class RequestFlow:
                     if response.HasField("final") or self.output.stopped:
                         reason = response.final.finish_reason if response.HasField("final") else "stop"
                         yield self._final(out, reason, decode)
-                        return  # a call still streaming (a stop string ended it) is cancelled below: its worker aborts it
+                        # A call still streaming (a stop string ended it) is cancelled below: its worker aborts it.
+                        return
                     if not response.token_ids:
                         continue  # only news of the start
-                    if out.token_ids:  # the first token computed here, with the prompt
+                    if out.token_ids:  # the first token, when the prompt was computed here
                         self.report.first_token()
                     yield out
             raise _Broken(decode.worker_id, "the stream ended without a final message")
