@@ -52,7 +52,8 @@ class KVAnnouncer:
         self._consumers: dict[str, str] = {}  # request id -> its decode worker's endpoint
         # Messages for the sender thread, and (endpoint, None): close that worker's channel.
         self._outbox: queue.SimpleQueue[tuple[str, worker_pb2.KVReadyRequest | None] | None] = queue.SimpleQueue()
-        # A channel is used only under the lock: closing one that a call is starting on crashes the process.
+        # Only the sender thread adds or removes channels; a call starts on one only under the lock, and one
+        # leaves the table under it before it is closed: closing a channel a call is starting on crashes the process.
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
@@ -105,15 +106,18 @@ class KVAnnouncer:
                 if message is None:
                     self._close_channel(endpoint)
                     continue
-                with self._lock:
-                    if self._closed:
-                        continue
+                opened = None
+                if endpoint not in self._channels:  # opened outside the lock: reading certificates takes a while
                     try:
-                        channel = self._channel(endpoint)
+                        opened = self._open(endpoint)
                     except Exception:  # a bad endpoint: the frontend's KVReady covers it
                         logger.exception("KVReady of %s to %s not sent", message.request_id, endpoint)
                         continue
-                    self._send(channel, endpoint, message)
+                with self._lock:  # only this thread adds or removes channels
+                    if opened is not None:
+                        self._channels[endpoint] = opened
+                    if not self._closed:
+                        self._send(self._channels[endpoint], endpoint, message)
         finally:
             with self._lock:
                 self._closed = True
@@ -123,17 +127,11 @@ class KVAnnouncer:
             for channel in channels:
                 channel.close()
 
-    def _channel(self, endpoint: str) -> grpc.Channel:
-        """The worker's channel, opened now if it has none (under the lock)."""
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            options = list(CHANNEL_OPTIONS)
-            if self.tls is None:
-                channel = grpc.insecure_channel(endpoint, options=options)
-            else:
-                channel = grpc.secure_channel(endpoint, self.tls.grpc_credentials(), options + self.tls.grpc_options())
-            self._channels[endpoint] = channel
-        return channel
+    def _open(self, endpoint: str) -> grpc.Channel:
+        options = list(CHANNEL_OPTIONS)
+        if self.tls is None:
+            return grpc.insecure_channel(endpoint, options=options)
+        return grpc.secure_channel(endpoint, self.tls.grpc_credentials(), options + self.tls.grpc_options())
 
     def _close_channel(self, endpoint: str) -> None:
         """Close the channel of a worker that could not be reached: most likely gone. The next
