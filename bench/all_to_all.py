@@ -104,8 +104,9 @@ def main() -> None:
         "top_k": args.top_k, "dtype": str(dtype).removeprefix("torch."),
         "median_over_ranks": {k: round(statistics.median(g[k] for g in gathered), 4) for k in timings},
         "slowest_rank": {k: round(max(g[k] for g in gathered), 4) for k in timings},
-        "dispatch_gbps_per_rank": round(
-            statistics.median(g["off_rank_bytes"] / g["dispatch_rows_ms"] / 1e6 for g in gathered), 2
+        # Four significant digits: the smoke run's few kilobytes are thousandths of a GB/s.
+        "dispatch_gbps_per_rank": float(
+            f"{statistics.median(g['off_rank_bytes'] / g['dispatch_rows_ms'] / 1e6 for g in gathered):.4g}"
         ),
     }  # fmt: skip
     if args.json:
