@@ -4,12 +4,12 @@ to get one."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
-import signal
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,20 +35,29 @@ def test_etcdctl_watch_and_endpoint_status_work_against_it(tmp_path: Path) -> No
         etcd = EtcdProcess(tmp_path / "etcd")
         url = await etcd.start()
         env = {**os.environ, "ETCDCTL_API": "3"}
-        watch = subprocess.Popen([_etcdctl(), f"--endpoints={url}", "watch", "--prefix", "/pdserve/"],
+        # From revision 1: the PUT is seen even if it lands before the watch is set up.
+        watch = subprocess.Popen([_etcdctl(), f"--endpoints={url}", "watch", "--prefix", "--rev=1", "/pdserve/"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        lines: list[str] = []
+        seen = threading.Event()
+
+        def read() -> None:
+            assert watch.stdout is not None
+            for line in watch.stdout:
+                lines.append(line.rstrip("\n"))
+                if lines[-3:] == ["PUT", "/pdserve/v1/knobs/m", "{}"]:
+                    seen.set()
+
+        threading.Thread(target=read, daemon=True).start()
         try:
             status = subprocess.run([_etcdctl(), f"--endpoints={url}", "endpoint", "status", "-w", "json"],
                                     capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
             assert status.returncode == 0, status.stderr
             assert json.loads(status.stdout)[0]["Status"]["version"] == "3.5.1"
-            time.sleep(0.5)  # the watch is established
             client = await connect(url)
             await client.put(b"/pdserve/v1/knobs/m", b"{}")
             await client.close()
-            watch.send_signal(signal.SIGINT)
-            out, _ = watch.communicate(timeout=10)
-            assert "PUT\n/pdserve/v1/knobs/m\n{}" in out, out
+            assert await asyncio.to_thread(seen.wait, 30), lines
         finally:
             if watch.poll() is None:
                 watch.kill()
