@@ -148,6 +148,30 @@ static inline float softmax_block(v16 s, int64_t live, float *run_max, float *ru
     return rescale;
 }
 
+/* Prefetching: a decode reads each 16-token chunk of a block once, one head's chunk is 4 KiB
+ * (head size 64), and the next chunk is in another block, far away: the hardware prefetchers,
+ * which follow sequential streams, do not see it coming. Prefetched one chunk ahead into L1 only, half of
+ * a step's attention was spent waiting for memory (0.39 ms a layer on the SmolLM2 shape at 32
+ * sequences, against 0.17 with the cache hot); adding a second stream FAR_CHUNKS ahead into L2
+ * brought it to 0.31 (bench/RESULTS.md). Farther was slower: an item is about a dozen chunks. */
+enum { FAR_CHUNKS = 4 };
+
+/* The cache offset of the rows from token `token` of a sequence on (within its block), or -1
+ * for a block table entry outside the cache (the caller reports that when it gets there). */
+static inline int64_t rows_at(const int32_t *table, int64_t token, int64_t num_blocks, int64_t block_size,
+                              int64_t block_stride, int64_t token_stride) {
+    const int64_t block = table[token / block_size];
+    return block >= 0 && block < num_blocks ? block * block_stride + (token % block_size) * token_stride : -1;
+}
+
+/* One token's key and value rows at `offset` from the two bases; `locality` as __builtin_prefetch's
+ * (a macro, because that must be a constant). */
+#define prefetch_row(keys, values, offset, K_DIM, V_DIM, locality)                     \
+    do {                                                                               \
+        for (int64_t i_ = 0; i_ < (K_DIM); i_ += 16) __builtin_prefetch((keys) + (offset) + i_, 0, locality);   \
+        for (int64_t i_ = 0; i_ < (V_DIM); i_ += 16) __builtin_prefetch((values) + (offset) + i_, 0, locality); \
+    } while (0)
+
 /* attend_one's contract, with K_DIM and V_DIM constants (multiples of 16) and a block size of
  * a multiple of 16. `scratch` holds group * (2 + v_dim) floats. */
 static inline __attribute__((always_inline)) int attend_one_16(
@@ -170,20 +194,17 @@ static inline __attribute__((always_inline)) int attend_one_16(
         const int64_t n = seq_len - start < W ? seq_len - start : W;
         const float *keys = k_base + block * block_stride + in_block * token_stride;
         const float *values = v_base + block * block_stride + in_block * token_stride;
-        if (start + W < seq_len) { /* the next 16 rows are likely in another block, far away */
-            const int64_t next = table[(start + W) / block_size];
-            const int64_t offset = next * block_stride + ((start + W) % block_size) * token_stride;
-            if (next >= 0 && next < num_blocks)
-                for (int64_t t = 0; t < W; t++)
-                    for (int64_t i = 0; i < K_DIM; i += W) {
-                        __builtin_prefetch(k_base + offset + t * token_stride + i);
-                        __builtin_prefetch(v_base + offset + t * token_stride + i);
-                    }
-        }
+        /* The rows 16 tokens on go to L1 while the first query head works, those FAR_CHUNKS * 16
+         * on to L2 while the second one does (the first, when it is alone). */
+        const int64_t near = start + W < seq_len ? rows_at(table, start + W, num_blocks, block_size, block_stride, token_stride) : -1;
+        const int64_t far = start + FAR_CHUNKS * W < seq_len
+            ? rows_at(table, start + FAR_CHUNKS * W, num_blocks, block_size, block_stride, token_stride) : -1;
         for (int64_t g = 0; g < group; g++) {
             const v16 *qg = (const v16 *)(q + g * K_DIM);
             v16 a[W];
             for (int64_t t = 0; t < W; t++) {
+                if (g == 0 && near >= 0) prefetch_row(k_base + near, v_base + near, t * token_stride, K_DIM, V_DIM, 3);
+                if ((g == 1 || group == 1) && far >= 0) prefetch_row(k_base + far, v_base + far, t * token_stride, K_DIM, V_DIM, 2);
                 v16 sum = {0};
                 if (t < n) { /* rows past the context may hold anything, NaN included */
                     const v16 *k = (const v16 *)(keys + t * token_stride);
