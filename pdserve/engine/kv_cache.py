@@ -15,15 +15,17 @@ Layouts (``KVCacheSpec.shape``):
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 # kv_cache_dtype "fp8_e4m3": values are stored divided by their layer's scale (models/kv_quant.py).
 KV_FP8_DTYPE = torch.float8_e4m3fn
+# The kernel's transparent huge page mode: always, madvise or never (the one in brackets).
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,12 @@ class KVCache:
         # Zeroed, not empty: a block that is read before it is written (a bug) then reads
         # as zeros rather than as stale data from another request.
         shape = spec.shape(num_blocks)
-        self.data = _host_zeros(shape, spec.dtype) if device.type == "cpu" else torch.zeros(shape, dtype=spec.dtype, device=device)
+        # Why a host cache is not on huge pages, or None (on them, or on a GPU).
+        self.small_pages_reason: str | None = None
+        if device.type == "cpu":
+            self.data, self.small_pages_reason = _host_zeros(shape, spec.dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     def layer(self, index: int) -> torch.Tensor:
         """Layer ``index``'s view: ``[num_blocks, 2, H, block_size, D]`` or ``[num_blocks, block_size, latent]``."""
@@ -97,22 +104,38 @@ class KVCache:
         return self.data.numel() * self.data.element_size()
 
 
-def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on transparent huge pages, where the kernel offers them.
+def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, str | None]:
+    """A zeroed host tensor on transparent huge pages where the kernel offers them, and why
+    not where it does not (None when it does).
 
     A block of every layer is one contiguous range of a few hundred KiB, so a 2 MiB page holds
     several blocks whole. Pinning the pages of a request's blocks, which UCX's cross-process
     copy does for every pull, then costs a few pages instead of hundreds, and the pull between
-    two processes runs at about twice the bandwidth (bench/RESULTS.md). Without huge pages
-    (kernel setting ``never``, or no THP at all) the cache simply uses normal pages.
+    two processes runs at about twice the bandwidth (bench/RESULTS.md). Without huge pages the
+    cache simply uses normal pages.
     """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     # Private: a shared anonymous mapping is shmem, whose huge pages are a separate setting.
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE on this platform or kernel
-        region.madvise(mmap.MADV_HUGEPAGE)
+    reason = _thp_unavailable()
+    if reason is None:
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError) as exc:  # a kernel built without THP, or not Linux
+            reason = f"madvise(MADV_HUGEPAGE) failed: {exc}"
     # The tensor holds the mapping, which is unmapped when the last view of it is freed.
     data = torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
     # The pages are zero already; writing them now commits the memory at start-up, as a
     # torch.zeros would, rather than faulting it in (and compacting for huge pages) mid-step.
-    return data.zero_()
+    return data.zero_(), reason
+
+
+def _thp_unavailable() -> str | None:
+    """Why this host gives no transparent huge pages to a mapping that asks, or None."""
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError:
+        return f"{THP_SETTING} is absent (a kernel without transparent huge pages)"
+    if "[never]" in setting:
+        return f"transparent huge pages are off ({THP_SETTING}: {setting.strip()})"
+    return None

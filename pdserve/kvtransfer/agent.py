@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_cache import THP_SETTING, KVCache
 from pdserve.kvtransfer.layout import KVLayout, check_compatible
 from pdserve.kvtransfer.messages import PeerInfo
 
@@ -106,6 +106,12 @@ class KVAgent:
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Create the NIXL agent and register the KV pool (once)."""
+        if self.kv_cache.small_pages_reason is not None:
+            logger.warning(
+                "%s: the KV cache is not on huge pages, so other processes pull its blocks at about half the "
+                "speed: %s. Enable them with `echo madvise > %s` (as root, on the host).",
+                self.name, self.kv_cache.small_pages_reason, THP_SETTING,
+            )  # fmt: skip
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{self.name}")
         self._info = await self.call(self._start_on_thread)
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())

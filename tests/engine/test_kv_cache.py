@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine import kv_cache
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.float32, is_mla=False, num_kv_heads=2, head_dim=64)
 NUM_BLOCKS = 512  # 32 MiB: several whole 2 MiB pages
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_SETTING = kv_cache.THP_SETTING
 
 
 def _huge_page_kib(address: int) -> int:
@@ -57,3 +58,25 @@ def test_the_cache_is_on_huge_pages():
     cache = KVCache(SPEC, NUM_BLOCKS, torch.device("cpu"))
     # Most of 32 MiB: only a partial 2 MiB page at either end of the mapping may be small pages.
     assert _huge_page_kib(cache.data.data_ptr()) >= 28 * 1024
+
+
+@pytest.mark.skipif(
+    not THP_SETTING.exists() or "[never]" in THP_SETTING.read_text(), reason="no transparent huge pages here"
+)
+def test_a_cache_on_huge_pages_gives_no_reason():
+    assert KVCache(SPEC, 8, torch.device("cpu")).small_pages_reason is None
+
+
+@pytest.mark.parametrize(
+    ("setting", "reason"),
+    [("always madvise [never]\n", "transparent huge pages are off"), (None, "a kernel without transparent huge pages")],
+)
+def test_a_host_without_huge_pages_still_gets_a_zeroed_cache_and_the_reason(tmp_path, monkeypatch, setting, reason):
+    fake = tmp_path / "enabled"
+    if setting is not None:
+        fake.write_text(setting)
+    monkeypatch.setattr(kv_cache, "THP_SETTING", fake)
+    cache = KVCache(SPEC, NUM_BLOCKS, torch.device("cpu"))
+    assert cache.small_pages_reason is not None and reason in cache.small_pages_reason
+    assert str(fake) in cache.small_pages_reason
+    assert not cache.data.any()
