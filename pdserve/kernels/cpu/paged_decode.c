@@ -150,10 +150,11 @@ static inline float softmax_block(v16 s, int64_t live, float *run_max, float *ru
 
 /* Prefetching: a decode reads each 16-token chunk of a block once, one head's chunk is 4 KiB
  * (head size 64), and the next chunk is in another block, far away: the hardware prefetchers,
- * which follow sequential streams, do not see it coming. Prefetched one chunk ahead into L1 only, half of
- * a step's attention was spent waiting for memory (0.39 ms a layer on the SmolLM2 shape at 32
- * sequences, against 0.17 with the cache hot); adding a second stream FAR_CHUNKS ahead into L2
- * brought it to 0.31 (bench/RESULTS.md). Farther was slower: an item is about a dozen chunks. */
+ * which follow sequential streams, do not see it coming. With the next chunk prefetched into L1
+ * alone, half of a step's attention was spent waiting for memory (0.39 ms a layer on the SmolLM2
+ * shape at 32 sequences, against 0.17 with the cache hot); a second stream FAR_CHUNKS ahead into
+ * L2 brought it to 0.31-0.33 (bench/RESULTS.md). Farther was slower: an item (a sequence's KV
+ * head) is about a dozen chunks there. */
 enum { FAR_CHUNKS = 4 };
 
 /* The cache offset of the rows from token `token` of a sequence on (within its block), or -1
