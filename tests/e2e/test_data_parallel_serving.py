@@ -64,7 +64,9 @@ def test_greedy_tokens_equal_transformers_with_kv_moved_on_every_rank(groups):
         assert result["token_ids"][:num_clear] == reference[:num_clear], prompt
         compared += num_clear
         b = result["final"].breakdown
-        assert b.disaggregated and b.kv_transfer_bytes > 0
+        # A request that migrated (its decode worker's lease lost under load) may resume from
+        # the new decode worker's prefix cache, with nothing left to pull.
+        assert b.disaggregated and (b.kv_transfer_bytes > 0 or b.migrations > 0), b
     assert compared >= len(prompts) * 4
     served = {(r["final"].breakdown.prefill_worker, r["final"].breakdown.decode_worker) for r in results}
     assert len({p for p, _ in served}) == 2 and len({d for _, d in served}) == 2, served
