@@ -99,6 +99,19 @@ class Backend(ABC):
         """``x [..., in] · weightᵀ + bias`` → [..., out], ``weight`` as ``prepare_weight`` returned it."""
         return F.linear(x, weight, bias)
 
+    def prepare_gated_weight(self, weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor | BlockFP8Weight:
+        """SwiGLU's gate and up weights stacked [2 · I, in] (gate rows first), in the form
+        ``gated_linear`` reads; by default ``prepare_weight``'s."""
+        return self.prepare_weight(weight)
+
+    def gated_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """SwiGLU's input half: ``silu(gate) * up`` [..., I], where ``gate, up`` are the halves of
+        ``x · weightᵀ + bias``, ``weight`` as ``prepare_gated_weight`` returned it."""
+        gate, up = self.linear(x, weight, bias).chunk(2, dim=-1)
+        return self.silu_mul(gate, up)
+
     def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
         """The LM head: float32 logits [R, vocab] of hidden [R, H], ``lm_head`` as ``prepare_weight`` returned it.
 

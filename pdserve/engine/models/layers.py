@@ -82,22 +82,48 @@ class MergedLinear:
         rows: tuple[slice, ...] | None = None,
     ) -> None:
         """``rows``: with tensor parallelism, the share of each linear's output this rank keeps."""
-        shares = rows or (None,) * len(names)
-        parts = [
-            linear_weight(ckpt, f"{name}.weight", (size, in_features), backend, share)
-            for name, size, share in zip(names, out_features, shares)
-        ]
-        self.out_features = [p.shape[0] for p in parts]
-        weight = _concatenate(parts, ckpt.dtype)
+        weight, self.out_features, self.bias = _stacked(ckpt, names, in_features, out_features, backend, bias, rows)
         self.weight = backend.prepare_weight(weight)
-        self.bias = (
-            torch.cat([shard(ckpt.get(f"{n}.bias", (size,)), share) for n, size, share in zip(names, out_features, shares)])
-            if bias else None
-        )  # fmt: skip
         self.backend = backend
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.backend.linear(x, self.weight, self.bias).split(self.out_features, dim=-1)
+
+
+class GatedLinear:
+    """SwiGLU's gate and up projections as one GEMM that returns ``silu(gate(x)) * up(x)``
+    (``Backend.gated_linear``): a backend may apply the activation as the GEMM stores its
+    output, so that the two projections are never written out whole."""
+
+    def __init__(
+        self, ckpt: Checkpoint, gate: str, up: str, in_features: int, out_features: int, backend: Backend,
+        bias: bool = False, rows: slice | None = None,
+    ) -> None:  # fmt: skip
+        """``rows``: with tensor parallelism, this rank's share of the intermediate size."""
+        shares = (rows, rows) if rows is not None else None
+        weight, _, self.bias = _stacked(ckpt, (gate, up), in_features, (out_features,) * 2, backend, bias, shares)
+        self.weight = backend.prepare_gated_weight(weight)
+        self.backend = backend
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.gated_linear(x, self.weight, self.bias)
+
+
+def _stacked(
+    ckpt: Checkpoint, names: tuple[str, ...], in_features: int, out_features: tuple[int, ...], backend: Backend,
+    bias: bool, rows: tuple[slice, ...] | None,
+) -> tuple[torch.Tensor | BlockFP8Weight, list[int], torch.Tensor | None]:
+    """The linears' weights stacked along ``out`` (a copy), each part's rows, and their biases."""
+    shares = rows or (None,) * len(names)
+    parts = [
+        linear_weight(ckpt, f"{name}.weight", (size, in_features), backend, share)
+        for name, size, share in zip(names, out_features, shares)
+    ]
+    stacked_bias = (
+        torch.cat([shard(ckpt.get(f"{n}.bias", (size,)), share) for n, size, share in zip(names, out_features, shares)])
+        if bias else None
+    )  # fmt: skip
+    return _concatenate(parts, ckpt.dtype), [p.shape[0] for p in parts], stacked_bias
 
 
 def _concatenate(parts: list[torch.Tensor | BlockFP8Weight], dtype: torch.dtype) -> torch.Tensor | BlockFP8Weight:
@@ -125,7 +151,7 @@ class RMSNorm:
 
 
 class DenseMLP:
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``, gate and up one ``GatedLinear``.
 
     With tensor parallelism each rank keeps a slice of the intermediate size (gate/up
     column-parallel, down row-parallel) and ``__call__`` sums the ranks' partials; ``partial``
@@ -138,9 +164,9 @@ class DenseMLP:
         parallel: ParallelState = SINGLE_RANK,
     ) -> None:
         share = split(intermediate, parallel, f"{name} intermediate size")
-        self.gate_up = MergedLinear(
-            ckpt, (f"{name}.gate_proj", f"{name}.up_proj"), hidden, (intermediate, intermediate), backend, bias,
-            rows=(share, share) if parallel.tp_size > 1 else None,
+        self.gate_up = GatedLinear(
+            ckpt, f"{name}.gate_proj", f"{name}.up_proj", hidden, intermediate, backend, bias,
+            rows=share if parallel.tp_size > 1 else None,
         )
         self.down = Linear(
             ckpt, f"{name}.down_proj", intermediate, hidden, backend, row_parallel_bias(bias, parallel),
@@ -151,8 +177,7 @@ class DenseMLP:
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (the whole output on one rank)."""
-        gate, up = self.gate_up(x)
-        return self.down(self.backend.silu_mul(gate, up))
+        return self.down(self.gate_up(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.tp_all_reduce(self.partial(x))

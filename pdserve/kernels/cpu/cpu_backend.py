@@ -7,7 +7,8 @@
 - **Linear layers** run ``panel_gemm.c`` on weights packed once at load time into 32-column
   panels: with a decode step's few rows it overlaps the weights' trip from memory with the
   arithmetic: about 1.1–1.2× oneDNN's speed from 1 to 128 rows, 0.94× at 2048
-  (bench/RESULTS.md). Without AVX-512 they run oneDNN's GEMM on weights repacked into its
+  (bench/RESULTS.md). SwiGLU's gate and up projections share panels, and their GEMM stores
+  ``silu(gate) * up`` itself: the projection is never written out and read back. Without AVX-512 they run oneDNN's GEMM on weights repacked into its
   blocked layout (``torch.ops.mkldnn``), which is itself 1.1–3× MKL's on the plain layout.
 
 - **RMSNorm** (with its residual add) and **rotary embedding with the KV cache write** run
@@ -56,6 +57,16 @@ class CpuBackend(TorchBackend):
         if weight.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return super().linear(x, weight, bias)
+
+    def prepare_gated_weight(self, weight):
+        if self.weight_format == "panels" and isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            return panel_gemm.pack_gated(weight)
+        return self.prepare_weight(weight)
+
+    def gated_linear(self, x, weight, bias=None):
+        if isinstance(weight, panel_gemm.PanelWeight) and weight.gated:
+            return panel_gemm.gated_linear(x, weight, bias)
+        return super().gated_linear(x, weight, bias)
 
     def logits(self, hidden, lm_head):
         if isinstance(lm_head, panel_gemm.PanelWeight) or lm_head.is_mkldnn:

@@ -17,8 +17,15 @@
  *
  * The output columns are split over `num_threads` threads, each a contiguous range of panels.
  * The last panel is zero-padded past N; its stores are masked.
+ *
+ * Gated (SwiGLU's gate and up projections, one GEMM): each panel holds 16 gate columns and the
+ * same 16 up columns, and a pass stores silu(gate) * up, 16 output columns, straight from its
+ * accumulators. The [M, 2N] projection is never written nor read back, and the activation is
+ * no separate pass over memory.
  */
 #include <stdint.h>
+
+#include "vector_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -26,18 +33,29 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { PANEL = 32, MAX_ROWS = 14, ROW_CHUNK = 128 };
+enum { PANEL = 32, GATED_COLUMNS = 16, MAX_ROWS = 14, ROW_CHUNK = 128 };
 
 int pdserve_panel_gemm_available(void) { return 1; }
 
+/* y[i] = silu(gate[i]) * up[i] for the columns in `mask`: the formula of layer_ops.c's silu_mul. */
+static void store_silu_mul(float *y, __mmask16 mask, __m512 gate, __m512 up) {
+    float g[16], u[16], out[16];
+    _mm512_storeu_ps(g, gate);
+    _mm512_storeu_ps(u, up);
+    for (int i = 0; i < 16; i++) out[i] = silu(g[i]) * u[i];
+    _mm512_mask_storeu_ps(y, mask, _mm512_loadu_ps(out));
+}
+
 /* One pass: `R` rows against one panel over all of K. `next`, when not NULL, is a range of
- * `next_lines` cache lines of the next panel to prefetch, `per_k` lines a step of k. */
+ * `next_lines` cache lines of the next panel to prefetch, `per_k` lines a step of k. Gated, the
+ * panel's halves are gate and up, and m0 masks the 16 output columns. */
 #define PASS(R)                                                                                            \
     static void pass_##R(const float *x, int64_t ldx, const float *panel, int64_t K, float *y, int64_t ldy, \
-                         const float *bias, __mmask16 m0, __mmask16 m1, const char *next, int64_t next_lines, \
-                         int per_k) {                                                                      \
+                         const float *bias, const float *bias_up, __mmask16 m0, __mmask16 m1, const char *next,  \
+                         int64_t next_lines,                                                               \
+                         int per_k, int gated) {                                                           \
         __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                        \
-        __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();                   \
+        __m512 b1 = bias_up ? _mm512_maskz_loadu_ps(m1, bias_up) : _mm512_setzero_ps();                  \
         __m512 acc[R][2];                                                                                  \
         for (int r = 0; r < R; r++) {                                                                      \
             acc[r][0] = b0;                                                                                \
@@ -58,14 +76,19 @@ int pdserve_panel_gemm_available(void) { return 1; }
             }                                                                                              \
         }                                                                                                  \
         for (int r = 0; r < R; r++) {                                                                      \
-            _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);                                             \
-            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);                                        \
+            if (gated) {                                                                                   \
+                store_silu_mul(y + r * ldy, m0, acc[r][0], acc[r][1]);                                     \
+            } else {                                                                                       \
+                _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);                                         \
+                _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);                                    \
+            }                                                                                              \
         }                                                                                                  \
     }
 PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12) PASS(13) PASS(14)
 
-typedef void (*pass_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, __mmask16,
-                        __mmask16, const char *, int64_t, int);
+typedef void (*pass_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, const float *,
+                        __mmask16,
+                        __mmask16, const char *, int64_t, int, int);
 static const pass_fn PASSES[MAX_ROWS + 1] = {
     NULL, pass_1, pass_2, pass_3, pass_4, pass_5, pass_6, pass_7, pass_8, pass_9, pass_10, pass_11, pass_12, pass_13, pass_14,
 };
@@ -74,10 +97,12 @@ static __mmask16 columns_mask(int64_t columns) {
     return columns >= 16 ? (__mmask16)0xFFFF : columns <= 0 ? (__mmask16)0 : (__mmask16)((1u << columns) - 1);
 }
 
-/* x [M, K] with rows `ldx` apart; panels as above; bias [N] or NULL; y [M, N] contiguous. */
+/* x [M, K] with rows `ldx` apart; panels as above; y [M, N] contiguous. bias [N] or NULL; gated,
+ * N is the output's width and bias [2N] (gate's, then up's) or NULL. */
 void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *panels, int64_t N,
-                        const float *bias, float *y, int num_threads) {
-    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+                        const float *bias, float *y, int num_threads, int gated) {
+    const int64_t columns = gated ? GATED_COLUMNS : PANEL; /* output columns a panel yields */
+    const int64_t num_panels = (N + columns - 1) / columns;
     const int64_t lines = K * PANEL * (int64_t)sizeof(float) / 64;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -99,16 +124,18 @@ void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
             for (int64_t j = first; j < last; j++) {
                 const float *panel = panels + j * K * PANEL;
                 const char *next = j + 1 < last ? (const char *)(panels + (j + 1) * K * PANEL) : NULL;
-                const __mmask16 m0_mask = columns_mask(N - j * PANEL), m1_mask = columns_mask(N - j * PANEL - 16);
-                const float *b = bias ? bias + j * PANEL : NULL;
+                const __mmask16 m0_mask = columns_mask(N - j * columns);
+                const __mmask16 m1_mask = gated ? m0_mask : columns_mask(N - j * PANEL - 16);
+                const float *b = bias ? bias + j * columns : NULL;
+                const float *b_up = bias ? (gated ? bias + N + j * columns : b + 16) : NULL;
                 int64_t pass = 0;
                 for (int64_t r = 0; r < rows; r += rows_per_pass, pass++) {
                     const int64_t n = rows - r < rows_per_pass ? rows - r : rows_per_pass;
                     const int64_t part = passes > 1 ? pass - 1 : 0;
                     const char *prefetch = (pass > 0 || passes == 1) && next != NULL ? next + part * share * 64 : NULL;
                     const int64_t left = lines - part * share;
-                    PASSES[n](x + (m0 + r) * ldx, ldx, panel, K, y + (m0 + r) * N + j * PANEL, N, b, m0_mask, m1_mask,
-                              prefetch, prefetch ? (share < left ? share : left) : 0, per_k);
+                    PASSES[n](x + (m0 + r) * ldx, ldx, panel, K, y + (m0 + r) * N + j * columns, N, b, b_up, m0_mask,
+                              m1_mask, prefetch, prefetch ? (share < left ? share : left) : 0, per_k, gated);
                 }
             }
         }
@@ -118,7 +145,7 @@ void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const
 int pdserve_panel_gemm_available(void) { return 0; }
 
 void pdserve_panel_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *panels, int64_t N,
-                        const float *bias, float *y, int num_threads) {
-    (void)x, (void)M, (void)K, (void)ldx, (void)panels, (void)N, (void)bias, (void)y, (void)num_threads;
+                        const float *bias, float *y, int num_threads, int gated) {
+    (void)x, (void)M, (void)K, (void)ldx, (void)panels, (void)N, (void)bias, (void)y, (void)num_threads, (void)gated;
 }
 #endif

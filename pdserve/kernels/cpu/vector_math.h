@@ -27,4 +27,10 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* silu(x) = x / (1 + exp(-x)); exp(-|x|) never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(-__builtin_fabsf(x));
+    return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
 #endif
