@@ -146,8 +146,10 @@ class ModelRunner:
         late = None
         if joiners is not None and self.parallel.world_size == 1:
             late = self._late_join(inputs, joiners)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, late)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, late, sample_rows=inputs.sample_rows
+        )
+        logits = self.model.compute_logits(hidden)
         self._stepped(rebalance)
         return logits
 
@@ -166,7 +168,7 @@ class ModelRunner:
             inputs.sample_rows, inputs.sampling_requests, inputs.scheduled = merged.sample_rows, sampling, scheduled
             return LateTokens(
                 input_ids=theirs.input_ids, positions=theirs.positions, meta=theirs.meta, merged_meta=merged.meta,
-                insert_at=at,
+                insert_at=at, sample_rows=merged.sample_rows,
             )
 
         return late

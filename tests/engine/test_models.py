@@ -88,3 +88,38 @@ def test_bfloat16_matches_transformers_in_bfloat16(checkpoints, arch):
         assert output.token_ids[:num_clear] == reference[:num_clear]
         compared += num_clear
     assert compared >= 10, "too few clear-margin tokens to compare: the test would prove nothing"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_the_last_layer_feeds_forward_only_the_rows_that_sample(checkpoints, arch):
+    path, _ = checkpoints(arch)
+    # A 24-token budget: the 40-token prompt's first chunk samples nothing, and steps with
+    # decodes and a chunk sample some rows of many.
+    llm = LLM(str(path), max_num_batched_tokens=24, max_num_seqs=4)
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    last = model.layers[-1]
+    fed: list[int] = []
+    feed_forward = last.feed_forward
+
+    def counting(x):
+        fed.append(x.shape[0])
+        return feed_forward(x)
+
+    last.feed_forward = counting
+    steps = []
+    execute = runner.execute
+
+    def recording(inputs, *args, **kwargs):
+        steps.append(inputs)
+        return execute(inputs, *args, **kwargs)
+
+    runner.execute = recording
+    llm.generate(_prompts(6, [40, 9, 3]), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert fed == [len(inputs.sample_rows) for inputs in steps] and 0 in fed and max(fed) < 24
+    whole_batches = 0
+    for inputs in steps:  # a step again writes the same KV to the same slots: the cache is unchanged
+        args = (inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta)
+        whole = model.forward(*args)
+        whole_batches += whole.shape[0] > len(inputs.sample_rows)
+        torch.testing.assert_close(model.forward(*args, sample_rows=inputs.sample_rows), whole[inputs.sample_rows])
+    assert whole_batches > 0

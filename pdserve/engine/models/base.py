@@ -37,6 +37,7 @@ class LateTokens:
     meta: AttentionMetadata  # theirs alone: the layers they catch up on
     merged_meta: AttentionMetadata  # the pass's batch with them, from the boundary on
     insert_at: int  # their first row in the batch: right after its decode rows
+    sample_rows: torch.Tensor  # the merged batch's rows that sample
 
 
 # Asked at each layer boundary after the first (the layer's index): tokens that join there, or None.
@@ -97,12 +98,19 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-        late: LateJoin | None = None,
+        late: LateJoin | None = None, sample_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Hidden states [T, hidden] after the final norm, for every input token; with tokens
-        that ``late`` adds, for those too, in the rows of its ``merged_meta``."""
+        that ``late`` adds, for those too, in the rows of its ``merged_meta``.
+
+        ``sample_rows``: return only these rows ([R, hidden], in that order; with late tokens,
+        their ``sample_rows``). The last layer's feed-forward then runs on them alone: every
+        layer must still write every token's KV, but no later layer reads the last one's
+        output, and a prompt samples from its last token only.
+        """
         hidden = self.embed_tokens(input_ids)
         residual = None
+        last = len(self.layers) - 1
         for index in range(len(self.layers)):
             joining = late(index) if late is not None and index > 0 else None
             if joining is not None:
@@ -114,18 +122,24 @@ class DecoderModel:
                 residual = torch.cat([residual[:at], caught_up_residual, residual[at:]])
                 positions = torch.cat([positions[:at], joining.positions, positions[at:]])
                 meta = joining.merged_meta
-            hidden, residual = self._layers(hidden, residual, positions, kv_cache, meta, index, index + 1)
+                if sample_rows is not None:
+                    sample_rows = joining.sample_rows
+            keep = sample_rows if index == last else None
+            hidden, residual = self._layers(hidden, residual, positions, kv_cache, meta, index, index + 1, keep)
         return self.norm(hidden, residual)[0]
 
     def _layers(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, start: int, stop: int,
+        meta: AttentionMetadata, start: int, stop: int, keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Layers [start, stop) on the residual stream: (hidden, residual) after the last."""
+        """Layers [start, stop) on the residual stream: (hidden, residual) after the last;
+        after the last layer's attention, only the rows ``keep`` when given."""
         for index in range(start, stop):
             layer = self.layers[index]
             normed, residual = layer.input_norm(hidden, residual)
             hidden = layer.attention(normed, positions, kv_cache.layer(index), meta)
+            if keep is not None and index == stop - 1:
+                hidden, residual = hidden[keep], residual[keep]
             normed, residual = layer.post_attention_norm(hidden, residual)
             hidden = layer.feed_forward(normed)
         assert residual is not None, "a model has layers"
