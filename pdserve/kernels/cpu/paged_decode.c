@@ -297,7 +297,8 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
  * QUERY_TILE query tokens). The item first copies the keys its queries can see into panels of
  * 16 keys, transposed ([dim][16]): a query row's 16 scores are then one vector FMA per
  * dimension, with no horizontal sums, and ROWS query rows (token x query head of the group)
- * share each load of the panel. The copy costs one pass over the visible keys per tile, a few
+ * share each load of the panel. Two panels at a time, so that each broadcast of a query
+ * element feeds two FMAs. The copy costs one pass over the visible keys per tile, a few
  * percent of the tile's arithmetic.
  *
  * A group of ROWS rows then keeps its whole rows of scores (ROWS x context floats, in L2 at
@@ -307,6 +308,42 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
  * PV_ROWS x PV_COLS accumulator vectors: all of them, the value vectors and the broadcast
  * probabilities fit the 32 vector registers, where ROWS x D/16 accumulators would not. */
 enum { PANEL = 16, ROWS = 8, QUERY_TILE = 64, PV_ROWS = 4, PV_COLS = 4 };
+
+/* Row `row` of scores into probabilities over its first n keys, 0 from there to max_limit (the
+ * row holds whole vectors of 16 up to that); returns 1 / their sum, left out of the row. Whole
+ * vectors with the lanes past n masked, and no OpenMP reductions: GCC's kept their partial
+ * results on the stack, and the scalar stores and vector loads there stalled every row. */
+static inline float softmax_row(float *row, int64_t n, int64_t max_limit, float scale) {
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 minus_inf = (v16){0} - INFINITY;
+    const int64_t whole = (n + PANEL - 1) / PANEL * PANEL;
+    v16 vmax = minus_inf;
+    for (int64_t t = 0; t < whole; t += PANEL) {
+        v16 x;
+        __builtin_memcpy(&x, row + t, sizeof x);
+        const i16 seen = lane < (int32_t)(n - t);
+        x = (v16)(((i16)x & seen) | ((i16)minus_inf & ~seen));
+        const i16 more = x > vmax;
+        vmax = (v16)(((i16)x & more) | ((i16)vmax & ~more));
+    }
+    float lanes[PANEL], row_max = -INFINITY;
+    __builtin_memcpy(lanes, &vmax, sizeof vmax);
+    for (int i = 0; i < PANEL; i++) row_max = lanes[i] > row_max ? lanes[i] : row_max;
+    v16 vsum = {0};
+    for (int64_t t = 0; t < whole; t += PANEL) {
+        float e[PANEL];
+        for (int i = 0; i < PANEL; i++) e[i] = t + i < n ? exp_nonpositive((row[t + i] - row_max) * scale) : 0.0f;
+        v16 x;
+        __builtin_memcpy(&x, e, sizeof x);
+        __builtin_memcpy(row + t, &x, sizeof x);
+        vsum += x;
+    }
+    for (int64_t t = whole; t < max_limit; t++) row[t] = 0.0f;
+    __builtin_memcpy(lanes, &vsum, sizeof vsum);
+    float sum = 0.0f;
+    for (int i = 0; i < PANEL; i++) sum += lanes[i];
+    return 1.0f / sum;
+}
 
 /* One item. q and out rows: (token row, head) at ((row * num_heads) + head) * D. The tile's
  * tokens are the sequence's query tokens [tok0, tok0 + ntok), the first of them at token row
@@ -346,7 +383,25 @@ static inline __attribute__((always_inline)) int prefill_tile(
             limit[r] = first_pos + token + 1;
             max_limit = limit[r] > max_limit ? limit[r] : max_limit;
         }
-        for (int64_t base = 0; base < max_limit; base += PANEL) {
+        int64_t base = 0;
+        for (; base + PANEL < max_limit; base += 2 * PANEL) { /* two panels: each broadcast feeds two FMAs */
+            const v16 *panel = (const v16 *)(panels + base * D), *next = panel + D;
+            v16 s[ROWS], s1[ROWS];
+            for (int64_t r = 0; r < ROWS; r++) s[r] = s1[r] = (v16){0};
+            for (int64_t d = 0; d < D; d++) {
+                const v16 kt = panel[d], kt1 = next[d];
+                for (int64_t r = 0; r < ROWS; r++) {
+                    const float x = qr[r][d];
+                    s[r] += x * kt;
+                    s1[r] += x * kt1;
+                }
+            }
+            for (int64_t r = 0; r < ROWS; r++) {
+                __builtin_memcpy(scores + r * stride + base, &s[r], sizeof s[r]);
+                __builtin_memcpy(scores + r * stride + base + PANEL, &s1[r], sizeof s1[r]);
+            }
+        }
+        if (base < max_limit) {
             const v16 *panel = (const v16 *)(panels + base * D);
             v16 s[ROWS];
             for (int64_t r = 0; r < ROWS; r++) s[r] = (v16){0};
@@ -359,19 +414,7 @@ static inline __attribute__((always_inline)) int prefill_tile(
         /* Row r's probabilities over its keys [0, limit[r]); 0 from there to max_limit, so that
          * the rows share one walk over the values. Every row sees key 0. */
         float inv_sum[ROWS];
-        for (int64_t r = 0; r < ROWS; r++) {
-            float *row = scores + r * stride;
-            float row_max = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : row_max)
-            for (int64_t t = 0; t < limit[r]; t++) row_max = row[t] > row_max ? row[t] : row_max;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < limit[r]; t++) {
-                row[t] = exp_nonpositive((row[t] - row_max) * scale);
-                sum += row[t];
-            }
-            for (int64_t t = limit[r]; t < max_limit; t++) row[t] = 0.0f;
-            inv_sum[r] = 1.0f / sum;
-        }
+        for (int64_t r = 0; r < ROWS; r++) inv_sum[r] = softmax_row(scores + r * stride, limit[r], max_limit, scale);
         /* Only keys inside the context: rows past it may hold anything, NaN included. */
         for (int64_t rg = 0; rg < live; rg += PV_ROWS) {
             const float *prob = scores + rg * stride;
