@@ -94,10 +94,12 @@ class KVCache:
             self.data, self.small_pages_reason = _host_zeros(shape, spec.dtype)
         else:
             self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # Made once: every layer of every step asks for its view.
+        self._layers = tuple(self.data[:, index] for index in range(spec.num_layers))
 
     def layer(self, index: int) -> torch.Tensor:
         """Layer ``index``'s view: ``[num_blocks, 2, H, block_size, D]`` or ``[num_blocks, block_size, latent]``."""
-        return self.data[:, index]
+        return self._layers[index]
 
     @property
     def nbytes(self) -> int:

@@ -103,6 +103,8 @@ class CpuBackend(TorchBackend):
             return super().paged_attention(q, layer_cache, meta, scale)
         keys, values = layer_cache[:, 0], layer_cache[:, 1]  # [num_blocks, Hkv, block_size, D] each
         v_dim = values.shape[-1]
+        if meta.num_decodes == meta.num_seqs:  # a step of decodes alone, the common case: nothing to split
+            return paged_decode(q, keys, values, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim)
 
         def decode(q_decodes: torch.Tensor) -> torch.Tensor:
             return _decode(q_decodes, keys, values, meta, scale, v_dim)

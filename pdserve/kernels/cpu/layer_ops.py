@@ -43,8 +43,8 @@ def load() -> None:
 
 
 def _rows(x: torch.Tensor) -> bool:
-    """A float32 [T, ...] tensor whose every row is contiguous (a column slice is fine)."""
-    return x.dtype == torch.float32 and x[0].is_contiguous() if x.shape[0] else x.dtype == torch.float32
+    """A float32 [T, D] tensor whose every row is contiguous (a column slice is fine)."""
+    return x.dtype == torch.float32 and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1 or x.shape[0] == 0)
 
 
 def rms_norm(
@@ -80,18 +80,21 @@ def rope_write_kv(
     num_tokens, num_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     num_blocks, _, _, block_size, _ = layer_cache.shape
-    keys, values = layer_cache[:, 0], layer_cache[:, 1]
     if q.stride()[1:] != (dim, 1) or k.stride()[1:] != (dim, 1) or v.stride() != k.stride():
         raise ValueError(f"q, k, v need contiguous heads and k, v equal strides: {q.stride()}, {k.stride()}, {v.stride()}")
-    if cos_sin.shape[1] != dim or not cos_sin.is_contiguous() or keys.stride(-1) != 1:
+    if cos_sin.shape[1] != dim or not cos_sin.is_contiguous() or layer_cache.stride(-1) != 1:
         raise ValueError(f"cos_sin {tuple(cos_sin.shape)} must cover the head dim {dim}, contiguous")
+    # Keys at index 0 of dim 1, values at 1: their addresses and strides without slicing the cache.
+    block_stride, kv_stride, head_stride, token_stride, _ = layer_cache.stride()
+    keys = layer_cache.data_ptr()
+    values = keys + kv_stride * layer_cache.element_size()
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     status = _library().pdserve_rope_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
         positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
         num_tokens, num_heads, num_kv_heads, dim,
-        keys.data_ptr(), values.data_ptr(), num_blocks, keys.stride(0), keys.stride(1), keys.stride(2),
+        keys, values, num_blocks, block_stride, head_stride, token_stride,
         slots.data_ptr(), block_size, torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

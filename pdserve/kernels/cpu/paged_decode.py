@@ -85,7 +85,7 @@ def paged_decode(
     """
     num_seqs, num_heads, k_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
-    if {q.dtype, k_cache.dtype, v_cache.dtype} != {torch.float32}:
+    if not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
         raise ValueError(f"the CPU decode kernel takes float32 only, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if num_heads % num_kv_heads or k_cache.shape[-1] != k_dim or v_cache.shape[-1] < v_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(k_cache.shape)} / values "

@@ -95,10 +95,11 @@ def _gemm(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> to
     in_features = weight.panels.shape[1]
     if x.dtype != torch.float32 or x.shape[-1] != in_features:
         raise ValueError(f"linear takes float32 [..., {in_features}], got {x.dtype} {tuple(x.shape)}")
-    bias_size = weight.shape[0]
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (bias_size,)):
-        raise ValueError(f"bias must be float32 [{bias_size}], got {bias.dtype} {tuple(bias.shape)}")
-    rows = x.reshape(-1, in_features)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must be float32 [{weight.shape[0]}], got {bias.dtype} {tuple(bias.shape)}")
+    # A decode step makes over a hundred of these calls: plain 2-D inputs skip the reshapes.
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, in_features)
     if rows.shape[0] and rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
@@ -108,4 +109,4 @@ def _gemm(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> to
             weight.out_features, bias.contiguous().data_ptr() if bias is not None else None, out.data_ptr(),
             torch.get_num_threads(), weight.gated,
         )  # fmt: skip
-    return out.view(*x.shape[:-1], weight.out_features)
+    return out if flat else out.view(*x.shape[:-1], weight.out_features)
