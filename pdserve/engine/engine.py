@@ -112,7 +112,7 @@ class LLMEngine:
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv, clock=clock
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, parallel)
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=self.backend.argmax)
         self._requests: dict[str, Request] = {}
         logger.info(
             "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",

@@ -13,6 +13,7 @@ Returned logprobs are those of the raw model logits, before any of the above.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,11 @@ class Sampler:
     tokens whatever the other rows are and wherever it sits in the batch.
     """
 
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``argmax``: greedy rows' pick over float32 logits [R, V], as ``torch.argmax`` (a
+        backend's faster one, ``Backend.argmax``); torch's by default."""
+        self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
+
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """Sample from `logits` [num_rows, vocab] (any float dtype), row i for requests[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -98,11 +104,11 @@ class Sampler:
 
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not sampled_rows:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
         elif len(sampled_rows) == len(requests):
             token_ids = _sample(logits, requests)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
             rows = torch.tensor(sampled_rows, device=logits.device)
             token_ids[rows] = _sample(logits[rows], [requests[i] for i in sampled_rows])
 

@@ -120,6 +120,11 @@ class Backend(ABC):
         """
         return self.linear(hidden, lm_head).float()
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sampling's pick: each row's first largest column [R] int64 of logits [R, V]
+        (a NaN counting as the largest), as ``torch.argmax``."""
+        return logits.argmax(dim=-1)
+
     @abstractmethod
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

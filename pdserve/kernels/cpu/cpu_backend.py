@@ -15,6 +15,8 @@
   ``layer_ops.c``: one pass each instead of the handful of torch ops (and temporaries) the
   reference spends per layer, which on a decode step of a deep, narrow model cost more than
   the arithmetic.
+- **Greedy sampling's argmax** runs ``layer_ops.c``: one vector pass over the logits, about 4x
+  torch's on a decode step's 32 x 49,152.
 - **Freed activations stay mapped** (``heap.py``), so that a prompt step does not page-fault
   its tens of megabytes of temporaries in again at every layer.
 
@@ -72,6 +74,11 @@ class CpuBackend(TorchBackend):
         if isinstance(lm_head, panel_gemm.PanelWeight) or lm_head.is_mkldnn:
             return self.linear(hidden, lm_head)
         return super().logits(hidden, lm_head)
+
+    def argmax(self, logits):
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1 or not logits.shape[1]:
+            return super().argmax(logits)
+        return layer_ops.argmax(logits)
 
     def rms_norm(self, x, weight, eps, residual=None):
         if x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.stride(-1) != 1:

@@ -1,6 +1,6 @@
 """A layer's small ops on CPU (``layer_ops.c``): RMSNorm with its residual add, rotary
 embedding fused with the KV cache write, and SwiGLU's ``silu(gate) * up``, each one C call
-instead of several torch ops."""
+instead of several torch ops; and greedy sampling's argmax over the logits."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def _library() -> ctypes.CDLL:
     silu_mul = library.pdserve_silu_mul
     silu_mul.restype = None
     silu_mul.argtypes = [ptr, ptr, i64, ptr, i64, i64, ctypes.c_int]
+    argmax_rows = library.pdserve_argmax_rows
+    argmax_rows.restype = None
+    argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     return library
 
 
@@ -115,5 +118,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         _library().pdserve_silu_mul(
             gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), num_tokens, size, torch.get_num_threads()
+        )
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax`` [R] int64 of logits [R, V] float32 with contiguous rows: the first
+    largest value's column, a NaN counting as the largest, as ``torch.argmax``."""
+    if not (_rows(logits) and logits.shape[1] > 0):
+        raise ValueError(f"argmax takes float32 [rows, vocab > 0] with contiguous rows, got {logits.dtype} "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")  # fmt: skip
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _library().pdserve_argmax_rows(
+            logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(), torch.get_num_threads()
         )
     return out

@@ -1,8 +1,11 @@
 """``layer_ops.c`` against ``TorchBackend``: RMSNorm with and without its residual, rotary
-embedding fused with the KV cache write, and SwiGLU's activation, through ``CpuBackend`` as
-the models call them. The largest sizes are a prompt's, which the C code splits over threads."""
+embedding fused with the KV cache write, SwiGLU's activation, through ``CpuBackend`` as the
+models call them, and greedy sampling's argmax against torch's. The largest sizes are a
+prompt's, which the C code splits over threads."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -70,3 +73,32 @@ def test_silu_mul_matches_reference(num_tokens):
 def test_silu_mul_refuses_mismatched_halves():
     with pytest.raises(ValueError, match="gate .* and up .* must be"):
         layer_ops.silu_mul(torch.randn(3, 8), torch.randn(3, 9))
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 15), (32, 49152), (5, 1000), (70, 16)])
+def test_argmax_matches_torch(rows, vocab):
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    assert torch.equal(CpuBackend().argmax(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_takes_the_first_of_equals_and_a_nan_as_largest():
+    logits = torch.zeros(4, 100)
+    logits[0, [17, 40, 99]] = 2.0  # equals in different lanes and in the scalar tail
+    logits[1, [96, 97]] = 1.0  # only in the tail
+    logits[2].fill_(-math.inf)
+    logits[3, [5, 50]] = 3.0
+    logits[3, [60, 70]] = math.nan  # NaN beats everything: the first one
+    assert layer_ops.argmax(logits).tolist() == [17, 96, 0, 60] == logits.argmax(dim=-1).tolist()
+    wide = torch.zeros(2, 64)
+    wide[0, [33, 1]] = 1.0  # the same lane (1 and 33 are 32 apart): its first
+    wide[1, [19, 2]] = 1.0  # different lanes: the lowest column
+    assert layer_ops.argmax(wide).tolist() == [1, 2]
+
+
+def test_argmax_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="argmax takes float32"):
+        layer_ops.argmax(torch.zeros(2, 8).double())
+    with pytest.raises(ValueError, match="vocab > 0"):
+        layer_ops.argmax(torch.zeros(2, 0))
+    columns = torch.randn(3, 8).t()  # rows not contiguous: torch's argmax
+    assert torch.equal(CpuBackend().argmax(columns), columns.argmax(dim=-1))
