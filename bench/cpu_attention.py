@@ -10,8 +10,8 @@ SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, blocks of 16 to
 
 Blocks are scattered over a 2 GiB cache, as a running engine's are. With ``--against`` (a
 version of the C file with the same exported functions, with ``vector_math.h`` beside it or
-taken from this tree) both builds run alternately, ``--reps`` times each, and the outputs must
-agree within 1e-5. Prints each build's median milliseconds per layer, the decode GB/s (the
+taken from this tree) both builds run alternately (A B B A ...), ``--reps`` times each, and
+the outputs must agree within 1e-5. Prints each build's median milliseconds per layer, the decode GB/s (the
 cache bytes read), the prompt GFLOPS (causal: only the keys each query sees) and the ratio
 against / current (above 1: current faster).
 """
@@ -158,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             for other in outputs[1:]:
                 torch.testing.assert_close(other, outputs[0], rtol=1e-5, atol=1e-5, msg=f"{name}: the builds disagree")
         times: dict[str, dict[str, list[float]]] = {name: {b: [] for b in builds} for name in cases}
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             for name, case in cases.items():
-                for build_name, fns in builds.items():
+                order = list(builds.items())  # A B, then B A: whichever runs first in a pair is not favoured
+                for build_name, fns in order if rep % 2 == 0 else order[::-1]:
                     start = time.perf_counter()
                     case(fns)
                     times[name][build_name].append((time.perf_counter() - start) / args.layers * 1e3)
