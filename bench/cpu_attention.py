@@ -11,9 +11,9 @@ SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, blocks of 16 to
 Blocks are scattered over a 2 GiB cache, as a running engine's are. With ``--against`` (a
 version of the C file with the same exported functions, with ``vector_math.h`` beside it or
 taken from this tree) both builds run alternately (A B B A ...), ``--reps`` times each, and
-the outputs must agree within 1e-5. Prints each build's median milliseconds per layer, the decode GB/s (the
-cache bytes read), the prompt GFLOPS (causal: only the keys each query sees) and the ratio
-against / current (above 1: current faster).
+the outputs must agree within 1e-5. Prints each build's median milliseconds per layer, the
+decode GB/s (the cache bytes read), the prompt GFLOPS (causal: only the keys each query sees)
+and the ratio against / current (above 1: current faster).
 """
 
 from __future__ import annotations
@@ -82,31 +82,24 @@ def copy_of(source: Path, directory: Path) -> Path:
     return directory / "paged_decode.c"
 
 
-def run_decode(function, cache: KVCache, layers: list[int], batch: Batch) -> torch.Tensor:
+def run(function, cache: KVCache, layers: list[int], batch: Batch, prompt: bool) -> torch.Tensor:
+    """``function`` (the decode kernel, or the prompt kernel when ``prompt``) on each layer in turn."""
     out = torch.empty(batch.q.shape)
+    threads = torch.get_num_threads()
     for layer in layers:
         view = cache.layer(layer)
         keys, values = view[:, 0], view[:, 1]
-        status = function(
+        cache_args = (
             batch.q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.stride(0), keys.stride(1),
             keys.stride(2), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
-            batch.lens.shape[0], HEADS, KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, SCALE, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        assert status == 0, status
-    return out
-
-
-def run_prompt(function, cache: KVCache, layers: list[int], batch: Batch) -> torch.Tensor:
-    out = torch.empty(batch.q.shape)
-    for layer in layers:
-        view = cache.layer(layer)
-        keys, values = view[:, 0], view[:, 1]
-        status = function(
-            batch.q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.stride(0), keys.stride(1),
-            keys.stride(2), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
-            batch.query_start.data_ptr(), batch.lens.shape[0], HEADS, KV_HEADS, BLOCK, HEAD_DIM, int(batch.lens.max()),
-            SCALE, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        num_seqs = batch.lens.shape[0]
+        if prompt:
+            status = function(*cache_args, batch.query_start.data_ptr(), num_seqs, HEADS, KV_HEADS, BLOCK, HEAD_DIM,
+                              int(batch.lens.max()), SCALE, out.data_ptr(), threads)  # fmt: skip
+        else:
+            status = function(*cache_args, num_seqs, HEADS, KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, SCALE, out.data_ptr(),
+                              threads)  # fmt: skip
         assert status == 0, status
     return out
 
@@ -140,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     needed = sum((n + BLOCK - 1) // BLOCK for n in decode_lens + prompt_lens)
     if needed > num_blocks:
         parser.error(f"--cache-gib {args.cache_gib} holds {num_blocks} blocks; the batches need {needed}")
-    decode = build(decode_lens, [1] * 32, free, generator)
-    prompt = build(prompt_lens, prompt_lens, free, generator)
+    decode_batch = build(decode_lens, [1] * 32, free, generator)
+    prompt_batch = build(prompt_lens, prompt_lens, free, generator)
 
     builds = {"current": kernels(Path(paged_decode.__file__).with_suffix(".c"))}
     with tempfile.TemporaryDirectory() as directory:
@@ -149,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             builds["against"] = kernels(copy_of(args.against, Path(directory)))
         layers = list(range(args.layers))
         cases = {
-            "decode": lambda fns: run_decode(fns[0], cache, layers, decode),
-            "decode_hot": lambda fns: run_decode(fns[0], cache, [0] * args.layers, decode),
-            "prompt": lambda fns: run_prompt(fns[1], cache, layers, prompt),
+            "decode": lambda fns: run(fns[0], cache, layers, decode_batch, prompt=False),
+            "decode_hot": lambda fns: run(fns[0], cache, [0] * args.layers, decode_batch, prompt=False),
+            "prompt": lambda fns: run(fns[1], cache, layers, prompt_batch, prompt=True),
         }
         for name, case in cases.items():  # same results first
             outputs = [case(fns) for fns in builds.values()]
@@ -166,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                     case(fns)
                     times[name][build_name].append((time.perf_counter() - start) / args.layers * 1e3)
 
-    decode_bytes = int(decode.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
+    decode_bytes = int(decode_batch.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
     prompt_flops = sum(n * (n + 1) / 2 for n in prompt_lens) * HEADS * HEAD_DIM * 4
     result: dict = {
         "shape": f"{HEADS} heads / {KV_HEADS} KV heads of {HEAD_DIM}, blocks of {BLOCK}, {args.layers} layers",
-        "decode_batch": {"sequences": 32, "cached_tokens": int(decode.lens.sum())},
+        "decode_batch": {"sequences": 32, "cached_tokens": int(decode_batch.lens.sum())},
         "prompt_batch": {"prompts": len(prompt_lens), "tokens": sum(prompt_lens)},
         "threads": args.threads,
         "reps": args.reps,
