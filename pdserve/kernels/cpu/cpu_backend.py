@@ -8,8 +8,9 @@
   panels: with a decode step's few rows it overlaps the weights' trip from memory with the
   arithmetic: about 1.1–1.2× oneDNN's speed from 1 to 128 rows, 0.94× at 2048
   (bench/RESULTS.md). SwiGLU's gate and up projections share panels, and their GEMM stores
-  ``silu(gate) * up`` itself: the projection is never written out and read back. Without AVX-512 they run oneDNN's GEMM on weights repacked into its
-  blocked layout (``torch.ops.mkldnn``), which is itself 1.1–3× MKL's on the plain layout.
+  ``silu(gate) * up`` itself: the projection is never written out and read back. Without
+  AVX-512 they run oneDNN's GEMM on weights repacked into its blocked layout
+  (``torch.ops.mkldnn``), which is itself 1.1–3× MKL's on the plain layout.
 
 - **RMSNorm** (with its residual add) and **rotary embedding with the KV cache write** run
   ``layer_ops.c``: one pass each instead of the handful of torch ops (and temporaries) the
