@@ -61,16 +61,19 @@ static void store_silu_mul(float *y, __mmask16 mask, __m512 gate, __m512 up) {
             acc[r][0] = b0;                                                                                \
             acc[r][1] = b1;                                                                                \
         }                                                                                                  \
-        for (int64_t k = 0; k < K; k++) {                                                                  \
+        /* Pointers that step with k: indexed as x[r * ldx + k], GCC kept the rows' offsets on the   \
+         * stack and reloaded them every step, which cost 3-11% of the GEMM (bench/RESULTS.md). */   \
+        const float *xk = x, *pk = panel;                                                                  \
+        for (int64_t k = 0; k < K; k++, xk++, pk += PANEL) {                                               \
             if (next != NULL) {                                                                            \
                 for (int q = 0; q < per_k; q++) {                                                          \
                     const int64_t line = k * per_k + q;                                                    \
                     if (line < next_lines) _mm_prefetch(next + line * 64, _MM_HINT_T1);                    \
                 }                                                                                          \
             }                                                                                              \
-            const __m512 w0 = _mm512_loadu_ps(panel + k * PANEL), w1 = _mm512_loadu_ps(panel + k * PANEL + 16); \
+            const __m512 w0 = _mm512_loadu_ps(pk), w1 = _mm512_loadu_ps(pk + 16);                         \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                         \
-                const __m512 a = _mm512_set1_ps(x[r * ldx + k]);                                           \
+                const __m512 a = _mm512_set1_ps(xk[r * ldx]);                                              \
                 acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);                                             \
                 acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);                                             \
             }                                                                                              \
