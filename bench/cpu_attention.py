@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from pdserve.kernels.cpu import paged_decode  # noqa: E402
 from pdserve.kernels.cpu.build import load_library  # noqa: E402
+from kernel_copy import build_copy  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -65,21 +65,12 @@ def build(lengths: list[int], query_lens: list[int], free: list[int], generator:
     return Batch(torch.tensor(lengths, dtype=torch.int32), tables, q, starts)
 
 
-def kernels(source: Path) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
-    """The decode and prompt functions of the C file ``source``."""
-    library = load_library(source)
+def kernels(library: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The decode and prompt functions of a build of ``paged_decode.c``."""
     decode, prompt = library.pdserve_paged_decode, library.pdserve_paged_prefill
     for function, like in ((decode, paged_decode._kernel()), (prompt, paged_decode._prefill_kernel())):
         function.restype, function.argtypes = like.restype, like.argtypes
     return decode, prompt
-
-
-def copy_of(source: Path, directory: Path) -> Path:
-    """``source`` with a ``vector_math.h`` beside it, in ``directory``, to build on its own."""
-    shutil.copy(source, directory / "paged_decode.c")
-    header = source.with_name("vector_math.h")
-    shutil.copy(header if header.is_file() else Path(paged_decode.__file__).with_name("vector_math.h"), directory)
-    return directory / "paged_decode.c"
 
 
 def run(function, cache: KVCache, layers: list[int], batch: Batch, prompt: bool) -> torch.Tensor:
@@ -136,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     decode_batch = build(decode_lens, [1] * 32, free, generator)
     prompt_batch = build(prompt_lens, prompt_lens, free, generator)
 
-    builds = {"current": kernels(Path(paged_decode.__file__).with_suffix(".c"))}
+    current = Path(paged_decode.__file__).with_suffix(".c")
+    builds = {"current": kernels(load_library(current))}
     with tempfile.TemporaryDirectory() as directory:
         if args.against is not None:
-            builds["against"] = kernels(copy_of(args.against, Path(directory)))
+            builds["against"] = kernels(build_copy(args.against, current, Path(directory)))
         layers = list(range(args.layers))
         cases = {
             "decode": lambda fns: run(fns[0], cache, layers, decode_batch, prompt=False),
