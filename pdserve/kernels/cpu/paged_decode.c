@@ -9,7 +9,8 @@
  * block's values into the output, so nothing the size of the context is ever written.
  *
  * Layout, in elements (float32):
- *   q            [num_seqs, num_heads, k_dim], contiguous
+ *   q            [num_seqs, num_heads, k_dim], heads contiguous, sequences q_stride apart (a view of
+ *                the fused q/k/v projection needs no copy)
  *   k_cache      key of token t of block b, KV head h: k_cache[b*block_stride + h*head_stride + t*token_stride + i]
  *   v_cache      the same strides, first v_dim values of each row (MLA: the latent itself)
  *   block_tables [num_seqs, table_stride] int32
@@ -256,8 +257,8 @@ static attend_fn choose_attend(int64_t k_dim, int64_t v_dim, int64_t block_size)
 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a block table entry is
  * outside [0, num_blocks). On an error `out` is incomplete. */
-int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                         int64_t block_stride, int64_t head_stride, int64_t token_stride,
+int pdserve_paged_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                         int64_t num_blocks, int64_t block_stride, int64_t head_stride, int64_t token_stride,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                          int64_t k_dim, int64_t v_dim, float scale, float *out, int num_threads) {
@@ -277,7 +278,7 @@ int pdserve_paged_decode(const float *q, const float *k_cache, const float *v_ca
             if (scratch == NULL) continue;
             const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
             const int64_t first_head = seq * num_heads + kv_head * group;
-            const int rc = attend(q + first_head * k_dim, k_cache + kv_head * head_stride,
+            const int rc = attend(q + seq * q_stride + kv_head * group * k_dim, k_cache + kv_head * head_stride,
                                       v_cache + kv_head * head_stride, block_tables + seq * table_stride,
                                       seq_lens[seq], num_blocks, block_stride, token_stride, block_size, group,
                                       k_dim, v_dim, scale, scratch, out + first_head * v_dim);
@@ -345,13 +346,14 @@ static inline float softmax_row(float *row, int64_t n, int64_t max_limit, float 
     return 1.0f / sum;
 }
 
-/* One item. q and out rows: (token row, head) at ((row * num_heads) + head) * D. The tile's
- * tokens are the sequence's query tokens [tok0, tok0 + ntok), the first of them at token row
- * q_row0 + tok0 and position first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D
+/* One item. q rows: (token row, head) at row * q_stride + head * D; out rows at
+ * ((row * num_heads) + head) * D. The tile's tokens are the sequence's query tokens
+ * [tok0, tok0 + ntok), the first of them at token row q_row0 + tok0 and position
+ * first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D
  * floats, `scores` ROWS times ceil(seq_len / 16) * 16. Returns 0, or -2 for a block table
  * entry outside the cache. */
 static inline __attribute__((always_inline)) int prefill_tile(
-    const float *q, float *out, int64_t num_heads, const float *k_base, const float *v_base,
+    const float *q, int64_t q_stride, float *out, int64_t num_heads, const float *k_base, const float *v_base,
     const int32_t *table, int64_t num_blocks, int64_t block_stride, int64_t token_stride, int64_t block_size,
     int64_t first_pos, int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group, float scale,
     float *panels, float *scores, const int64_t D) {
@@ -379,7 +381,7 @@ static inline __attribute__((always_inline)) int prefill_tile(
         int64_t limit[ROWS], max_limit = 0;
         for (int64_t r = 0; r < ROWS; r++) { /* a short last group repeats its last row, unwritten */
             const int64_t row = r0 + (r < live ? r : live - 1), token = tok0 + row / group;
-            qr[r] = q + ((q_row0 + token) * num_heads + head0 + row % group) * D;
+            qr[r] = q + (q_row0 + token) * q_stride + (head0 + row % group) * D;
             limit[r] = first_pos + token + 1;
             max_limit = limit[r] > max_limit ? limit[r] : max_limit;
         }
@@ -448,24 +450,25 @@ static inline __attribute__((always_inline)) int prefill_tile(
 }
 
 #define PREFILL_TILE(D)                                                                                          \
-    static int prefill_tile_##D(const float *q, float *out, int64_t num_heads, const float *k_base,             \
-                                const float *v_base, const int32_t *table, int64_t num_blocks,                  \
+    static int prefill_tile_##D(const float *q, int64_t q_stride, float *out, int64_t num_heads,                \
+                                const float *k_base, const float *v_base, const int32_t *table, int64_t num_blocks, \
                                 int64_t block_stride, int64_t token_stride, int64_t block_size, int64_t first_pos, \
                                 int64_t q_row0, int64_t tok0, int64_t ntok, int64_t head0, int64_t group,        \
                                 float scale, float *panels, float *scores) {                                     \
-        return prefill_tile(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,    \
-                            block_size, first_pos, q_row0, tok0, ntok, head0, group, scale, panels, scores, D);   \
+        return prefill_tile(q, q_stride, out, num_heads, k_base, v_base, table, num_blocks, block_stride,       \
+                            token_stride, block_size, first_pos, q_row0, tok0, ntok, head0, group, scale, panels,  \
+                            scores, D);                                                                          \
     }
 PREFILL_TILE(64)
 PREFILL_TILE(128)
 
 /* Every query token of `num_seqs` sequences: sequence s has the query rows
- * [query_start[s], query_start[s + 1]) of q (and of out), the last tokens of its context of
- * seq_lens[s], already in the cache. Head sizes 64 and 128 (keys and values alike), blocks of
- * a multiple of 16 tokens. Returns 0; -1 out of memory; -2 a block table entry
- * outside the cache; -3 a shape this kernel does not take. */
-int pdserve_paged_prefill(const float *q, const float *k_cache, const float *v_cache, int64_t num_blocks,
-                          int64_t block_stride, int64_t head_stride, int64_t token_stride,
+ * [query_start[s], query_start[s + 1]) of q (rows q_stride apart, heads contiguous) and of
+ * out, the last tokens of its context of seq_lens[s], already in the cache. Head sizes 64 and
+ * 128 (keys and values alike), blocks of a multiple of 16 tokens. Returns 0; -1 out of
+ * memory; -2 a block table entry outside the cache; -3 a shape this kernel does not take. */
+int pdserve_paged_prefill(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          int64_t num_blocks, int64_t block_stride, int64_t head_stride, int64_t token_stride,
                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                           const int32_t *query_start, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, int64_t head_dim, int64_t max_seq_len, float scale, float *out,
@@ -502,12 +505,12 @@ int pdserve_paged_prefill(const float *q, const float *k_cache, const float *v_c
             const float *k_base = k_cache + kv_head * head_stride, *v_base = v_cache + kv_head * head_stride;
             const int32_t *table = block_tables + s * table_stride;
             const int rc = head_dim == 64
-                ? prefill_tile_64(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
-                                  block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
-                                  panels, scores)
-                : prefill_tile_128(q, out, num_heads, k_base, v_base, table, num_blocks, block_stride, token_stride,
-                                   block_size, first_pos, query_start[s], tok0, ntok, kv_head * group, group, scale,
-                                   panels, scores);
+                ? prefill_tile_64(q, q_stride, out, num_heads, k_base, v_base, table, num_blocks, block_stride,
+                                  token_stride, block_size, first_pos, query_start[s], tok0, ntok, kv_head * group,
+                                  group, scale, panels, scores)
+                : prefill_tile_128(q, q_stride, out, num_heads, k_base, v_base, table, num_blocks, block_stride,
+                                   token_stride, block_size, first_pos, query_start[s], tok0, ntok, kv_head * group,
+                                   group, scale, panels, scores);
             if (rc != 0) {
 #pragma omp atomic write
                 status = rc;

@@ -32,7 +32,7 @@ def _kernel() -> ctypes._CFuncPtr:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int
     function.argtypes = [
-        ptr, ptr, ptr, i64,  # q, k_cache, v_cache, num_blocks
+        ptr, i64, ptr, ptr, i64,  # q, q row stride, k_cache, v_cache, num_blocks
         i64, i64, i64,  # block, head and token strides
         ptr, i64, ptr,  # block_tables, table_stride, seq_lens
         i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size
@@ -47,7 +47,7 @@ def _prefill_kernel() -> ctypes._CFuncPtr:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int
     function.argtypes = [
-        ptr, ptr, ptr, i64,  # q, k_cache, v_cache, num_blocks
+        ptr, i64, ptr, ptr, i64,  # q, q row stride, k_cache, v_cache, num_blocks
         i64, i64, i64,  # block, head and token strides
         ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, query_start
         i64, i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size, head_dim, max_seq_len
@@ -67,6 +67,13 @@ def load() -> None:
     _kernel()
 
 
+def _heads_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """q [rows, heads, dim] whose heads lie one after another in each row, with any row stride:
+    the q columns of a fused q/k/v projection's output are used in place, not copied."""
+    _, num_heads, dim = q.shape
+    return q if q.stride(2) == 1 and (q.stride(1) == dim or num_heads == 1) else q.contiguous()
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -77,7 +84,8 @@ def paged_decode(
     scale: float,
     v_dim: int,
 ) -> torch.Tensor:
-    """Attention of q [S, H, Dk] over each sequence's first ``seq_lens[s]`` cached tokens.
+    """Attention of q [S, H, Dk] (heads contiguous in each row; rows any stride) over each
+    sequence's first ``seq_lens[s]`` cached tokens.
 
     ``k_cache``/``v_cache``: float32 ``[num_blocks, Hkv, block_size, Dk]`` views with equal
     strides and contiguous rows; ``block_tables`` [S, max_blocks] and ``seq_lens`` [S] int32;
@@ -96,12 +104,12 @@ def paged_decode(
     if max_seq_len > block_tables.shape[1] * block_size:
         raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
                          f"{block_tables.shape[1]} blocks of {block_size}")
-    q = q.contiguous()
+    q = _heads_contiguous(q)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
     status = _kernel()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
         k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, block_size,
@@ -122,7 +130,8 @@ def paged_prefill(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of every sequence's new tokens q [T, H, D] over its cached context.
+    """Causal attention of every sequence's new tokens q [T, H, D] (heads contiguous in each
+    row) over its cached context.
 
     Sequence s owns rows ``query_start[s]:query_start[s + 1]`` of q, the last tokens of its
     ``seq_lens[s]``, whose keys and values are already in the cache. ``k_cache``/``v_cache``
@@ -141,13 +150,13 @@ def paged_prefill(
     if max_seq_len > block_tables.shape[1] * block_size:
         raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
                          f"{block_tables.shape[1]} blocks of {block_size}")  # fmt: skip
-    q = q.contiguous()
+    q = _heads_contiguous(q)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     status = _prefill_kernel()(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
         k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(),
         lens.shape[0], num_heads, num_kv_heads, block_size, head_dim, max_seq_len, scale, out.data_ptr(),

@@ -29,6 +29,18 @@ def test_gqa_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
     assert_close(_gqa(meta, q, cache, 0.3), expected, f"seq_lens {seq_lens}")
 
 
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_queries_are_read_in_place_from_a_wider_row(head_dim):
+    # q as the engine has it: the first columns of the fused q/k/v projection's rows.
+    seq_lens = [5, 40, 17]
+    meta = make_metadata(seq_lens, [1] * 3, 16, num_blocks=16)
+    cache = gqa_cache(16, 2, 16, head_dim, torch.float32)
+    qkv = torch.randn(3, 8 * head_dim)
+    q = qkv[:, : 6 * head_dim].view(3, 6, head_dim)
+    assert not q.is_contiguous()
+    assert torch.equal(_gqa(meta, q, cache, 0.3), _gqa(meta, q.contiguous(), cache, 0.3))
+
+
 def test_mla_reads_latents_as_keys_and_their_head_as_values():
     seq_lens = [1, 16, 33, 70]
     meta = make_metadata(seq_lens, [1] * len(seq_lens), 16, num_blocks=16)
@@ -106,6 +118,16 @@ def test_prompts_match_reference(num_heads, num_kv_heads, head_dim, block_size):
     q = torch.randn(sum(query_lens), num_heads, head_dim)
     expected = TorchBackend().paged_attention(q, cache, meta, 0.11)
     assert_close(_prefill(meta, q, cache, 0.11), expected, f"seq_lens {seq_lens} query_lens {query_lens}")
+
+
+def test_prompt_queries_are_read_in_place_from_a_wider_row():
+    seq_lens, query_lens = [70, 33], [70, 9]
+    meta = make_metadata(seq_lens, query_lens, 16, num_blocks=16)
+    cache = gqa_cache(16, 3, 16, 64, torch.float32)
+    qkv = torch.randn(79, 15 * 64)
+    q = qkv[:, : 9 * 64].view(79, 9, 64)
+    assert not q.is_contiguous()
+    assert torch.equal(_prefill(meta, q, cache, 0.2), _prefill(meta, q.contiguous(), cache, 0.2))
 
 
 def test_prompt_rows_past_the_context_are_never_read():
