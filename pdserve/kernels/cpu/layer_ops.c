@@ -4,10 +4,11 @@
  * cost more in dispatch and temporaries (a torch op each for the add, the square, the mean, the
  * rsqrt, the products, the gathers of cos and sin, the halves, the concatenation, the scatter
  * into the cache) than in arithmetic. Each function here reads its inputs once and writes its
- * outputs once. A decode step's call (a few hundred kilobytes) runs on the calling thread: that
- * is less than an OpenMP fork costs, and on a loaded machine a spinning team only steals the
- * GEMMs' cores. A prompt's (megabytes: 500 tokens are 6 MB of SwiGLU input a layer) is split
- * over the tokens, on the torch threads' team.
+ * outputs once. A call of a few tokens runs on the calling thread: less than an OpenMP fork
+ * costs. From a decode step of 32 sequences on (SmolLM2: 18,432 floats a norm) the tokens are
+ * split over the torch threads' team, which the GEMMs keep awake between calls: the inputs
+ * are the GEMM's output, each half in another core's cache, and one thread alone spent 14 us
+ * a norm and 18 a rotary write waiting for them, against 12 and 12 on two (bench/RESULTS.md).
  *
  * Layout, in elements (float32); a "row" is one token's vector and may sit in a wider row
  * (q, k and v are column slices of one fused projection), hence the row strides.
@@ -19,7 +20,7 @@
 #include "vector_math.h"
 
 /* From this many elements in a call, the tokens are split over `num_threads` threads. */
-enum { PARALLEL_MIN_ELEMENTS = 1 << 16 };
+enum { PARALLEL_MIN_ELEMENTS = 1 << 13 };
 
 /* sum_out[t] = x[t] + residual[t] (residual NULL: no add, sum_out unused);
  * out[t] = weight * r / sqrt(mean(r^2) + eps) where r is that sum (or x[t]).
