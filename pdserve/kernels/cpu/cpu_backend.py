@@ -6,7 +6,7 @@
   sequence (bench/RESULTS.md).
 - **Linear layers** run ``panel_gemm.c`` on weights packed once at load time into 32-column
   panels: with a decode step's few rows it overlaps the weights' trip from memory with the
-  arithmetic: about 1.1–1.2× oneDNN's speed from 1 to 128 rows, 0.94× at 2048
+  arithmetic: 1.1–1.4× oneDNN's speed from 1 to 128 rows (1.38× at 32), 0.98× at 2048
   (bench/RESULTS.md). SwiGLU's gate and up projections share panels, and their GEMM stores
   ``silu(gate) * up`` itself: the projection is never written out and read back. Without
   AVX-512 they run oneDNN's GEMM on weights repacked into its blocked layout

@@ -10,9 +10,9 @@
  * overlap. Here, when a panel takes several passes (more than 14 rows), the later passes
  * prefetch the next panel into L2 while they compute on the current one from cache, and a
  * lone pass prefetches the next panel itself, so that two panels' reads are in flight. On
- * SmolLM2's layers this is about
- * 1.1-1.2x oneDNN's speed from 1 to 128 rows (1.2x at 32 and 64), and 0.94-0.95x of it at
- * 512 and 2048, where both are near the FMA peak (bench/RESULTS.md).
+ * SmolLM2's layers this is 1.1-1.4x oneDNN's speed from 1 to 128 rows (1.38x at 32) and 0.98x
+ * of it at 2048. The FMA peak here is ~520 GFLOPS on two cores: the GEMM reaches 85-87% of it
+ * at 32 rows with the weights from memory, 90-95% at 2048 (bench/RESULTS.md).
  * Rows are taken in chunks of 128, so that a chunk of x stays in L2 while the panels stream.
  *
  * The output columns are split over `num_threads` threads, each a contiguous range of panels.
