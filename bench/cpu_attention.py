@@ -11,9 +11,10 @@ SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, blocks of 16 to
 Blocks are scattered over a 2 GiB cache, as a running engine's are. With ``--against`` (a
 version of the C file whose exported functions take the same arguments, with
 ``vector_math.h`` beside it or taken from this tree) both builds run alternately (A B B A
-...), ``--reps`` times each, and the outputs must agree within 1e-5. Prints each build's median milliseconds per layer, the
-decode GB/s (the cache bytes read), the prompt GFLOPS (causal: only the keys each query sees)
-and the ratio against / current (above 1: current faster).
+...), ``--reps`` times each, and the outputs must agree within 1e-5. Prints each build's
+median milliseconds per layer, the decode GB/s (the cache bytes read), the prompt GFLOPS
+(causal: only the keys each query sees) and the ratio against / current (above 1: current
+faster).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def run(function, cache: KVCache, layers: list[int], batch: Batch, prompt: bool)
         view = cache.layer(layer)
         keys, values = view[:, 0], view[:, 1]
         cache_args = (
-            batch.q.data_ptr(), batch.q.stride(0), keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.stride(0), keys.stride(1),
-            keys.stride(2), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
+            batch.q.data_ptr(), batch.q.stride(0), keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.stride(0),
+            keys.stride(1), keys.stride(2), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
         )  # fmt: skip
         num_seqs = batch.lens.shape[0]
         if prompt:

@@ -7,7 +7,7 @@
  * outputs once. A call of a few tokens runs on the calling thread: less than an OpenMP fork
  * costs. From a decode step of 32 sequences on (SmolLM2: 18,432 floats a norm) the tokens are
  * split over the torch threads' team, which the GEMMs keep awake between calls: the inputs
- * are the GEMM's output, each half in another core's cache, and one thread alone spent 14 us
+ * are a GEMM's output, half of it in the other core's cache, and one thread alone spent 14 us
  * a norm and 18 a rotary write waiting for them, against 12 and 12 on two (bench/RESULTS.md).
  *
  * Layout, in elements (float32); a "row" is one token's vector and may sit in a wider row

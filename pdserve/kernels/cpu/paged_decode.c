@@ -349,9 +349,8 @@ static inline float softmax_row(float *row, int64_t n, int64_t max_limit, float 
 /* One item. q rows: (token row, head) at row * q_stride + head * D; out rows at
  * ((row * num_heads) + head) * D. The tile's tokens are the sequence's query tokens
  * [tok0, tok0 + ntok), the first of them at token row q_row0 + tok0 and position
- * first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D
- * floats, `scores` ROWS times ceil(seq_len / 16) * 16. Returns 0, or -2 for a block table
- * entry outside the cache. */
+ * first_pos + tok0. `panels` holds ceil(seq_len / 16) * 16 * D floats, `scores` ROWS times
+ * ceil(seq_len / 16) * 16. Returns 0, or -2 for a block table entry outside the cache. */
 static inline __attribute__((always_inline)) int prefill_tile(
     const float *q, int64_t q_stride, float *out, int64_t num_heads, const float *k_base, const float *v_base,
     const int32_t *table, int64_t num_blocks, int64_t block_stride, int64_t token_stride, int64_t block_size,
