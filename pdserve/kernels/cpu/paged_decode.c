@@ -432,7 +432,11 @@ static inline __attribute__((always_inline)) int prefill_tile(
                         for (int64_t r = 0; r < PV_ROWS; r++) p[r] = (v16){0} + prob[r * stride + start + t];
                         for (int64_t c = 0; c < PV_COLS; c++) {
                             v16 vc = v[c];
-                            __asm__("" : "+v"(vc)); /* in a register: GCC would load it again for every row */
+#ifdef __AVX512F__
+                            /* In a register: GCC would load it again for every row. Without
+                             * AVX-512 a v16 spans two registers, which no constraint names. */
+                            __asm__("" : "+v"(vc));
+#endif
                             for (int64_t r = 0; r < PV_ROWS; r++) acc[r][c] += p[r] * vc;
                         }
                     }
