@@ -36,10 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from kernel_copy import build_copy  # noqa: E402
+
 from pdserve.kernels.cpu import paged_decode  # noqa: E402
 from pdserve.kernels.cpu.build import load_library  # noqa: E402
-from kernel_copy import build_copy  # noqa: E402
+from pdserve.model.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5

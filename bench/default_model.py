@@ -23,12 +23,12 @@ import subprocess
 import sys
 import time
 
-from pdserve.engine.default_model import resolve_model
+from pdserve.model.default_model import resolve_model
 
 _LOAD = """
 import json, time, torch
 t0 = time.perf_counter()
-from pdserve.engine.gguf.reader import GGUFFile
+from pdserve.model.gguf.reader import GGUFFile
 f = GGUFFile({path!r})
 t1 = time.perf_counter()
 for name in f.tensors:
@@ -36,7 +36,7 @@ for name in f.tensors:
 t2 = time.perf_counter()
 f.close()
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 t3 = time.perf_counter()
 LLMEngine({path!r}, EngineConfig(kv_cache_memory=64 * 2**20, max_model_len=2048))
 t4 = time.perf_counter()

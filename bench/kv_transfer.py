@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, PeerInfo  # noqa: E402
+from pdserve.model.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 
 TOKENS = 4096
 BLOCK_SIZE = 16

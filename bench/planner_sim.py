@@ -354,8 +354,8 @@ def measure_profile(out: Path) -> None:
     from offline import SHAPES, write_checkpoint
 
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_config import EngineConfig
     from pdserve.planner.profiler import ProfilePlan, profile_engine
+    from pdserve.types.engine_config import EngineConfig
 
     plan = ProfilePlan(
         prompt_lengths=(32, 128, 256, 512, 1024, 1536),

@@ -61,8 +61,8 @@ from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, p
 from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
 
 from pdserve.cli.common import add_engine_args, from_options, seconds  # noqa: E402
-from pdserve.engine.engine_config import EngineConfig  # noqa: E402
 from pdserve.frontend.config import DISAGGREGATION_MODES  # noqa: E402
+from pdserve.types.engine_config import EngineConfig  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def export_default_model(directory: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pdserve.engine.default_model import resolve_model
+    from pdserve.model.default_model import resolve_model
 
     gguf = Path(resolve_model(None))
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

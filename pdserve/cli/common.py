@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
-from pdserve.engine.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
+from pdserve.types.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 
 Config = TypeVar("Config", bound=msgspec.Struct)
 

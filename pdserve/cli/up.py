@@ -15,12 +15,12 @@ from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
-from pdserve.distributed import ParallelConfig
-from pdserve.engine.default_model import resolve_model
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
-from pdserve.worker.config import WorkerConfig
 from pdserve.discovery.registry import Role
+from pdserve.distributed import ParallelConfig
+from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
+from pdserve.model.default_model import resolve_model
+from pdserve.types.engine_config import EngineConfig
+from pdserve.worker.config import WorkerConfig
 
 DESCRIPTION = """Start the frontend, N prefill workers and M decode workers as separate
 processes on this machine (each with its own engine and NIXL agent), print where the API

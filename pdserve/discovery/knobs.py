@@ -22,7 +22,7 @@ import aetcd
 import msgspec
 
 from pdserve.discovery.registry import KNOBS_PREFIX, knobs_key
-from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import msgspec
 from pdserve.discovery.etcd import MAX_CALL_TIMEOUT_S, EtcdConnection
 from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.discovery.retry import UNAVAILABLE, Outage, retry_until
-from pdserve.engine.load import EngineLoad
 from pdserve.lifecycle import cancel_and_wait
+from pdserve.types.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import aetcd
 import aetcd.rtypes
 import msgspec
 
-from pdserve.engine.load import EngineLoad
+from pdserve.types.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 

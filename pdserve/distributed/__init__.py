@@ -9,6 +9,6 @@ on GPU: the same code either way.
 from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
-from pdserve.distributed.rank_group import RankGroup
+from pdserve.distributed.rank_group import RankGroup, start_group
 
-__all__ = ["SINGLE_RANK", "ParallelConfig", "ParallelState", "RankFailed", "RankGroup"]
+__all__ = ["SINGLE_RANK", "ParallelConfig", "ParallelState", "RankFailed", "RankGroup", "start_group"]

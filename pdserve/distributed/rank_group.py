@@ -153,6 +153,18 @@ def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str
     )
 
 
+def start_group(config: ParallelConfig, entry_module: str, payload: bytes, device: str) -> RankGroup | None:
+    """Start ranks 1..N-1 of ``config`` (``python -m entry_module``, handed ``payload``) and join
+    the group as rank 0; None when the group is a single rank. ``device`` is an engine's device
+    option (auto, cpu or cuda): the group runs gloo on CPU and NCCL on CUDA."""
+    if config.world_size == 1:
+        return None
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    group = RankGroup(config, entry_module, payload, device="cuda" if on_cuda else "cpu")
+    group.start()
+    return group
+
+
 def child_start() -> tuple[RankStart, ParallelState]:
     """In a child rank: read its start message, join the group, and watch the parent."""
     start = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=RankStart)

@@ -1,0 +1,13 @@
+"""The step core: requests in, one model step at a time, tokens out. It knows nothing of roles.
+
+- ``engine``: ``LLMEngine``, which adds requests, steps them and reports their outputs;
+- ``engine_loop``: the engine on its own thread, fed and drained from asyncio;
+- ``scheduler``: which requests run in a step, within the token and sequence budgets;
+- ``block_pool``: KV blocks, their reference counts and the prefix cache;
+- ``kv_cache_manager``: a request's blocks, allocated and freed through the pool;
+- ``pins``: blocks held for a peer to pull, each with a deadline;
+- ``request``: one request's state in the engine;
+- ``model_runner``: one step's inputs built, the model run, across ranks;
+- ``step_plan``: what rank 0 sends its followers for each step;
+- ``sampler``: the next token of every row, with penalties and logprobs.
+"""

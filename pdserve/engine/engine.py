@@ -27,18 +27,19 @@ import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.model_setup import setup_model
 from pdserve.engine.request import KVRole, Request
-from pdserve.engine.sampler import Logprobs, Sampler, SamplingRequest, make_generator, skip_draw
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplingRequest, make_generator, skip_draw
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.step_plan import GroupStart
-from pdserve.engine.tokenizer import Tokenizer, find_tokenizer
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.setup import setup_model
+from pdserve.text.tokenizer import Tokenizer, find_tokenizer
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.logprobs import Logprobs
+from pdserve.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve.engine")
 # warm_up's request: long enough to start every kernel a prompt step uses.

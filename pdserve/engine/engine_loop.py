@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.load import EngineLoad
 from pdserve.engine.request import KVRole
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_load import EngineLoad
+from pdserve.types.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

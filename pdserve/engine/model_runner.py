@@ -19,14 +19,13 @@ import numpy as np
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.models import DecoderModel
-from pdserve.engine.models.base import LateTokens
-from pdserve.engine.models.eplb import rebalance
 from pdserve.engine.request import Request
 from pdserve.engine.step_plan import StepPlan, array
 from pdserve.kernels.backend import AttentionMetadata
+from pdserve.model.kv_cache import KVCache
+from pdserve.model.nn.base import DecoderModel, LateTokens
+from pdserve.model.nn.eplb import rebalance
 
 
 @dataclass

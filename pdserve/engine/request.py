@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampler import Logprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.logprobs import Logprobs
+from pdserve.types.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.logprobs import Logprobs
+from pdserve.types.sampling_params import SamplingParams
 
 # Temperatures below this are raised to it: dividing by a near-zero temperature overflows
 # float32, and at 1e-5 any visible logit gap already makes the distribution one-hot.
@@ -57,14 +58,6 @@ class SamplingRequest:
         if self.params.seed is not None and self.generator is None:
             raise ValueError("a request with a seed needs a generator: "
                              "pass make_generator(params.seed)")
-
-
-@dataclass
-class Logprobs:
-    """Logprobs of one row: the sampled token's, and the top-n (token_id, logprob), best first."""
-
-    token_logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)

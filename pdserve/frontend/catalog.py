@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.discovery.registry import Role, WorkerEntry
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer, find_tokenizer
 from pdserve.rpc.sampling import sampling_params
+from pdserve.text.tokenizer import Tokenizer, find_tokenizer
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2
 
 

@@ -7,7 +7,7 @@ triton is imported, so this works even if triton was imported earlier — as lon
 kernel modules themselves are first imported through this package, which is why they import
 ``pdserve.kernels`` (this file) before defining any kernel.
 
-``TritonBackend`` (``pdserve.kernels.triton_backend``) implements ``pdserve.engine.Backend``
+``TritonBackend`` (``pdserve.kernels.triton_backend``) implements ``pdserve.kernels.backend.Backend``
 with these kernels.
 """
 

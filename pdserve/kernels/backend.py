@@ -84,7 +84,7 @@ class Backend(ABC):
     # not, the loader gives ``prepare_weight`` such weights dequantized into the model dtype.
     runs_block_fp8: bool = False
     # Whether the attention ops read a float8_e4m3fn cache (upcasting what they read); the
-    # writes get values already scaled and cast by the model (engine/models/kv_quant.py).
+    # writes get values already scaled and cast by the model (model/nn/kv_quant.py).
     reads_fp8_kv: bool = False
 
     def prepare_weight(self, weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor | BlockFP8Weight:

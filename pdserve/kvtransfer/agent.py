@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.engine.kv_cache import THP_SETTING, KVCache
 from pdserve.kvtransfer.layout import KVLayout, check_compatible
 from pdserve.kvtransfer.messages import PeerInfo
+from pdserve.model.kv_cache import THP_SETTING, KVCache
 
 logger = logging.getLogger(__name__)
 

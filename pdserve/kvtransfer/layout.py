@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.model.kv_cache import KVCacheSpec
 
 # Bumped whenever the descriptor, the notices or the memory layouts change meaning.
 PROTOCOL_VERSION = 1

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-# kv_cache_dtype "fp8_e4m3": values are stored divided by their layer's scale (models/kv_quant.py).
+# kv_cache_dtype "fp8_e4m3": values are stored divided by their layer's scale (model/nn/kv_quant.py).
 KV_FP8_DTYPE = torch.float8_e4m3fn
 # The kernel's transparent huge page mode: always, madvise or never (the one in brackets).
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")

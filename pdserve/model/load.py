@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.gguf.checkpoint import GGUFCheckpoint
-from pdserve.engine.gguf.config import is_gguf
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.base import DecoderModel
-from pdserve.engine.models.deepseek import DeepseekModel
-from pdserve.engine.models.llama import LlamaModel
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import Backend
+from pdserve.model.gguf.checkpoint import GGUFCheckpoint
+from pdserve.model.gguf.config import is_gguf
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.nn.base import DecoderModel
+from pdserve.model.nn.deepseek import DeepseekModel
+from pdserve.model.nn.llama import LlamaModel
+from pdserve.model.weights import Checkpoint
 
 MODEL_CLASSES: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaModel,

@@ -7,12 +7,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.distributed import ParallelState
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KV_FP8_DTYPE, KVCacheSpec
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models import DecoderModel, load_model
 from pdserve.kernels.backend import Backend
 from pdserve.kernels.select import select_backend
+from pdserve.model.config import read_model_config
+from pdserve.model.kv_cache import KV_FP8_DTYPE, KVCacheSpec
+from pdserve.model.load import DecoderModel, load_model
+from pdserve.model.model_config import ModelConfig
+from pdserve.types.engine_config import EngineConfig
 
 
 @dataclass
@@ -32,7 +33,7 @@ def setup_model(model: str, cfg: EngineConfig, parallel: ParallelState) -> Model
         device = torch.device(cfg.device)
     if device.type == "cuda" and parallel.world_size > 1:
         device = torch.device("cuda", torch.cuda.current_device())
-    model_config = ModelConfig.from_pretrained(model, dtype=cfg.dtype)
+    model_config = read_model_config(model, dtype=cfg.dtype)
     torch.manual_seed(cfg.seed)
     backend = select_backend(cfg.kernels, device)
     if cfg.kv_cache_dtype == "fp8_e4m3" and not backend.reads_fp8_kv:

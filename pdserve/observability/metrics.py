@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdserve.engine.load import EngineLoad
+from pdserve.types.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampler import Logprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.types.logprobs import Logprobs
+from pdserve.types.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

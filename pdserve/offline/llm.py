@@ -9,10 +9,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-from pdserve.distributed import SINGLE_RANK, ParallelConfig, RankFailed
+from pdserve.distributed import SINGLE_RANK, ParallelConfig, RankFailed, start_group
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.generation import (
+from pdserve.offline.generation import (
     CompletionChunk,
     CompletionOutput,
     GenerateCommand,
@@ -21,9 +20,10 @@ from pdserve.engine.generation import (
     as_prompt_list,
     generate_share,
 )
-from pdserve.engine.rank_main import start_group
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.offline.rank_main import rank_program
+from pdserve.text.tokenizer import Tokenizer
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionChunk", "CompletionOutput"]
 
@@ -58,7 +58,9 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel, num_redundant_experts=num_redundant_experts,
             eplb_interval_steps=eplb_interval_steps,
         )  # fmt: skip
-        self._group = start_group(model, config, parallel_config)
+        self._group = start_group(
+            parallel_config, "pdserve.offline.rank_main", rank_program(model, config), config.device
+        )
         try:
             self.engine = LLMEngine(model, config, parallel=self._group.state if self._group else SINGLE_RANK)
         except BaseException:

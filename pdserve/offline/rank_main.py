@@ -1,6 +1,6 @@
-"""The program of ranks 1..N-1 of an engine's group (``python -m pdserve.engine.rank_main``).
+"""The program of ranks 1..N-1 of an offline ``LLM``'s group (``python -m pdserve.offline.rank_main``).
 
-Rank 0 (an ``LLM`` or a worker) starts them with ``start_group``. A tensor-parallel rank loads
+Rank 0 (the ``LLM``) starts them with ``distributed.start_group``. A tensor-parallel rank loads
 its share of the model and runs every step rank 0 plans; a data-parallel rank runs an engine of
 its own and generates its share of each offline ``generate`` call.
 """
@@ -15,17 +15,17 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelConfig, RankFailed, RankGroup
+from pdserve.distributed import RankFailed
 from pdserve.distributed.rank_group import child_start
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.generation import GenerateCommand, generate_share
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.model_setup import setup_model
 from pdserve.engine.step_plan import GroupStart
+from pdserve.model.kv_cache import KVCache
+from pdserve.model.setup import setup_model
+from pdserve.offline.generation import GenerateCommand, generate_share
+from pdserve.types.engine_config import EngineConfig
 
-logger = logging.getLogger("pdserve.engine.rank")
+logger = logging.getLogger("pdserve.offline.rank")
 
 
 class RankProgram(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,24 +36,9 @@ class RankProgram(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int  # torch CPU threads, as rank 0 has them
 
 
-def start_group(
-    model: str, engine: EngineConfig, parallel: ParallelConfig, *, entry_module: str = "pdserve.engine.rank_main",
-    payload: bytes | None = None,
-) -> RankGroup | None:  # fmt: skip
-    """Start ranks 1..N-1 for ``model`` and join the group as rank 0 (None for a single rank).
-
-    ``entry_module`` and ``payload``: another program for ranks 1..N-1 (a serving worker's,
-    which also runs a NIXL agent) and what it reads; by default this module's, with a
-    ``RankProgram``.
-    """
-    if parallel.world_size == 1:
-        return None
-    device = "cuda" if engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if payload is None:
-        payload = msgspec.msgpack.encode(RankProgram(model=model, engine=engine, num_threads=torch.get_num_threads()))
-    group = RankGroup(parallel, entry_module, payload, device=device)
-    group.start()
-    return group
+def rank_program(model: str, engine: EngineConfig) -> bytes:
+    """The payload ``start_group`` hands ranks 1..N-1 of an ``LLM``'s group."""
+    return msgspec.msgpack.encode(RankProgram(model=model, engine=engine, num_threads=torch.get_num_threads()))
 
 
 def main() -> int:

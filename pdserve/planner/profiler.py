@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.planner.profile import DecodeGrid, EngineProfile, PrefillPoint
+from pdserve.types.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

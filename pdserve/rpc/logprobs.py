@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.sampler import Logprobs
+from pdserve.types.logprobs import Logprobs
 from pdserve.v1 import inference_pb2
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
 
 _OPTIONAL_FIELDS = (

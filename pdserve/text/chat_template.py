@@ -23,7 +23,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.engine.tokenizer import TOKENIZER_CONFIG_FILE
+from pdserve.text.tokenizer import TOKENIZER_CONFIG_FILE
 
 TEMPLATE_FILE = "chat_template.jinja"
 # tokenizer_config.json keys whose values templates use as variables (``{{ bos_token }}``).
@@ -40,7 +40,7 @@ def load_chat_template(model_path: str | Path) -> str | None:
     Raises ValueError naming the file when one is there but unreadable.
     """
     if _is_gguf(model_path):
-        from pdserve.engine.gguf.tokenizer import gguf_chat_template  # torch: a frontend imports it only for GGUF
+        from pdserve.text.gguf_tokenizer import gguf_chat_template  # torch: a frontend imports it only for GGUF
 
         return gguf_chat_template(model_path)
     directory = Path(model_path)
@@ -62,7 +62,7 @@ def load_chat_template(model_path: str | Path) -> str | None:
 def load_special_tokens(model_path: str | Path) -> dict[str, str]:
     """The special tokens templates refer to by name (``bos_token``, ``eos_token``, ...)."""
     if _is_gguf(model_path):
-        from pdserve.engine.gguf.tokenizer import gguf_special_tokens
+        from pdserve.text.gguf_tokenizer import gguf_special_tokens
 
         return gguf_special_tokens(model_path)
     tokens = {}

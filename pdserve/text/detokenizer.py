@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.text.tokenizer import Tokenizer
 
 # What a byte-level decoder yields for an incomplete UTF-8 sequence.
 _REPLACEMENT_CHAR = "\ufffd"

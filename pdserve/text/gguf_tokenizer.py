@@ -16,14 +16,23 @@ Any other pre-tokenizer or tokenizer model is refused, naming it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
-from pdserve.engine.gguf.reader import GGUFError, GGUFFile
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.model.gguf.reader import GGUFError, GGUFFile
 
 _CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFTokenizer(NamedTuple):
+    """What ``text.tokenizer.Tokenizer`` is built from; kept apart so that this module, which
+    the tokenizer imports for GGUF files only, does not import it back."""
+
+    backend: tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _SPLIT_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _SPLIT_TAIL
@@ -53,7 +62,7 @@ def _pre_tokenizer(name: str, path: Path) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
+def gguf_tokenizer(file: GGUFFile) -> GGUFTokenizer:
     """The tokenizer embedded in ``file``, with its BOS and EOS."""
     meta, path = file.metadata, file.path
     kind = meta.get("tokenizer.ggml.model")
@@ -91,7 +100,7 @@ def gguf_tokenizer(file: GGUFFile) -> Tokenizer:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)]
         )
-    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos)
+    return GGUFTokenizer(backend, bos, eos)
 
 
 def gguf_chat_template(path: str | Path) -> str | None:
@@ -115,7 +124,7 @@ def gguf_special_tokens(path: str | Path) -> dict[str, str]:
     return found
 
 
-def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
+def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """The tokenizer embedded in GGUF file ``path``."""
     with GGUFFile(path) as file:
         return gguf_tokenizer(file)

@@ -76,9 +76,11 @@ def find_tokenizer(model: str | Path) -> Tokenizer | None:
     None when a directory has no tokenizer.json (token-id prompts only)."""
     model = Path(model)
     if model.suffix.lower() == ".gguf":
-        from pdserve.engine.gguf.tokenizer import load_gguf_tokenizer  # it imports this module
+        # Imported here: the GGUF reader imports torch, which a frontend serving a Hugging Face
+        # directory never needs.
+        from pdserve.text.gguf_tokenizer import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(model)
+        return Tokenizer(*load_gguf_tokenizer(model))
     return Tokenizer.from_pretrained(model) if (model / TOKENIZER_FILE).is_file() else None
 
 

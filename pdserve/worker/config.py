@@ -11,9 +11,9 @@ import msgspec
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
 from pdserve.distributed import ParallelConfig
-from pdserve.engine.default_model import served_name
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.model.default_model import served_name
 from pdserve.rpc.tls import ClusterTLS
+from pdserve.types.engine_config import EngineConfig
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

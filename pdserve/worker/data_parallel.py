@@ -26,11 +26,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelState
+from pdserve.distributed import ParallelState, start_group
 from pdserve.distributed.rank_group import child_start
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
-from pdserve.engine.rank_main import start_group
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.roles import SERVICES
 from pdserve.worker.runtime import WorkerRuntime
@@ -58,7 +57,7 @@ async def serve_data_parallel(config: WorkerConfig) -> int:
     config = msgspec.structs.replace(config, worker_id=config.id)  # one id for the group, this pid's
     payload = msgspec.msgpack.encode(DataParallelStart(config))
     # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
-    ranks = start_group(config.model, config.engine, config.parallel, entry_module=__name__, payload=payload)
+    ranks = start_group(config.parallel, __name__, payload, config.engine.device)
     assert ranks is not None and ranks.state is not None
 
     def pass_on_stop() -> None:

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.distributed import ParallelState, RankGroup
+from pdserve.distributed import ParallelState, RankGroup, start_group
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.rank_main import start_group
 from pdserve.kvtransfer import PeerInfo
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.group_link import GroupLink
@@ -50,8 +49,7 @@ class WorkerGroup:
         ))  # fmt: skip
         try:
             # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
-            ranks = start_group(config.model, config.engine, parallel, entry_module="pdserve.worker.rank_main",
-                                payload=payload)  # fmt: skip
+            ranks = start_group(parallel, "pdserve.worker.rank_main", payload, config.engine.device)
         except BaseException:
             await link.close()
             raise

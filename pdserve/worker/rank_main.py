@@ -1,6 +1,6 @@
 """The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.rank_main``).
 
-Like the engine's follower ranks (``pdserve.engine.rank_main``) it loads its share of the model
+Like the engine's follower ranks (``pdserve.offline.rank_main``) it loads its share of the model
 and runs every step rank 0 plans, on the main thread; beside that, a second thread runs its
 ``RankService``: a NIXL agent over its own KV cache, linked to rank 0 (``GroupLink``). When rank
 0 stops the steps, the service is stopped too and the rank exits.
@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from pdserve.discovery.registry import Role
 from pdserve.distributed.rank_group import child_start
-from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.model_setup import setup_model
 from pdserve.engine.step_plan import GroupStart
 from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.model.kv_cache import KVCache
+from pdserve.model.setup import setup_model
+from pdserve.types.engine_config import EngineConfig
 from pdserve.worker.rank_service import RankService
 
 logger = logging.getLogger("pdserve.worker.rank")

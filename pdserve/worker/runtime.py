@@ -27,13 +27,13 @@ from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.load import EngineLoad
 from pdserve.kvtransfer import KVAgent, KVLayout, PeerInfo, encode_group
 from pdserve.lifecycle import install_stack_dump
 from pdserve.observability.metrics import WorkerMetrics, serve_metrics
 from pdserve.rpc.admin import AdminPolicy
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
+from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.group import WorkerGroup

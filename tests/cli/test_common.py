@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pdserve.cli.common import add_engine_args, add_field_option, field_default, from_options, read_config
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
 
 

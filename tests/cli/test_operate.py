@@ -25,8 +25,8 @@ import pytest
 from pdserve.discovery.etcd import EtcdConnection, close_quietly, connect
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry, frontend_key, list_workers, planner_key
-from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import RollingWindow
+from pdserve.types.engine_load import EngineLoad
 from tests.utils.aio import run_scenario
 
 

@@ -21,9 +21,9 @@ from pdserve.cli.common import field_default
 from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.distributed import ParallelConfig
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.frontend.config import FrontendConfig, RouterConfig
 from pdserve.observability.frontend_stats import FrontendStats, list_frontend_stats
+from pdserve.types.engine_config import EngineConfig
 from pdserve.worker.config import WorkerConfig
 from tests.e2e.deployment import bound_port
 

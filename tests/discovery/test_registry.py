@@ -31,7 +31,7 @@ from pdserve.discovery.registry import (
     worker_key,
 )
 from pdserve.discovery.registry_view import RegistryView
-from pdserve.engine.load import EngineLoad
+from pdserve.types.engine_load import EngineLoad
 from tests.utils.aio import run_scenario
 from tests.utils.etcd_server import EtcdServer
 
@@ -316,7 +316,7 @@ CHILD_WORKER = """
 import asyncio, sys
 from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registry import decode_entry
-from pdserve.engine.load import EngineLoad
+from pdserve.types.engine_load import EngineLoad
 from pdserve.discovery.registration import WorkerRegistration
 
 async def main():

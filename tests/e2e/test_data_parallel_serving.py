@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pdserve.distributed import ParallelConfig
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.launch.supervisor import RestartPolicy
+from pdserve.types.engine_config import EngineConfig
 from pdserve.v1 import inference_pb2
 from tests.e2e.deployment import Deployment, rank_children
 from tests.utils.checkpoints import VOCAB, reference_greedy

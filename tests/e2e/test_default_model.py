@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.default_model import DEFAULT_MODEL_NAME
+from pdserve.model.default_model import DEFAULT_MODEL_NAME
 from tests.e2e.deployment import UpProcess
 from tests.utils.gguf_files import default_model
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from tests.e2e.deployment import Deployment, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
 from tests.utils.etcd_server import EtcdServer

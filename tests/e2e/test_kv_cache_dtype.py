@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.v1 import inference_pb2
 from tests.e2e.deployment import Deployment
 

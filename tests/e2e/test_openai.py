@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.chat_template import load_chat_template, load_special_tokens, render_chat
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.text.chat_template import load_chat_template, load_special_tokens, render_chat
+from pdserve.text.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2
 from tests.e2e import fuzz
 from tests.e2e.deployment import Deployment, Frontend

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_loop import EngineLoop, KVAwaited, build_engine
 from pdserve.engine.request import KVRole
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 from tests.utils.aio import run_scenario
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

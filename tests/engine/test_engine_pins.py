@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import KVRole
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT = list(range(3, 40))  # 37 tokens: 3 blocks of 16

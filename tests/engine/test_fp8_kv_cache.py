@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from tests.engine.test_models import _prompts
+from tests.model.test_models import _prompts
 from tests.utils.checkpoints import reference_greedy
 
 FP8 = dict(kv_cache_dtype="fp8_e4m3")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import KVRole
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 from tests.utils.checkpoints import VOCAB, reference_greedy, write_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)

@@ -12,8 +12,8 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
 from pdserve.engine.request import KVRole, Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
 

@@ -9,7 +9,7 @@ from pdserve.engine.sampler import (
     apply_penalties,
     make_generator,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 VOCAB = 64
 

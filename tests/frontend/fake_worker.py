@@ -19,13 +19,13 @@ from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registration import WorkerRegistration
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
-from pdserve.engine.load import EngineLoad
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.flow import Routing
 from pdserve.frontend.router import Router
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refuse
+from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 FIRST_TOKEN_ID = 7  # what a fake prefill worker answers unless its script says otherwise

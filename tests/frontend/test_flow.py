@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 import grpc
 import pytest
 
-from pdserve.engine.load import EngineLoad
 from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.flow import FlowError, RequestFlow, Routing
 from pdserve.lifecycle import cancel_and_wait
+from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FIRST_TOKEN_ID, FakeWorker, Script, serving
 from tests.utils.aio import eventually, run_scenario

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from pdserve.engine.load import EngineLoad
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.catalog import ModelCatalog
 from pdserve.frontend.flow import RequestFlow, Routing
+from pdserve.text.tokenizer import Tokenizer
+from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import inference_pb2
 from tests.frontend.fake_worker import FakeWorker, Script, serving
 from tests.utils.aio import eventually, run_scenario

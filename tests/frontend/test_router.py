@@ -6,11 +6,11 @@ import pytest
 
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import WorkerEntry
-from pdserve.engine.load import EngineLoad
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.kv_fit import KVMisfit
+from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 from pdserve.frontend.router import NoWorker, Router
+from pdserve.types.engine_load import EngineLoad
 
 
 def entry(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.frontend.text_stream import TextStream
+from pdserve.text.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2
 from tests.utils.stop_strings import stop_after_the_first_token
 from tests.utils.tiny_tokenizer import write_tiny_tokenizer

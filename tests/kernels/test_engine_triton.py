@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pdserve.engine.model_setup as model_setup
+import pdserve.model.setup as model_setup
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import block_fp8
 from pdserve.kernels.block_fp8 import BlockFP8Weight

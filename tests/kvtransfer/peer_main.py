@@ -18,11 +18,11 @@ import msgspec
 import torch
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
 from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, LayoutMismatch, SentReporter, TransferFailed
 from pdserve.lifecycle import cancel_and_wait
+from pdserve.model.kv_cache import KVCache
 from tests.kvtransfer import protocol as p
 
 SENTINEL = 0x5A  # bytes of a decode block "already cached": a pull must not overwrite them

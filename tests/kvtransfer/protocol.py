@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.kvtransfer.stats import TransferStats
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 class PeerConfig(msgspec.Struct, frozen=True, kw_only=True):

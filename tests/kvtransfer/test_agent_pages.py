@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from pdserve.engine import kv_cache
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import KVAgent, KVLayout
+from pdserve.model import kv_cache
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
 from tests.utils.aio import run_scenario
 
 SPEC = KVCacheSpec(num_layers=2, block_size=4, dtype=torch.float32, is_mla=False, num_kv_heads=2, head_dim=8)

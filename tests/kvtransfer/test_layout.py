@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
 from pdserve.kvtransfer.descriptors import SliceDescriptors, coalesce
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatch, check_compatible
 from pdserve.kvtransfer.messages import CompletionNotice, PeerInfo, decode_notice
 from pdserve.kvtransfer.tp import HeadSlice, expected_notices, notify_set, sources
+from pdserve.model.kv_cache import KVCacheSpec
 
 GQA_SPEC = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.bfloat16, is_mla=False, num_kv_heads=4, head_dim=64)
 MLA_SPEC = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.bfloat16, is_mla=True, latent_dim=576)

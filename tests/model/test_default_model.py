@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine import default_model
-from pdserve.engine.default_model import DEFAULT_MODEL_NAME, default_model_path, resolve_model, served_name
+from pdserve.model import default_model
+from pdserve.model.default_model import DEFAULT_MODEL_NAME, default_model_path, resolve_model, served_name
 
 
 def test_the_default_model_lives_in_the_cache_dir(monkeypatch, tmp_path):

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.weights import Checkpoint, CheckpointError
-from tests.engine.test_models import _assert_matches_reference, _prompts
+from pdserve.model.config import read_model_config
+from pdserve.model.weights import Checkpoint, CheckpointError
+from tests.model.test_models import _assert_matches_reference, _prompts
 from tests.utils.fp8_checkpoint import write_fp8_deepseek_v3
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -47,7 +47,7 @@ def test_fp8_deepseek_v3_greedy_tokens_equal_transformers_on_the_dequantized_wei
 
 def test_fp8_weights_are_dequantized_into_the_serving_dtype(fp8_checkpoints):
     path, hf_model = fp8_checkpoints((24, 40))
-    config = ModelConfig.from_pretrained(path, dtype="bfloat16")
+    config = read_model_config(path, dtype="bfloat16")
     ckpt = Checkpoint(path, CPU, config.dtype, weight_block_size=config.quantization.weight_block_size)
     name = "model.layers.1.self_attn.q_b_proj.weight"
     assert ckpt.is_block_fp8(name) and not ckpt.is_block_fp8("model.layers.1.mlp.gate.weight")
@@ -70,7 +70,7 @@ def _broken_copy(fp8_path, tmp_path, edit) -> None:
 def test_a_missing_scale_names_the_tensor_and_both_shapes_before_any_weight_is_read(fp8_checkpoints, tmp_path):
     path, _ = fp8_checkpoints((24, 40))
     _broken_copy(path, tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"))
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
     # Refused when the checkpoint is opened: no weight has been read yet.
     with pytest.raises(CheckpointError) as error:
         Checkpoint(tmp_path, CPU, torch.float32, weight_block_size=config.quantization.weight_block_size)
@@ -123,4 +123,4 @@ def test_quantization_configs_pdserve_cannot_read_are_refused_by_field(fp8_check
     config["quantization_config"] = spec
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"quantization_config.{field}"):
-        ModelConfig.from_pretrained(tmp_path)
+        read_model_config(tmp_path)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import kv_cache
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.model import kv_cache
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.float32, is_mla=False, num_kv_heads=2, head_dim=64)
 NUM_BLOCKS = 512  # 32 MiB: several whole 2 MiB pages

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.weights import Checkpoint
+from pdserve.model.weights import Checkpoint
 
 
 def _rss_file_mib() -> float:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from pdserve.engine.load import EngineLoad
 from pdserve.observability.metrics import FrontendMetrics, WorkerMetrics, serve_metrics
+from pdserve.types.engine_load import EngineLoad
 
 
 def _scrape(port: int) -> str:

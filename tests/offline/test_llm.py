@@ -157,7 +157,7 @@ def test_producer_blocks_continue_on_a_consumer_exactly(checkpoints):
 
 
 def test_loading_errors_name_the_file_and_tensor(checkpoints, tmp_path):
-    from pdserve.engine.weights import CheckpointError
+    from pdserve.model.weights import CheckpointError
 
     path, hf_model = checkpoints("llama")
     sharded = tmp_path / "sharded"

@@ -14,9 +14,9 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.distributed import RankFailed
-from pdserve.engine.models.expert_placement import ExpertPlacement
-from pdserve.engine.models.moe import MoE
-from tests.engine.test_models import _assert_matches_reference, _prompts
+from pdserve.model.nn.expert_placement import ExpertPlacement
+from pdserve.model.nn.moe import MoE
+from tests.model.test_models import _assert_matches_reference, _prompts
 from tests.utils.checkpoints import VOCAB
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from pdserve.discovery.knobs import Knobs
-from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.planner.observer import observe
+from pdserve.types.engine_load import EngineLoad
 from tests.discovery.test_registry import make_entry
 
 

@@ -3,9 +3,9 @@
 import pytest
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.planner.profile import DecodeGrid, EngineProfile, PrefillPoint
 from pdserve.planner.profiler import ProfilePlan, profile_engine
+from pdserve.types.engine_config import EngineConfig
 from tests.planner.profiles import synthetic_profile
 
 

@@ -13,13 +13,13 @@ from pdserve.discovery.knobs import Knobs, delete_knobs, get_knobs, put_knobs
 from pdserve.discovery.registry import encode_entry, frontend_key, planner_key
 from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import delete_slo, put_slo
-from pdserve.engine.load import EngineLoad
 from pdserve.observability.frontend_stats import FrontendStats, ModelStats
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.scaling import AdviseOnly
 from pdserve.planner.service import PlannerService
-from tests.discovery.test_registry import eventually, make_entry
+from pdserve.types.engine_load import EngineLoad
 from tests.conftest import OPERATOR_PASSWORD
+from tests.discovery.test_registry import eventually, make_entry
 from tests.planner.profiles import synthetic_profile
 from tests.utils.aio import run_scenario
 

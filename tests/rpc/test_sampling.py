@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.rpc.sampling import sampling_params
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.engine.chat_template import (
+from pdserve.text.chat_template import (
     ChatTemplateError,
     load_chat_template,
     load_special_tokens,

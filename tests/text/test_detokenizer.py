@@ -4,8 +4,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.tokenizer import Tokenizer
 from tests.utils.tiny_tokenizer import write_tiny_tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.text.tokenizer import Tokenizer
 from tests.utils.tiny_tokenizer import CORPUS, write_tiny_tokenizer
 
 TEXTS = [

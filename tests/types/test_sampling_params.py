@@ -3,7 +3,7 @@ import math
 import msgspec
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 
 def test_defaults():

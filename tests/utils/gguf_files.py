@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.default_model import FETCH_HINT, default_model_path
+from pdserve.model.default_model import FETCH_HINT, default_model_path
 from tests.utils.tiny_tokenizer import SPECIAL_TOKENS, write_tiny_tokenizer
 
 Q = gguf.GGMLQuantizationType

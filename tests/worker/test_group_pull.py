@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pdserve.discovery.registry import Role
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, TransferFailed
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
 from pdserve.worker.group_link import GroupLink
 from pdserve.worker.group_pull import GroupPuller
 from pdserve.worker.rank_service import RankService

@@ -3,7 +3,7 @@
 Both turn the body into one ``GenerateRequest`` per choice (``protocol``), admit them on the
 ``Gateway`` (``choices``), and answer with the whole response or a stream of server-sent events
 that ends with ``data: [DONE]`` (``output``). A chat's messages become its prompt through the
-model's chat template (``pdserve.engine.chat_template``); that text holds its special tokens, so
+model's chat template (``pdserve.text.chat_template``); that text holds its special tokens, so
 it is tokenized without adding more.
 """
 
@@ -20,7 +20,6 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.engine.chat_template import ChatTemplateError, load_chat_template, load_special_tokens, render_chat
 from pdserve.frontend.catalog import InvalidRequest, ModelInfo, ModelUnavailable, UnknownModel
 from pdserve.frontend.flow import FlowError
 from pdserve.frontend.gateway import Admitted, Gateway
@@ -29,6 +28,7 @@ from pdserve.frontend.openai_api.choices import Event, admit_all, collect_unless
 from pdserve.frontend.openai_api.errors import ApiError
 from pdserve.frontend.openai_api.logprobs import TokenText
 from pdserve.frontend.openai_api.output import SSE_DONE, Output, sse
+from pdserve.text.chat_template import ChatTemplateError, load_chat_template, load_special_tokens, render_chat
 
 
 class ChatTemplates:

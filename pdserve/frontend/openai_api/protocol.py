@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.types.sampling_params import MAX_LOGPROBS
 from pdserve.v1 import inference_pb2
 
 MAX_CHOICES = 128  # n, and prompts x n in one completion request

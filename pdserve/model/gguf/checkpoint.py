@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.gguf.config import PERMUTED_QK
-from pdserve.engine.gguf.reader import GGUFError, GGUFFile
-from pdserve.engine.model_config import ModelConfig
+from pdserve.model.gguf.config import PERMUTED_QK
+from pdserve.model.gguf.reader import GGUFError, GGUFFile
+from pdserve.model.model_config import ModelConfig
 
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.gguf.reader import GGUFError, GGUFFile
-from pdserve.engine.model_config import ModelConfig, parse_dtype
+from pdserve.model.gguf.reader import GGUFError, GGUFFile
+from pdserve.model.model_config import ModelConfig, parse_dtype
 
 # general.architecture -> the Hugging Face architecture pdserve's model classes know.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

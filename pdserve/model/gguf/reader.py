@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pdserve.engine.gguf.dequant import can_dequantize, dequantize
+from pdserve.model.gguf.dequant import can_dequantize, dequantize
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

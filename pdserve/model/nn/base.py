@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.layers import RMSNorm
-from pdserve.engine.models.tensor_parallel import ParallelLMHead, VocabParallelEmbedding
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.nn.layers import RMSNorm
+from pdserve.model.nn.tensor_parallel import ParallelLMHead, VocabParallelEmbedding
+from pdserve.model.weights import Checkpoint
 
 # (hidden [T, H], positions [T], layer cache, metadata) → [T, H]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]

@@ -11,16 +11,16 @@ from __future__ import annotations
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models import kv_quant
-from pdserve.engine.models.base import DecoderModel
-from pdserve.engine.models.kv_quant import KVScales
-from pdserve.engine.models.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
-from pdserve.engine.models.moe import MoE
-from pdserve.engine.models.tensor_parallel import row_parallel_bias, split
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.nn import kv_quant
+from pdserve.model.nn.base import DecoderModel
+from pdserve.model.nn.kv_quant import KVScales
+from pdserve.model.nn.layers import DenseMLP, Linear, RMSNorm, rope_cos_sin, yarn_mscale
+from pdserve.model.nn.moe import MoE
+from pdserve.model.nn.tensor_parallel import row_parallel_bias, split
+from pdserve.model.weights import Checkpoint
 
 
 class MLAttention:

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from pdserve.distributed import ParallelState
-from pdserve.engine.models.base import DecoderModel
-from pdserve.engine.models.expert_placement import ExpertPlacement
-from pdserve.engine.models.moe import MoE
+from pdserve.model.nn.base import DecoderModel
+from pdserve.model.nn.expert_placement import ExpertPlacement
+from pdserve.model.nn.moe import MoE
 
-logger = logging.getLogger("pdserve.engine.eplb")
+logger = logging.getLogger("pdserve.model.eplb")
 
 
 def rebalance(model: DecoderModel, parallel: ParallelState) -> int:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_cache import KV_FP8_DTYPE
-from pdserve.engine.weights import Checkpoint
+from pdserve.model.kv_cache import KV_FP8_DTYPE
+from pdserve.model.weights import Checkpoint
 
 _FP8_MAX = 448.0
 

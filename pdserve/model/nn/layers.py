@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.models.tensor_parallel import row_parallel_bias, split
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import Backend
 from pdserve.kernels.block_fp8 import BlockFP8Weight
+from pdserve.model.nn.tensor_parallel import row_parallel_bias, split
+from pdserve.model.weights import Checkpoint
 
 
 def linear_weight(

@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models import kv_quant
-from pdserve.engine.models.base import DecoderModel
-from pdserve.engine.models.kv_quant import KVScales
-from pdserve.engine.models.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
-from pdserve.engine.models.moe import MoE
-from pdserve.engine.models.tensor_parallel import head_share, kv_heads_per_rank, row_parallel_bias
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.nn import kv_quant
+from pdserve.model.nn.base import DecoderModel
+from pdserve.model.nn.kv_quant import KVScales
+from pdserve.model.nn.layers import DenseMLP, Linear, MergedLinear, RMSNorm, rope_cos_sin
+from pdserve.model.nn.moe import MoE
+from pdserve.model.nn.tensor_parallel import head_share, kv_heads_per_rank, row_parallel_bias
+from pdserve.model.weights import Checkpoint
 
 
 class GQAttention:

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
-from pdserve.engine.models.expert_placement import ExpertPlacement
-from pdserve.engine.models.layers import DenseMLP
-from pdserve.engine.models.tensor_parallel import split
-from pdserve.engine.weights import Checkpoint
 from pdserve.kernels.backend import Backend, MoERouting
+from pdserve.model.nn.expert_placement import ExpertPlacement
+from pdserve.model.nn.layers import DenseMLP
+from pdserve.model.nn.tensor_parallel import split
+from pdserve.model.weights import Checkpoint
 
 
 class MoE:

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.models.layers import rope_cos_sin
 from pdserve.kernels.cpu import layer_ops
 from pdserve.kernels.cpu.cpu_backend import CpuBackend
 from pdserve.kernels.torch_backend import TorchBackend
+from pdserve.model.nn.layers import rope_cos_sin
 from tests.kernels.helpers import assert_close
 
 

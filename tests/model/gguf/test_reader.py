@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from pdserve import LLM
-from pdserve.engine.gguf.checkpoint import unpermute_rows
-from pdserve.engine.gguf.dequant import dequantize
-from pdserve.engine.gguf.reader import GGUFError, GGUFFile
-from pdserve.engine.gguf.tokenizer import load_gguf_tokenizer
+from pdserve.model.gguf.checkpoint import unpermute_rows
+from pdserve.model.gguf.dequant import dequantize
+from pdserve.model.gguf.reader import GGUFError, GGUFFile
+from pdserve.text.gguf_tokenizer import load_gguf_tokenizer
 from tests.utils.gguf_files import make_model, write_gguf
 
 Q = gguf.GGMLQuantizationType

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.default_model import DEFAULT_MODEL_NAME, served_name
-from pdserve.engine.gguf.tokenizer import gguf_chat_template
+from pdserve.model.default_model import DEFAULT_MODEL_NAME, served_name
+from pdserve.text.gguf_tokenizer import gguf_chat_template
 from tests.utils.gguf_files import default_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.gguf.config import gguf_model_config
-from pdserve.engine.gguf.tokenizer import gguf_chat_template
+from pdserve.model.gguf.config import gguf_model_config
+from pdserve.text.gguf_tokenizer import gguf_chat_template
 from tests.utils.checkpoints import reference_greedy
 from tests.utils.gguf_files import CONFIG, make_model, write_gguf
 

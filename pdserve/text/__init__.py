@@ -1,0 +1,10 @@
+"""Text: token ids to and from strings, and chat messages to a prompt.
+
+- ``tokenizer``: ``Tokenizer`` (a Hugging Face ``tokenizer.json`` or a GGUF file's) and
+  ``find_tokenizer``, the one dispatch between the two;
+- ``gguf_tokenizer``: the byte-level BPE a GGUF file embeds, rebuilt, and its chat template;
+- ``detokenizer``: incremental detokenization for streams, stop strings held back;
+- ``chat_template``: a model's Jinja chat template, rendered as transformers renders it.
+
+Only ``gguf_tokenizer`` imports torch (through the GGUF reader), and only for GGUF models.
+"""
