@@ -1,7 +1,7 @@
 """The expert-parallel all-to-all on its own: dispatch and combine at DeepSeek-V3 shapes.
 
-    torchrun --nproc-per-node 8 bench/all_to_all.py [--json]        # a GPU node: NCCL
-    torchrun --standalone --nproc-per-node 2 bench/all_to_all.py --smoke --json  # CPU, gloo: checks it
+    torchrun --nproc-per-node 8 -m bench.all_to_all [--json]        # a GPU node: NCCL
+    torchrun --standalone --nproc-per-node 2 -m bench.all_to_all --smoke --json  # CPU, gloo: checks it
 
 Each rank routes its tokens to ``--top-k`` of ``--experts`` experts spread evenly over the
 ranks (uniform random routing: the balanced case; skew only makes the busiest link slower),
@@ -15,9 +15,7 @@ to other ranks per exchange, as GB/s against the time: compare with the node's N
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
 from datetime import timedelta
 
@@ -25,6 +23,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from bench.lib.report import emit, median
 from pdserve.distributed import ParallelConfig, ParallelState
 
 
@@ -46,7 +45,7 @@ def _time_ms(fn, device: str, repeats: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return median(samples)
 
 
 def main() -> None:
@@ -102,18 +101,19 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo smoke run)",
         "world_size": world, "tokens_per_rank": tokens, "hidden": hidden, "experts": args.experts,
         "top_k": args.top_k, "dtype": str(dtype).removeprefix("torch."),
-        "median_over_ranks": {k: round(statistics.median(g[k] for g in gathered), 4) for k in timings},
+        "median_over_ranks": {k: median((g[k] for g in gathered), 4) for k in timings},
         "slowest_rank": {k: round(max(g[k] for g in gathered), 4) for k in timings},
         # Four significant digits: the smoke run's few kilobytes are thousandths of a GB/s.
         "dispatch_gbps_per_rank": float(
-            f"{statistics.median(g['off_rank_bytes'] / g['dispatch_rows_ms'] / 1e6 for g in gathered):.4g}"
+            f"{median(g['off_rank_bytes'] / g['dispatch_rows_ms'] / 1e6 for g in gathered):.4g}"
         ),
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:24} {value}")
+    emit(report, args.json, _print_lines)
+
+
+def _print_lines(report: dict) -> None:
+    for key, value in report.items():
+        print(f"{key:24} {value}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Chaos soak: a deployment under steady load while workers are killed and paused and etcd restarts.
 
-It starts a real etcd (loopback, its own data directory) and a deployment with ``LocalCluster``,
-the code behind ``pdserve up`` (frontend and workers as child processes), and runs a closed loop
+It starts a real etcd (``EtcdProcess``, the registry ``pdserve up`` runs: loopback, its own data
+directory) and a deployment with ``LocalCluster``, the code behind ``pdserve up`` (frontend and
+workers as child processes), and runs a closed loop
 of ``--concurrency`` greedy streams for ``--duration`` seconds. Meanwhile, every
 ``--fault-interval`` seconds on average (exponential gaps, ``--seed``), one fault:
 
@@ -22,14 +23,14 @@ after the migration attempts ran out; anything else is ``unexplained``, with its
 hung; leaked blocks per surviving worker; faults and restarts; p99 TTFT of the requests that
 began during a fault (from its start until its worker is back, or etcd is) and of the others.
 
-    python bench/chaos.py --duration 600 --json
+    python -m bench.chaos --duration 600 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import itertools
 import os
 import random
 import signal
@@ -41,35 +42,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-import msgspec
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pdserve.discovery.etcd import EtcdConnection  # noqa: E402
-from pdserve.discovery.registry import Role, WorkerEntry  # noqa: E402
-from pdserve.discovery.registry_view import RegistryView  # noqa: E402
-from pdserve.frontend.config import FrontendConfig, RouterConfig  # noqa: E402
-from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster  # noqa: E402
-from pdserve.launch.supervisor import RestartPolicy  # noqa: E402
-from pdserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
-from pdserve.worker.config import WorkerConfig  # noqa: E402
-from tests.utils.etcd_server import EtcdServer  # noqa: E402
+from bench.lib.checkpoints import SMOKE, write_checkpoint
+from bench.lib.deploy import Deployment, DeploySpec
+from bench.lib.load import BenchRequest, RequestResult, SamplingSpec, inference_stub, requests_until, run_lanes
+from bench.lib.report import emit, nearest_rank
+from pdserve.discovery.etcd import EtcdConnection
+from pdserve.discovery.registry import Role, WorkerEntry
+from pdserve.discovery.registry_view import RegistryView
+from pdserve.launch.etcd_process import EtcdProcess
+from pdserve.launch.local_cluster import Child, LocalCluster
+from pdserve.launch.supervisor import RestartPolicy
 
 MODEL = "chaos"
 HANG_GRACE_S = 15.0  # past its deadline, a request still open is hung
 IDLE_TIMEOUT_S = 60.0  # after the load: how long the workers get to be idle and whole
 RESTART_TIMEOUT_S = 120.0  # how long a killed worker's restart may take (back-off, model load)
-
-
-@dataclass
-class Outcome:
-    started: float
-    status: str  # "OK", a gRPC code's name, or "HUNG"
-    ttft_s: float | None = None
-    migrations: int = 0
-    detail: str = ""
 
 
 @dataclass
@@ -88,7 +75,7 @@ class Chaos:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model directory (default: a tiny random Llama written to a temp dir)")
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers (default: 2)")
     parser.add_argument("--decode", type=int, default=2, help="decode workers (default: 2)")
@@ -114,9 +101,7 @@ def _log(message: str) -> None:
 
 
 def _tiny_model(directory: Path) -> str:
-    from tests.utils.checkpoints import write_checkpoint
-
-    write_checkpoint(directory, "llama")
+    write_checkpoint(SMOKE, directory, "float32", 0, None)
     return str(directory)
 
 
@@ -143,32 +128,14 @@ def _metrics(entry: WorkerEntry) -> dict[str, float]:
 
 
 # ---- load ----------------------------------------------------------------------------------------
-async def _stream(stub: Any, request: inference_pb2.GenerateRequest, deadline_s: float) -> Outcome:
-    outcome = Outcome(time.monotonic(), "HUNG")
-    try:
-        async with asyncio.timeout(deadline_s + HANG_GRACE_S):
-            async for response in stub.Generate(request, timeout=deadline_s):
-                if response.token_ids and outcome.ttft_s is None:
-                    outcome.ttft_s = time.monotonic() - outcome.started
-                if response.HasField("final"):
-                    outcome.migrations = response.final.breakdown.migrations
-        outcome.status = "OK"
-    except TimeoutError:
-        outcome.detail = f"open {deadline_s + HANG_GRACE_S:g} s after it was sent"
-    except grpc.aio.AioRpcError as exc:
-        outcome.status, outcome.detail = exc.code().name, exc.details() or ""
-    return outcome
+def _lane(args: argparse.Namespace, rng: random.Random, until: float, counter: itertools.count) -> Any:
+    """One stream's requests until ``until``: random prompts and lengths from its own ``rng``."""
 
-
-async def _load(stub: Any, args: argparse.Namespace, rng: random.Random, until: float, out: list[Outcome]) -> None:
-    while time.monotonic() < until:
+    def draw() -> BenchRequest:
         prompt = [rng.randrange(2, 200) for _ in range(rng.randint(*args.prompt_tokens))]
-        request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
-            sampling=inference_pb2.SamplingOptions(max_tokens=rng.randint(*args.max_tokens), temperature=0,
-                                                   ignore_eos=True),
-        )  # fmt: skip
-        out.append(await _stream(stub, request, args.deadline))
+        return BenchRequest(next(counter), prompt, rng.randint(*args.max_tokens))
+
+    return requests_until(until, draw)
 
 
 # ---- faults --------------------------------------------------------------------------------------
@@ -186,39 +153,40 @@ def _own(chaos: Chaos, coro: Any) -> None:
 
 
 async def _pause(child: Child, seconds: float, chaos: Chaos) -> None:
-    start = time.monotonic()
+    start = time.perf_counter()
     try:
         await asyncio.sleep(seconds)
     finally:
         os.kill(child.process.pid, signal.SIGCONT)
         chaos.stopped.discard(child.process.pid)
-        chaos.windows.append(("pause", child.name, start, time.monotonic()))
+        chaos.windows.append(("pause", child.name, start, time.perf_counter()))
 
 
 async def _restarted(child: Child, num_starts: int, chaos: Chaos) -> None:
     """Until the supervisor has the killed ``child`` serving again (a new process, listening)."""
-    start = time.monotonic()
+    start = time.perf_counter()
     async with asyncio.timeout(RESTART_TIMEOUT_S):
         while child.num_starts == num_starts:
             await asyncio.sleep(0.1)
     chaos.restarting.discard(child.name)
     chaos.worker_restarts += 1
-    chaos.windows.append(("kill", child.name, start, time.monotonic()))
+    chaos.windows.append(("kill", child.name, start, time.perf_counter()))
 
 
-async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namespace, rng: random.Random,
+async def _inject(cluster: LocalCluster, etcd: EtcdProcess, args: argparse.Namespace, rng: random.Random,
                   until: float, chaos: Chaos) -> None:  # fmt: skip
     while True:
         await asyncio.sleep(rng.expovariate(1 / args.fault_interval))
-        if time.monotonic() >= until:
+        if time.perf_counter() >= until:
             return
         kind = rng.choice(("kill", "kill", "pause", "pause", "etcd"))
         if kind == "etcd":
-            start = time.monotonic()
+            start = time.perf_counter()
             _log("restarting etcd")
-            await asyncio.to_thread(etcd.restart)
+            await etcd.stop()
+            await etcd.start()  # the same ports and data
             chaos.etcd_restarts += 1
-            chaos.windows.append(("etcd", "etcd", start, time.monotonic()))
+            chaos.windows.append(("etcd", "etcd", start, time.perf_counter()))
             continue
         role = rng.choice([r for r in Role if len(_running(cluster, chaos, r)) >= 2] or [None])
         if role is None:
@@ -240,38 +208,37 @@ async def _inject(cluster: LocalCluster, etcd: EtcdServer, args: argparse.Namesp
 # ---- the run -------------------------------------------------------------------------------------
 async def _idle_and_whole(etcd_url: str) -> dict[str, int]:
     """Each registered worker's KV blocks used or pinned, once all are 0 or IDLE_TIMEOUT_S passed."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    deadline = time.perf_counter() + IDLE_TIMEOUT_S
     while True:
         leaked = {}
         for entry in await _registered(etcd_url):
             m = await asyncio.to_thread(_metrics, entry)
             leaked[entry.worker_id] = int(m["pdserve_kv_blocks_used"] + m["pdserve_held_requests"])
-        if not any(leaked.values()) or time.monotonic() > deadline:
+        if not any(leaked.values()) or time.perf_counter() > deadline:
             return leaked
         await asyncio.sleep(0.5)
 
 
 def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, 1)
+    p99 = nearest_rank(values, 0.99)
+    return None if p99 is None else round(p99, 1)
 
 
-def _report(args: argparse.Namespace, outcomes: list[Outcome], chaos: Chaos, leaked: dict[str, int],
+def _report(args: argparse.Namespace, outcomes: list[RequestResult], chaos: Chaos, leaked: dict[str, int],
             live: dict[str, int], seconds: float) -> dict[str, Any]:  # fmt: skip
-    failed = [o for o in outcomes if o.status not in ("OK", "HUNG")]
+    failed = [o for o in outcomes if o.error not in (None, "HUNG")]
     causes = {"deadline": 0, "migrations": 0, "unexplained": 0}
     unexplained = []
     for o in failed:
-        if o.status == "DEADLINE_EXCEEDED":
+        if o.error == "DEADLINE_EXCEEDED":
             causes["deadline"] += 1
-        elif o.status == "UNAVAILABLE" and "max_migrations" in o.detail:
+        elif o.error == "UNAVAILABLE" and "max_migrations" in o.detail:
             causes["migrations"] += 1
         else:
             causes["unexplained"] += 1
-            unexplained.append(f"{o.status}: {o.detail}")
-    ok = [o for o in outcomes if o.status == "OK"]
+            unexplained.append(f"{o.error}: {o.detail}")
+    ok = [o for o in outcomes if o.error is None]
+    migrations = {id(o): o.breakdown.get("migrations", 0) for o in outcomes}
     faults = {kind: sum(w[0] == kind for w in chaos.windows) for kind in ("kill", "pause", "etcd")}
     return {
         "duration_s": round(seconds, 1),
@@ -280,78 +247,76 @@ def _report(args: argparse.Namespace, outcomes: list[Outcome], chaos: Chaos, lea
                        "hold_s": args.hold, "fault_interval_s": args.fault_interval, "seed": args.seed},
         "sent": len(outcomes),
         "completed": len(ok),
-        "migrated": sum(o.migrations > 0 for o in ok),
-        "migrations": sum(o.migrations for o in outcomes),
+        "migrated": sum(migrations[id(o)] > 0 for o in ok),
+        "migrations": sum(migrations.values()),
         "failed": len(failed),
         "failed_by_cause": causes,
         "unexplained_failures": unexplained[:20],
-        "hung": sum(o.status == "HUNG" for o in outcomes),
+        "hung": sum(o.error == "HUNG" for o in outcomes),
         "leaked_blocks": leaked,
         "faults": faults,
         "restarts": {"workers": chaos.worker_restarts, "etcd": chaos.etcd_restarts},
         "live_workers_at_end": live,
         "ttft_p99_ms": {
-            "during_faults": _p99([o.ttft_s for o in ok if o.ttft_s is not None and chaos.during(o.started)]),
-            "outside_faults": _p99([o.ttft_s for o in ok if o.ttft_s is not None and not chaos.during(o.started)]),
+            "during_faults": _p99([o.ttft_ms for o in ok if o.ttft_ms is not None and chaos.during(o.sent_at)]),
+            "outside_faults": _p99([o.ttft_ms for o in ok if o.ttft_ms is not None and not chaos.during(o.sent_at)]),
         },
     }  # fmt: skip
 
 
-async def _run(args: argparse.Namespace, model: str, etcd: EtcdServer) -> dict[str, Any]:
-    worker = WorkerConfig(role="prefill", model=model, etcd="", model_name=MODEL, lease_ttl_s=3.0, num_threads=1,
-                          hold_s=args.hold, transfer_timeout_s=args.transfer_timeout)  # fmt: skip
-    frontend = FrontendConfig(etcd="", port=0, http_port=None, router=RouterConfig(disaggregation="always"),
-                              request_timeout_s=args.deadline)  # fmt: skip
+async def _run(args: argparse.Namespace, model: str, etcd: EtcdProcess) -> dict[str, Any]:
     # Restarts never given up on: the soak kills the same slot again and again.
     restart = RestartPolicy(max_restarts=10_000, min_backoff_s=args.restart_delay)
-    cluster = LocalCluster(ClusterSpec(prefill=worker, decode=msgspec.structs.replace(worker, role="decode"),
-                                       frontend=frontend, etcd=etcd.url, start_timeout_s=180, restart=restart))  # fmt: skip
+    spec = DeploySpec(args.prefill, args.decode, "always", model=model, model_name=MODEL, threads_per_worker=1,
+                      etcd=etcd.url, restart=restart, request_timeout_s=args.deadline, start_timeout_s=180,
+                      worker={"lease_ttl_s": 3.0, "hold_s": args.hold, "transfer_timeout_s": args.transfer_timeout})  # fmt: skip
     rng = random.Random(args.seed)
     chaos = Chaos()
-    outcomes: list[Outcome] = []
-    await cluster.start(args.prefill, args.decode)
-    try:
-        assert cluster.frontend is not None
-        async with grpc.aio.insecure_channel(cluster.frontend.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            began = time.monotonic()
-            until = began + args.duration
-            _log(f"load for {args.duration:g} s, {args.concurrency} streams, a fault every ~{args.fault_interval:g} s")
-            loads = [_load(stub, args, random.Random(rng.random()), until, outcomes) for _ in range(args.concurrency)]
-            await asyncio.gather(_inject(cluster, etcd, args, rng, until, chaos), *loads)
-            seconds = time.monotonic() - began
-            # Every pause resumed, every restart done.
-            for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):
-                if failure is not None:
-                    _log(f"a resume or restart failed: {failure!r}")
-        leaked = await _idle_and_whole(etcd.url)
-        entries = await _registered(etcd.url)
-        live = {role: sum(e.role == role for e in entries) for role in ("prefill", "decode")}
-        return _report(args, outcomes, chaos, leaked, live, seconds)
-    finally:
-        for pid in chaos.stopped:
-            os.kill(pid, signal.SIGCONT)
-        await cluster.stop()
+    async with Deployment(spec) as deployment:
+        cluster = deployment.cluster
+        assert cluster is not None
+        try:
+            async with inference_stub(deployment.address) as stub:
+                began = time.perf_counter()
+                until = began + args.duration
+                _log(f"load for {args.duration:g} s, {args.concurrency} streams, a fault every ~{args.fault_interval:g} s")
+                counter = itertools.count()
+                lanes = [_lane(args, random.Random(rng.random()), until, counter) for _ in range(args.concurrency)]
+                sampling = SamplingSpec(timeout_s=args.deadline, hang_grace_s=HANG_GRACE_S)
+                outcomes, _ = await asyncio.gather(run_lanes(stub, MODEL, lanes, sampling),
+                                                   _inject(cluster, etcd, args, rng, until, chaos))  # fmt: skip
+                seconds = time.perf_counter() - began
+                # Every pause resumed, every restart done.
+                for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):
+                    if failure is not None:
+                        _log(f"a resume or restart failed: {failure!r}")
+            leaked = await _idle_and_whole(etcd.url)
+            entries = await _registered(etcd.url)
+            live = {role: sum(e.role == role for e in entries) for role in ("prefill", "decode")}
+            return _report(args, outcomes, chaos, leaked, live, seconds)
+        finally:
+            for pid in chaos.stopped:
+                os.kill(pid, signal.SIGCONT)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
         model = args.model or _tiny_model(Path(tmp) / "model")
-        etcd = EtcdServer(Path(tmp)).start()
-        try:
-            return asyncio.run(_run(args, model, etcd))
-        finally:
-            etcd.close()
+        return asyncio.run(_with_etcd(args, model, Path(tmp) / "etcd"))
+
+
+async def _with_etcd(args: argparse.Namespace, model: str, state_dir: Path) -> dict[str, Any]:
+    etcd = EtcdProcess(state_dir)
+    await etcd.start()
+    try:
+        return await _run(args, model, etcd)
+    finally:
+        await etcd.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    report = run(args)
-    if args.json:
-        print(json.dumps(report))
-        return
-    for key, value in report.items():
-        print(f"{key:>22}: {value}")
+    emit(run(args), args.json, width=22)
 
 
 if __name__ == "__main__":

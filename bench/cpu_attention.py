@@ -1,7 +1,7 @@
 """CPU attention kernels (``kernels/cpu/paged_decode.c``) in the engine's cache layout, on
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, blocks of 16 tokens).
 
-    python bench/cpu_attention.py --json [--against OLD/paged_decode.c]
+    python -m bench.cpu_attention --json [--against OLD/paged_decode.c]
 
 - ``decode``: one decode step's attention, 32 sequences of 64-319 cached tokens, every one of
   ``--layers`` layers in turn, so that the cache comes from memory as in a real step. Also
@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -34,13 +31,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernel_copy import build_copy  # noqa: E402
-
-from pdserve.kernels.cpu import paged_decode  # noqa: E402
-from pdserve.kernels.cpu.build import load_library  # noqa: E402
-from pdserve.model.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from bench.lib import machine
+from bench.lib.kernel_copy import build_copy
+from bench.lib.report import emit, median, ratio
+from pdserve.kernels.cpu import paged_decode
+from pdserve.kernels.cpu.build import load_library
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -161,24 +157,24 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_batch": {"prompts": len(prompt_lens), "tokens": sum(prompt_lens)},
         "threads": args.threads,
         "reps": args.reps,
-        "machine": {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count()},
+        "machine": machine.describe(),
     }
     for name in cases:
         entry = {}
         for build_name in builds:
-            ms = statistics.median(times[name][build_name])
+            ms = median(times[name][build_name])
             rate = {"gb_s": round(decode_bytes / ms / 1e6, 1)} if name.startswith("decode") else {
                 "gflops": round(prompt_flops / ms / 1e6, 1)
             }
             entry[build_name] = {"ms_per_layer": round(ms, 4), **rate}
         if "against" in builds:
-            entry["against_over_current"] = round(entry["against"]["ms_per_layer"] / entry["current"]["ms_per_layer"], 3)
+            entry["against_over_current"] = ratio(entry["against"]["ms_per_layer"], entry["current"]["ms_per_layer"])
         result[name] = entry
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+    def table(report: dict) -> None:
         for name in cases:
-            print(name, result[name])
+            print(name, report[name])
+
+    emit(result, args.json, table, indent=1)
     return 0
 
 

@@ -1,7 +1,7 @@
 """CPU linear layers: the panel GEMM (``kernels/cpu/panel_gemm.c``) against oneDNN's GEMM on
 its repacked weights, on a decode step's linears at several row counts.
 
-    python bench/cpu_linear.py --json [--against OLD/panel_gemm.c]
+    python -m bench.cpu_linear --json [--against OLD/panel_gemm.c]
 
 A run is every linear of ``--layers`` layers of SmolLM2-135M's shape (q/k/v merged, o,
 gate/up merged, down; each layer its own weights, so that they come from memory as in a
@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -29,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pdserve.kernels.cpu import panel_gemm  # noqa: E402
-from kernel_copy import build_copy  # noqa: E402
+from bench.lib import machine
+from bench.lib.kernel_copy import build_copy
+from bench.lib.report import emit, median
+from pdserve.kernels.cpu import panel_gemm
 
 Linear = Callable[[torch.Tensor, panel_gemm.PanelWeight], torch.Tensor]
 
@@ -93,7 +90,7 @@ def measure(rows: int, layers: int, reps: int, generator: torch.Generator, again
     flop = 2 * rows * sum(n_in * n_out for n_in, n_out in shapes)
     result: dict = {"rows": rows}
     for name, values in times.items():
-        ms = statistics.median(values[2:]) * 1e3
+        ms = median(values[2:]) * 1e3
         result[name] = {"ms": round(ms, 3), "gflops": round(flop / ms / 1e6, 1)}
     result["onednn_over_panels"] = round(result["onednn"]["ms"] / result["panels"]["ms"], 3)
     if against is not None:
@@ -135,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(results[-1], file=sys.stderr)
     report = {
         "bench": "cpu_linear", "layers": args.layers, "reps": args.reps, "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(), "torch": torch.__version__},
+        "machine": machine.describe(),
         "results": results,
     }  # fmt: skip
     if args.json:
-        print(json.dumps(report))
+        emit(report, True)
     return 0
 
 

@@ -8,8 +8,8 @@ GGUF). Then ``pdserve generate --prompt ... --max-tokens N --ignore-eos --json``
 it, timed from the command's start (process start and loading included) and from its first
 token (decode speed). Rounds alternate the two measurements; medians are reported.
 
-    python bench/default_model.py                 # a table
-    python bench/default_model.py --json --rounds 3
+    python -m bench.default_model                 # a table
+    python -m bench.default_model --json --rounds 3
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
 
+from bench.lib import machine
+from bench.lib.report import emit, median
 from pdserve.model.default_model import resolve_model
 
 _LOAD = """
@@ -67,7 +67,7 @@ def _generate_round(prompt: str, max_tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m bench.default_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt", default="The capital of France is")
@@ -78,17 +78,17 @@ def main() -> None:
     for _ in range(args.rounds):
         loads.append(_load_round(path))
         gens.append(_generate_round(args.prompt, args.max_tokens))
-    median = {key: statistics.median(r[key] for r in loads) for key in loads[0]}
-    median.update({key: statistics.median(r[key] for r in gens) for key in gens[0]})
+    medians = {key: median(r[key] for r in loads) for key in loads[0]}
+    medians.update({key: median(r[key] for r in gens) for key in gens[0]})
     result = {
-        "model": path, "rounds": args.rounds, "max_tokens": args.max_tokens, "median": median,
-        "load": loads, "generate": gens, "loadavg": os.getloadavg(), "cpus": os.cpu_count(),
-        "python": platform.python_version(),
+        "model": path, "rounds": args.rounds, "max_tokens": args.max_tokens, "median": medians,
+        "load": loads, "generate": gens, "loadavg": os.getloadavg(), "machine": machine.describe(),
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-        return
-    for key, value in median.items():
+    emit(result, args.json, _print_table)
+
+
+def _print_table(result: dict) -> None:
+    for key, value in result["median"].items():
         print(f"{key:>22}: {value:.3f}")
     print(f"load average at the end: {os.getloadavg()}")
 

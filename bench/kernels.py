@@ -1,6 +1,6 @@
 """Benchmark pdserve's Triton kernels against this GPU's measured roofline.
 
-    python bench/kernels.py [--json] [--only SUBSTRING]
+    python -m bench.kernels [--json] [--only SUBSTRING]
 
 For each kernel at Llama-3.1-8B and DeepSeek-V3 shapes: the median time
 (``triton.testing.do_bench``), the bytes it must move and the FLOPs it must do (the ideal
@@ -11,7 +11,7 @@ batch 64 x 4k context; fused MoE >= 0.50 of matmul throughput at 8k tokens. The 
 FP8 GEMM (issue 13) runs at a decode batch (bandwidth-bound) and at 8k tokens (compute-bound).
 
 The expert-parallel all-to-all (dispatch and combine between GPUs) needs several GPUs and
-has its own script: ``torchrun --nproc-per-node 8 bench/all_to_all.py``.
+has its own script: ``torchrun --nproc-per-node 8 -m bench.all_to_all``.
 
 Needs a CUDA GPU and exits with status 2 without one. ``--smoke`` runs tiny shapes on CPU in
 Triton's interpreter with a wall-clock timer: only to check this script, its numbers mean
@@ -21,14 +21,14 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from bench.lib.report import emit, median
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def _time_ms(fn: Callable[[], object], device: str) -> float:
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return median(samples)
 
 
 def measure_ceilings(device: str, smoke: bool) -> dict[str, float]:
@@ -268,15 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
     report = {"device": name, "ceilings": ceilings, "results": results}
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(f"{name}: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
-        print(f"{'kernel':24} {'model':13} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>5} {'%mm':>5}  shape")
-        for r in results:
-            print(f"{r['kernel']:24} {r['model']:13} {r['median_ms']:9.4f} {r['gbps']:8.1f} {r['tflops']:8.2f} "
-                  f"{100 * r['bandwidth_fraction']:5.1f} {100 * r['compute_fraction']:5.1f}  {r['shape']}")
+    emit(report, args.json, _print_table, indent=1)
     return 0
+
+
+def _print_table(report: dict) -> None:
+    ceilings, results = report["ceilings"], report["results"]
+    print(f"{report['device']}: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    print(f"{'kernel':24} {'model':13} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>5} {'%mm':>5}  shape")
+    for r in results:
+        print(f"{r['kernel']:24} {r['model']:13} {r['median_ms']:9.4f} {r['gbps']:8.1f} {r['tflops']:8.2f} "
+              f"{100 * r['bandwidth_fraction']:5.1f} {100 * r['compute_fraction']:5.1f}  {r['shape']}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ blocks — scattered randomly over both pools, through the real pull path (prepa
 descriptor lists, coalescing, completion notice) — and then the same number of bytes as one
 contiguous region with a single descriptor (the ceiling).
 
-    python bench/kv_transfer.py --json
-    python bench/kv_transfer.py --json --layouts smollm2-135m --tokens 304   # a serving-sized request
+    python -m bench.kv_transfer --json
+    python -m bench.kv_transfer --json --layouts smollm2-135m --tokens 304   # a serving-sized request
 
 prints one JSON list, an object per layout: layout, tokens, bytes, scattered_gbps,
 contiguous_gbps, ratio (scattered / contiguous), setup_ms_p50, setup_ms_p99 (the time from
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -31,10 +30,11 @@ import msgspec
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.lib.report import median, nearest_rank
+from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, PeerInfo
+from pdserve.model.kv_cache import KVCache, KVCacheSpec
 
-from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, PeerInfo  # noqa: E402
-from pdserve.model.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TOKENS = 4096
 BLOCK_SIZE = 16
@@ -105,9 +105,9 @@ async def contiguous_read(agent: KVAgent, peer: PeerInfo, num_bytes: int) -> flo
 
 
 async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # the child imports this package from any working directory
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--role", "prefill", "--config", msgspec.json.encode(cfg).decode()],
+        [sys.executable, "-m", "bench.kv_transfer", "--role", "prefill", "--config", msgspec.json.encode(cfg).decode()],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
     )  # fmt: skip
     kv, layout = pool_for(cfg, "decode")
@@ -136,8 +136,8 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
         await agent.close()
         proc.stdin.close()
         proc.wait(timeout=60)
-    scattered_gbps = num_bytes / statistics.median(scattered) / 1e9
-    contiguous_gbps = num_bytes / statistics.median(contiguous) / 1e9
+    scattered_gbps = num_bytes / median(scattered) / 1e9
+    contiguous_gbps = num_bytes / median(contiguous) / 1e9
     setups_ms = sorted(s * 1e3 for s in setups)
     return {
         "layout": cfg.layout,
@@ -146,8 +146,8 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
         "scattered_gbps": round(scattered_gbps, 3),
         "contiguous_gbps": round(contiguous_gbps, 3),
         "ratio": round(scattered_gbps / contiguous_gbps, 3),
-        "setup_ms_p50": round(statistics.median(setups_ms), 3),
-        "setup_ms_p99": round(setups_ms[min(len(setups_ms) - 1, int(0.99 * len(setups_ms)))], 3),
+        "setup_ms_p50": median(setups_ms, 3),
+        "setup_ms_p99": round(nearest_rank(setups_ms, 0.99), 3),
     }
 
 

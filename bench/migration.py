@@ -7,34 +7,29 @@ many of the disturbed streams completed, how many with exactly the reference's t
 migrations their breakdowns report, every failure's status, and how long after the kill the
 registry listed two decode workers again (`pdserve up` restarts the killed one).
 
-    python bench/migration.py --json
+    python -m bench.migration --json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-import grpc
-
-from pdserve.v1 import inference_pb2, inference_pb2_grpc
+from bench.lib.deploy import Deployment, DeploySpec
+from bench.lib.load import BenchRequest, SamplingSpec, closed_loop, inference_stub, list_models
+from bench.lib.report import emit
+from pdserve.discovery.registry import Role
 
 TOPICS = ["the sea", "a old clock", "the first snow", "a lighthouse keeper", "bread", "a lost key", "the moon",
           "a city at night", "a long train journey", "an orchard", "a chess game", "the last bookshop"]  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench/migration.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.migration", description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=None, help="model path (default: pdserve's default model)")
@@ -46,111 +41,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Up:
-    """`pdserve up` as a child process: its gRPC port, its registry URL, its worker processes."""
-
-    def __init__(self, model: str | None) -> None:
-        command = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", "2",
-                   "--disaggregation", "always", "--port", "0", "--http-port", "-1"]  # fmt: skip
-        if model:
-            command += ["--model", model]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        up = threading.Event()
-        threading.Thread(target=self._read, args=(up,), daemon=True).start()
-        if not up.wait(600) or self.process.poll() is not None:
-            self.stop()
-            raise RuntimeError("pdserve up did not come up:\n" + "".join(self.lines[-40:]))
-        line = next(line for line in self.lines if "pdserve is up" in line)
-        self.port = int(re.search(r" on [^\s;]+:(\d+)", line).group(1))
-        self.etcd = re.search(r"registry (\S+)", line).group(1)
-
-    def _read(self, up: threading.Event) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if "pdserve is up" in line:
-                up.set()
-        up.set()
-
-    def decode_workers(self) -> list[int]:
-        """The pids of the decode worker processes `up` runs now."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and int((entry / "stat").read_text().split()[3]) == self.process.pid:
-                    argv = (entry / "cmdline").read_bytes().split(b"\0")
-                    if b"decode" in argv:
-                        pids.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-        return sorted(pids)
-
-    def registered_decode_workers(self) -> int:
-        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", self.etcd, "--json"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
-        return sum(w["role"] == "decode" for w in json.loads(listed.stdout)) if listed.returncode == 0 else 0
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+async def _decode_workers_registered(deployment: Deployment) -> int:
+    """The decode workers the frontend lists now (those registered in etcd)."""
+    models = await list_models(deployment.address)
+    return sum(m["decode_workers"] for m in models)
 
 
-def run_streams(stub, prompts: list[str], max_tokens: int, deadline_s: float) -> list[dict[str, Any]]:
-    def one(prompt: str) -> dict[str, Any]:
-        request = inference_pb2.GenerateRequest(
-            text=prompt, sampling=inference_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        )
-        tokens: list[int] = []
-        try:
-            for response in stub.Generate(request, timeout=deadline_s):
-                tokens += response.token_ids
-                if response.HasField("final"):
-                    history = [
-                        (m.from_worker, m.to_worker, m.tokens_streamed)
-                        for m in response.final.breakdown.migration_history
-                    ]
-                    return {"status": "OK", "tokens": tokens, "migrations": history}
-            return {"status": "NO_FINAL", "tokens": tokens, "migrations": []}
-        except grpc.RpcError as exc:
-            return {"status": exc.code().name, "details": exc.details(), "tokens": tokens, "migrations": []}
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+async def run_streams(stub: Any, prompts: list[str], max_tokens: int, deadline_s: float) -> list[dict[str, Any]]:
+    """Every prompt as its own greedy stream, all at once."""
+    requests = [BenchRequest(i, prompt, max_tokens) for i, prompt in enumerate(prompts)]
+    results = await closed_loop(stub, "", requests, SamplingSpec(timeout_s=deadline_s), len(requests))
+    out = []
+    for r in results:
+        if r.error is None:
+            out.append({"status": "OK", "tokens": r.token_ids, "migrations": r.migration_history})
+        elif r.error == "NO_FINAL":
+            out.append({"status": "NO_FINAL", "tokens": r.token_ids, "migrations": []})
+        else:
+            out.append({"status": r.error, "details": r.detail, "tokens": r.token_ids, "migrations": []})
+    return out
 
 
-def main() -> None:
-    args = _parser().parse_args()
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}." for i in range(args.streams)]
-    up = Up(args.model)
-    try:
-        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{up.port}"))
+    spec = DeploySpec(1, 2, "always", model=args.model, process=True)
+    async with Deployment(spec) as up, inference_stub(up.address) as stub:
         started = time.monotonic()
-        reference = run_streams(stub, prompts, args.max_tokens, args.deadline)
+        reference = await run_streams(stub, prompts, args.max_tokens, args.deadline)
         undisturbed_s = time.monotonic() - started
-        victims = up.decode_workers()
+        victims = up.worker_pids(Role.DECODE)
         killed: dict[str, float] = {}
 
-        def kill() -> None:
+        async def kill() -> None:
+            await asyncio.sleep(args.kill_after)
             os.kill(victims[0], signal.SIGKILL)
             killed["at"] = time.monotonic()
 
-        timer = threading.Timer(args.kill_after, kill)
         started = time.monotonic()
-        timer.start()
-        disturbed = run_streams(stub, prompts, args.max_tokens, args.deadline)
-        timer.join()
+        disturbed, _ = await asyncio.gather(run_streams(stub, prompts, args.max_tokens, args.deadline), kill())
         disturbed_s = time.monotonic() - started
-        while up.registered_decode_workers() < 2 and time.monotonic() - killed["at"] < 120:
-            time.sleep(0.5)
-        back_s = time.monotonic() - killed["at"] if up.registered_decode_workers() >= 2 else None
-    finally:
-        up.stop()
-    report = {
+        while await _decode_workers_registered(up) < 2 and time.monotonic() - killed["at"] < 120:
+            await asyncio.sleep(0.5)
+        back_s = time.monotonic() - killed["at"] if await _decode_workers_registered(up) >= 2 else None
+    return {
         "streams": args.streams, "max_tokens": args.max_tokens, "kill_after_s": args.kill_after,
         "reference_completed": sum(r["status"] == "OK" for r in reference),
         "completed": sum(r["status"] == "OK" for r in disturbed),
@@ -161,11 +94,11 @@ def main() -> None:
         "two_decode_workers_again_after_s": None if back_s is None else round(back_s, 1),
         "undisturbed_run_s": round(undisturbed_s, 1), "disturbed_run_s": round(disturbed_s, 1),
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key, value in report.items():
-            print(f"{key}: {value}")
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    emit(asyncio.run(_run(args)), args.json, indent=2)
 
 
 if __name__ == "__main__":

@@ -23,17 +23,17 @@ size as vLLM (``--kv-cache-gib``). ``--rounds N`` runs every system N times, alt
 (pdserve, vLLM, transformers, pdserve, ...), so that a loaded machine's swings hit them alike;
 the report gives each system's median and the median of the per-round ratios.
 
-    python bench/offline.py --shape tiny                 # a table
-    python bench/offline.py --shape tiny --json          # one JSON object
-    python bench/offline.py --shape llama-3.1-8b --num-layers 2 --dtype bfloat16
+    python -m bench.offline --shape tiny                 # a table
+    python -m bench.offline --shape tiny --json          # one JSON object
+    python -m bench.offline --shape llama-3.1-8b --num-layers 2 --dtype bfloat16
 
 With ``--tensor-parallel-size N`` or ``--data-parallel-size N --enable-expert-parallel`` pdserve runs
 as a group of N ranks (``--threads`` split evenly over them), and a fourth system,
 ``pdserve-1rank``, runs the same workload on one rank with all the threads, alternating with the
 group; the report adds the group's collective time per model step, by kind (rank 0's view).
 
-    python bench/offline.py --shape tiny --tensor-parallel-size 2 --skip-transformers --json
-    python bench/offline.py --shape deepseek-v3-mini --data-parallel-size 2 --enable-expert-parallel
+    python -m bench.offline --shape tiny --tensor-parallel-size 2 --skip-transformers --json
+    python -m bench.offline --shape deepseek-v3-mini --data-parallel-size 2 --enable-expert-parallel
 """
 
 from __future__ import annotations
@@ -41,105 +41,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.lib import machine
+from bench.lib.checkpoints import SHAPES, read_checkpoint_info, write_checkpoint
+from bench.lib.report import emit, median, median_ratio, ratio
+
+ROOT = Path(__file__).resolve().parents[1]
+
 SYSTEMS = ("pdserve", "pdserve-1rank", "vllm", "transformers")
-
-# Llama 3 rope scaling, as in Llama-3.1-8B's config.json.
-_LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A model shape: the transformers classes to build it and the config fields."""
-
-    description: str
-    model_class: str  # transformers class name
-    config_class: str
-    config: dict[str, Any]
-
-
-SHAPES: dict[str, Shape] = {
-    "tiny": Shape(
-        "small Llama (hidden 512, 4 layers, 8 heads / 4 KV heads of 64, vocab 32000); the default workload takes minutes on 2 CPU cores",
-        "LlamaForCausalLM", "LlamaConfig",
-        dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-    ),
-    "smollm2-135m": Shape(
-        "the real SmolLM2-135M config (30 layers, hidden 576, 9 heads / 3 KV heads of 64, FFN 1536, "
-        "vocab 49152, tied embeddings)",
-        "LlamaForCausalLM", "LlamaConfig",
-        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    ),
-    "llama-31m": Shape(
-        "a 31M-parameter Llama (8 layers, hidden 512, 8 heads / 4 KV heads of 64, FFN 1376, vocab 8192)",
-        "LlamaForCausalLM", "LlamaConfig",
-        dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-    ),
-    "llama-3.1-8b": Shape(
-        "the real Llama-3.1-8B config (32 layers, hidden 4096, 32 heads / 8 KV heads of 128, vocab 128256, "
-        "llama3 rope); 16 GB in bfloat16: a GPU shape, or use --num-layers on CPU",
-        "LlamaForCausalLM", "LlamaConfig",
-        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-             rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=False,
-             bos_token_id=128000, eos_token_id=128001),
-    ),
-    "deepseek-v2-lite": Shape(
-        "the real DeepSeek-V2-Lite config (27 layers, hidden 2048, 16 MLA heads, kv_lora 512 / rope 64 / "
-        "nope 128 / v 128, 64 routed experts top-6 + 2 shared, vocab 102400, yarn rope); 31 GB in float32",
-        "DeepseekV2ForCausalLM", "DeepseekV2Config",
-        dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-             n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
-             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-             topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-             max_position_embeddings=163840, rope_theta=10000.0,
-             rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                           "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001),
-    ),
-    "deepseek-v3-mini": Shape(
-        "DeepSeek-V3 architecture with V3's real MLA dims (q_lora 1536, kv_lora 512, rope 64, nope 128, v 128) "
-        "and router (sigmoid, grouped top-k, correction bias, scaling 2.5) but small elsewhere: hidden 1024, "
-        "16 heads, 4 layers (1 dense), 16 routed experts top-4 in 4 groups (top 2) + 1 shared, vocab 32000",
-        "DeepseekV3ForCausalLM", "DeepseekV3Config",
-        dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-             num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1,
-             n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-             routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536,
-             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
-             rope_theta=10000.0,
-             rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
-                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
-    ),
-}
-
 
 def _parser() -> argparse.ArgumentParser:
     shapes = "\n".join(f"  {name}: {shape.description}" for name, shape in SHAPES.items())
     parser = argparse.ArgumentParser(
-        prog="bench/offline.py",
+        prog="python -m bench.offline",
         description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:3]),
         epilog="shapes (random weights, written with save_pretrained):\n" + shapes
         + "\n\nThroughput counts only requested tokens: output tok/s = sum of requested output lengths / "
@@ -206,40 +128,6 @@ def _log(message: str) -> None:
 # -- the parent: checkpoint, workload, children, report ----------------------------------------
 
 
-def write_checkpoint(shape: Shape, directory: Path, dtype: str, seed: int, num_layers: int | None) -> dict[str, Any]:
-    """Random weights of ``shape`` saved with ``save_pretrained``; returns the config fields used."""
-    import torch
-    import transformers
-
-    fields = dict(shape.config)
-    if num_layers is not None:
-        fields["num_hidden_layers"] = num_layers
-        fields["first_k_dense_replace"] = min(fields.get("first_k_dense_replace", 0), max(num_layers - 1, 0))
-    config = getattr(transformers, shape.config_class)(**fields)
-    torch.manual_seed(seed)
-    model = getattr(transformers, shape.model_class)._from_config(config, dtype=getattr(torch, dtype)).eval()
-    if shape.model_class == "DeepseekV3ForCausalLM":
-        # A zero correction bias (the init) would leave V3's bias path untested by the routing.
-        for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.data.normal_(0, 0.05)
-    model.save_pretrained(directory)
-    num_params = sum(p.numel() for p in model.parameters())
-    del model
-    return {"num_parameters": num_params, "num_hidden_layers": fields["num_hidden_layers"],
-            "vocab_size": fields["vocab_size"]}
-
-
-def read_checkpoint_info(directory: Path) -> dict[str, Any]:
-    """The config fields the report needs, from an existing checkpoint's config.json."""
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise SystemExit(f"--model {directory}: no config.json there")
-    config = json.loads(config_file.read_text())
-    return {"num_parameters": None, "num_hidden_layers": config.get("num_hidden_layers"),
-            "vocab_size": config["vocab_size"]}  # fmt: skip
-
-
 def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's rounds as one result: every timed run in order, the highest peak RSS."""
     failed = [r for r in runs if "error" in r]
@@ -268,9 +156,11 @@ def run_worker(system: str, work_dir: Path, python: Path | None = None, env: dic
     """Run one system in a child process; its stderr passes through, its result comes back as JSON."""
     result_file = work_dir / f"result-{system}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [str(python or sys.executable), str(Path(__file__).resolve()), "--worker", system, "--worker-dir", str(work_dir)]
+    cmd = [str(python or sys.executable), "-m", "bench.offline", "--worker", system, "--worker-dir", str(work_dir)]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    # The repository root on the path: the child imports this package from any working directory.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path, **(env or {})})
     if proc.returncode != 0 or not result_file.is_file():
         return {"error": f"worker exited with status {proc.returncode}"}
     result = json.loads(result_file.read_text())
@@ -288,8 +178,7 @@ def summarise(result: dict[str, Any], workloads: list[dict[str, list]]) -> dict[
         prompt_tokens = sum(len(p) for p in workload["prompts"])
         per_run.append({"seconds": seconds, "output_tok_s": output_tokens / seconds,
                         "total_tok_s": (output_tokens + prompt_tokens) / seconds})
-    summary = {key: round(statistics.median(run[key] for run in per_run), 3)
-               for key in ("seconds", "output_tok_s", "total_tok_s")}
+    summary = {key: median((run[key] for run in per_run), 3) for key in ("seconds", "output_tok_s", "total_tok_s")}
     summary["peak_rss_mib"] = round(result["peak_rss_kib"] / 1024, 1)
     summary["loaded_rss_mib"] = round(result["loaded_rss_kib"] / 1024, 1)
     summary["runs"] = [{k: round(v, 3) for k, v in run.items()} for run in per_run]
@@ -306,25 +195,6 @@ def greedy_mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, list
         n = min(len(x), len(y))
         divergence.append(next((i for i in range(n) if x[i] != y[i]), None))
     return sum(d is not None for d in divergence), divergence
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    ram_gib = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                ram_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "torch_threads": threads,
-            "cpu_model": cpu, "ram_gib": ram_gib, "torch": torch.__version__, "python": platform.python_version()}
 
 
 def main_parent(args: argparse.Namespace) -> dict[str, Any]:
@@ -371,7 +241,7 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
             for system in systems:  # alternating: one run of each system per round
                 _log(f"round {index + 1}/{args.rounds}: {system} ({args.repeats} timed run(s))")
                 if system == "vllm":
-                    from offline_peer import environment
+                    from bench.offline_peer import environment
 
                     env = environment(args.kv_cache_gib, args.threads)
                     rounds[system].append(run_worker(system, work_dir, args.peer_python, env))
@@ -401,28 +271,29 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         report[system] = summarise(result, workloads)
     pd, hf = report.get("pdserve", {}), report.get("transformers", {})
     if "output_tok_s" in pd and "output_tok_s" in hf:
-        ratios = [p["output_tok_s"] / h["output_tok_s"] for p, h in zip(pd["runs"], hf["runs"])]
-        report["speedup_output_tok_s"] = round(statistics.median(ratios), 3)
-        report["memory_ratio"] = round(pd["peak_rss_mib"] / hf["peak_rss_mib"], 3)
+        report["speedup_output_tok_s"] = median_ratio(_runs(pd, "output_tok_s"), _runs(hf, "output_tok_s"))
+        report["memory_ratio"] = ratio(pd["peak_rss_mib"], hf["peak_rss_mib"])
         hf["wasted_tokens"] = hf["generated_tokens"] - report["output_tokens"]
         count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"])
         report["greedy_mismatches"] = count
         report["greedy_first_divergence"] = divergence
     one = report.get("pdserve-1rank", {})
     if "output_tok_s" in pd and "output_tok_s" in one:
-        ratios = [p["output_tok_s"] / o["output_tok_s"] for p, o in zip(pd["runs"], one["runs"])]
-        report["group_over_1rank_output_tok_s"] = round(statistics.median(ratios), 3)
+        report["group_over_1rank_output_tok_s"] = median_ratio(_runs(pd, "output_tok_s"), _runs(one, "output_tok_s"))
         count, _ = greedy_mismatches(results["pdserve"]["check_tokens"], results["pdserve-1rank"]["check_tokens"])
         report["group_greedy_mismatches"] = count
     peer = report.get("vllm", {})
     if "output_tok_s" in pd and "output_tok_s" in peer:
-        ratios = [p["output_tok_s"] / v["output_tok_s"] for p, v in zip(pd["runs"], peer["runs"])]
-        report["pdserve_over_vllm_output_tok_s"] = round(statistics.median(ratios), 3)
-        report["pdserve_over_vllm_peak_rss"] = round(pd["peak_rss_mib"] / peer["peak_rss_mib"], 3)
+        report["pdserve_over_vllm_output_tok_s"] = median_ratio(_runs(pd, "output_tok_s"), _runs(peer, "output_tok_s"))
+        report["pdserve_over_vllm_peak_rss"] = ratio(pd["peak_rss_mib"], peer["peak_rss_mib"])
         count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["vllm"]["check_tokens"])
         report["vllm_greedy_mismatches"] = count
-    report["machine"] = machine_info(args.threads) | {"transformers": transformers.__version__}
+    report["machine"] = machine.describe() | {"torch_threads": args.threads, "transformers": transformers.__version__}
     return report
+
+
+def _runs(summary: dict[str, Any], key: str) -> list[float]:
+    return [run[key] for run in summary["runs"]]
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -545,7 +416,7 @@ def main_worker(system: str, work_dir: Path) -> None:
     settings = json.loads((work_dir / "settings.json").read_text())
     torch.set_num_threads(settings["threads"])
     if system == "vllm":
-        from offline_peer import vllm_runner
+        from bench.offline_peer import vllm_runner
 
         generate, config = vllm_runner(settings)
     elif system == "pdserve-1rank":
@@ -583,11 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         main_worker(args.worker, args.worker_dir)
         return
-    report = main_parent(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    emit(main_parent(args), args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,15 @@ comparable scenario: TTFT p90 target = 4 x the prefill time of a p90 prompt; ITL
 = 1.25 x a decode step of 16 median requests; the base rate is 1.5 prefill replicas' worth
 of median traffic (peaks are 3x that).
 
-    python bench/planner_sim.py                     # a table
-    python bench/planner_sim.py --json              # one JSON object
-    python bench/planner_sim.py --plot bench/plots/planner_sim.png
-    python bench/planner_sim.py --measure-profile bench/profiles/cpu-tiny-llama.json
+    python -m bench.planner_sim                     # a table
+    python -m bench.planner_sim --json              # one JSON object
+    python -m bench.planner_sim --plot bench/plots/planner_sim.png
+    python -m bench.planner_sim --measure-profile bench/profiles/cpu-tiny-llama.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -45,18 +44,19 @@ from typing import Any
 
 import msgspec
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.lib.checkpoints import SHAPES, write_checkpoint
+from bench.lib.report import emit
+from pdserve.discovery.knobs import Knobs
+from pdserve.discovery.slo import SLOTargets
+from pdserve.planner.config import PlannerConfig
+from pdserve.planner.latency_model import LatencyModel, LengthDistribution
+from pdserve.planner.observation import Observation
+from pdserve.planner.planner import Decision, Planner
+from pdserve.planner.profile import EngineProfile
+from sim.simulator import SimResult, simulate
+from sim.traces import Trace, standard_traces
 
-from pdserve.discovery.knobs import Knobs  # noqa: E402
-from pdserve.discovery.slo import SLOTargets  # noqa: E402
-from pdserve.planner.config import PlannerConfig  # noqa: E402
-from pdserve.planner.latency_model import LatencyModel, LengthDistribution  # noqa: E402
-from pdserve.planner.observation import Observation  # noqa: E402
-from pdserve.planner.planner import Decision, Planner  # noqa: E402
-from pdserve.planner.profile import EngineProfile  # noqa: E402
-from sim.simulator import SimResult, simulate  # noqa: E402
-from sim.traces import Trace, standard_traces  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "cpu-tiny-llama.json"
 PROMPT_MEDIAN, OUTPUT_MEDIAN = 256, 96  # tokens, of the base traffic
@@ -350,9 +350,7 @@ def plot(path: Path, sc: Scenario, traces: dict[str, dict]) -> None:
 
 
 def measure_profile(out: Path) -> None:
-    """Profile bench/offline.py's ``tiny`` Llama (random weights) on this machine."""
-    from offline import SHAPES, write_checkpoint
-
+    """Profile bench.lib.checkpoints' ``tiny`` Llama (random weights) on this machine."""
     from pdserve.engine.engine import LLMEngine
     from pdserve.planner.profiler import ProfilePlan, profile_engine
     from pdserve.types.engine_config import EngineConfig
@@ -366,7 +364,7 @@ def measure_profile(out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
         write_checkpoint(SHAPES["tiny"], Path(tmp), "float32", 0, None)
         engine = LLMEngine(tmp, EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048))
-        source = f"python bench/planner_sim.py --measure-profile {out} (bench/offline.py shape 'tiny', random weights)"
+        source = f"python -m bench.planner_sim --measure-profile {out} (bench/offline.py shape 'tiny', random weights)"
         profile = profile_engine(engine, plan, source=source)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
@@ -375,7 +373,7 @@ def measure_profile(out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="bench/planner_sim.py",
+        prog="python -m bench.planner_sim",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -406,10 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     if args.plot:
         plot(args.plot, sc, traces)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    emit(report, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Online serving benchmark: a gRPC load generator for pdserve, and disaggregated against colocated.
 
 Targets: ``--target HOST:PORT`` measures a server that is already running. ``--model PATH`` (or
-``--random-model SHAPE``, a random-weight checkpoint of ``bench/offline.py``'s shapes written
+``--random-model SHAPE``, a random-weight checkpoint of ``bench.lib.checkpoints``' shapes written
 to a temporary directory) starts the deployment itself with ``LocalCluster``, the code behind
 ``pdserve up`` (frontend and workers as child processes, embedded etcd unless ``--etcd``).
 With ``--compare`` one invocation runs two deployments one after the other, on the same
@@ -22,7 +22,7 @@ has ``ignore_eos``, so it produces exactly its drawn output length; greedy unles
 at most 8 tokens out) run before each measurement and are not counted.
 
 Measured on the client (one grpc.aio channel, a stream per request, each with a deadline):
-TTFT, ITL and E2E (see ``bench/serve_load.py`` for the exact rules: a message carrying n
+TTFT, ITL and E2E (see ``bench/lib/load.py`` for the exact rules: a message carrying n
 tokens gives each of them 1/n of its gap), and from each final message the server's breakdown
 (queue, prefill, KV transfer time and bytes, disaggregated or not). Throughput is over the
 measured span, first send to last end. Goodput counts the requests per second that meet BOTH
@@ -35,8 +35,8 @@ TTFT; it delays the second token. The report gives kv_transfer_ms / ttft_ms (the
 measured against TTFT: what it would add if it sat on that path) and kv_transfer_ms over the
 first ITL (the share of the gap it really sits in).
 
-    python bench/serve.py --random-model tiny --compare --rate 1 --num-requests 64 --json
-    python bench/serve.py --target 127.0.0.1:50051 --concurrency 8 --num-requests 200
+    python -m bench.serve --random-model tiny --compare --rate 1 --num-requests 64 --json
+    python -m bench.serve --target 127.0.0.1:50051 --concurrency 8 --num-requests 200
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -54,15 +53,16 @@ from typing import Any
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load  # noqa: E402
-from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
-
-from pdserve.cli.common import add_engine_args, from_options, seconds  # noqa: E402
-from pdserve.frontend.config import DISAGGREGATION_MODES  # noqa: E402
-from pdserve.types.engine_config import EngineConfig  # noqa: E402
+from bench.lib import machine
+from bench.lib.checkpoints import SHAPES, write_checkpoint
+from bench.lib.deploy import Deployment, DeploySpec
+from bench.lib.load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load
+from bench.lib.report import emit
+from bench.serve_report import plot_cdfs, print_table, ratios, summarise
+from pdserve.cli.common import add_engine_args, from_options, seconds
+from pdserve.frontend.config import DISAGGREGATION_MODES
+from pdserve.launch.local_cluster import ChildFailed
+from pdserve.types.engine_config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench/serve.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     where = parser.add_mutually_exclusive_group(required=True)
@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--random-model",
         metavar="SHAPE",
-        help="like --model, with random weights of bench/offline.py's SHAPE (e.g. tiny), written with transformers",
+        help="like --model, with random weights of bench.lib.checkpoints' SHAPE (e.g. tiny), written with transformers",
     )
     parser.add_argument(
         "--max-position-embeddings", type=int, default=None, help="--random-model: override the shape's context window"
@@ -169,22 +169,9 @@ def _log(message: str) -> None:
     print(f"[serve] {message}", file=sys.stderr, flush=True)
 
 
-def machine_info(threads_per_worker: int | None) -> dict[str, Any]:
-    import torch
-    from offline import machine_info as offline_machine_info
-
-    info = offline_machine_info(threads_per_worker or 0)
-    info["threads_per_worker"] = info.pop("torch_threads") or None
-    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    info["gpu_count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return info
-
-
 def write_random_model(
     shape_name: str, directory: Path, seed: int, max_position_embeddings: int | None
 ) -> dict[str, Any]:
-    from offline import SHAPES, write_checkpoint
-
     if shape_name not in SHAPES:
         raise SystemExit(f"--random-model: unknown shape {shape_name!r}; shapes: {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
@@ -251,39 +238,26 @@ class Bench:
         }
 
     async def run_plan(self, plan: Plan, model_path: str, threads: int) -> dict[str, Any]:
-        from pdserve.frontend.config import FrontendConfig, RouterConfig
-        from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
-        from pdserve.worker.config import WorkerConfig
-
         a = self.args
         name = f"bench-{plan.name}"
         engine = from_options(a, EngineConfig)
-        # The cluster gives every child its registry's URL as ``etcd``.
-        prefill = WorkerConfig(role="prefill", model=model_path, etcd="", model_name=name, num_threads=threads,
-                               engine=engine)  # fmt: skip
-        frontend = FrontendConfig(etcd="", port=0, http_port=0,
-                                  router=RouterConfig(disaggregation=plan.disaggregation),
-                                  request_timeout_s=a.request_timeout)  # fmt: skip
-        cluster = LocalCluster(ClusterSpec(prefill=prefill, decode=msgspec.structs.replace(prefill, role="decode"),
-                                           frontend=frontend, etcd=a.etcd))  # fmt: skip
+        spec = DeploySpec(plan.num_prefill, plan.num_decode, plan.disaggregation, model=model_path, model_name=name,
+                          threads_per_worker=threads, etcd=a.etcd, http=True, engine=engine,
+                          request_timeout_s=a.request_timeout, start_timeout_s=360)  # fmt: skip
         deployment = {"workers": plan.label, "num_prefill": plan.num_prefill, "num_decode": plan.num_decode,
                       "disaggregation": plan.disaggregation, "threads_per_worker": threads,
                       "engine": msgspec.to_builtins(engine)}  # fmt: skip
         started = time.perf_counter()
         _log(f"starting {plan.name}: {plan.label}, {threads} thread(s) per worker")
         try:
-            await cluster.start(plan.num_prefill, plan.num_decode)
-            assert cluster.frontend is not None
-            model = await _wait_for_model(cluster.frontend.address, name, plan.num_prefill, plan.num_decode)
-            deployment["start_s"] = round(time.perf_counter() - started, 1)
-            result = await self.measure(cluster.frontend.address, model, plan.num_prefill + plan.num_decode)
-            if plan.num_prefill:
-                result["handoff_ms"] = await _handoff_breakdown(cluster.etcd_url, name)
+            async with Deployment(spec) as running:
+                deployment["start_s"] = round(time.perf_counter() - started, 1)
+                result = await self.measure(running.address, running.model, plan.num_prefill + plan.num_decode)
+                if plan.num_prefill:
+                    result["handoff_ms"] = await _handoff_breakdown(running.etcd_url, name)
         except (ChildFailed, RuntimeError, TimeoutError) as exc:
             _log(f"{plan.name} failed: {exc}")
             return {"deployment": deployment, "error": str(exc)}
-        finally:
-            await cluster.stop()
         return {"deployment": deployment, **result}
 
 
@@ -320,21 +294,6 @@ async def _handoff_breakdown(etcd_url: str, model_name: str) -> dict[str, float 
         count = sums[f"{metric}_count"]
         out[f"{phase}_mean"] = round(sums[f"{metric}_sum"] / count * 1e3, 2) if count else 0.0
     return out
-
-
-async def _wait_for_model(
-    target: str, name: str, num_prefill: int, num_decode: int, timeout_s: float = 60.0
-) -> dict[str, Any]:
-    """Until the frontend lists the model with every worker registered."""
-    deadline = time.monotonic() + timeout_s
-    seen: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        seen = await list_models(target)
-        for m in seen:
-            if m["name"] == name and m["prefill_workers"] == num_prefill and m["decode_workers"] == num_decode:
-                return m
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"the frontend did not list {name} with {num_prefill}P+{num_decode}D in {timeout_s}s: {seen}")
 
 
 async def _main(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -399,7 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["runs"] = runs
     if "disaggregated" in runs and "colocated" in runs and "error" not in runs["disaggregated"] | runs["colocated"]:
         report["ratios"] = ratios(runs["disaggregated"], runs["colocated"])
-    report["machine"] = machine_info(report.get("threads_per_worker"))
+    report["machine"] = machine.describe() | {"threads_per_worker": report.get("threads_per_worker")}
     if args.plot is not None:
         report["plot"] = plot_cdfs(args.plot, {k: v for k, v in samples.items() if v}, report)
     return report
@@ -407,11 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    report = run(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    emit(run(args), args.json, print_table)
 
 
 if __name__ == "__main__":

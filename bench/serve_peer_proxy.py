@@ -9,7 +9,7 @@ the flow of vLLM's disaggregated-serving examples, written here for the benchmar
 
 Runs under the vLLM environment's interpreter (Starlette, uvicorn and httpx come with vLLM):
 
-    python bench/serve_peer_proxy.py --port 8100 --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102
+    python -m bench.serve_peer_proxy --port 8100 --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102
 """
 
 from __future__ import annotations

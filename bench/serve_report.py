@@ -1,4 +1,4 @@
-"""The statistics and the report of ``bench/serve.py``: percentiles, goodput, ratios, table, plot.
+"""The statistics and the report of ``bench.serve``: percentiles, goodput, ratios, table, plot.
 
 Percentiles interpolate linearly between samples (as numpy's default). Goodput counts the
 requests that meet both SLOs: TTFT <= the TTFT bound and the request's own ITL statistic (its
@@ -8,30 +8,14 @@ and is judged by TTFT alone.
 
 from __future__ import annotations
 
-import math
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from serve_load import BenchRequest, RequestResult
-
-
-def percentiles(values: list[float]) -> dict[str, float] | None:
-    """p50/p90/p99 (linear interpolation, as numpy's default), mean, max and n; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        k = (len(ordered) - 1) * q
-        low = math.floor(k)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
-
-    return {"p50": round(at(0.5), 3), "p90": round(at(0.9), 3), "p99": round(at(0.99), 3),
-            "mean": round(statistics.fmean(ordered), 3), "max": round(ordered[-1], 3), "n": len(ordered)}  # fmt: skip
+from bench.lib.load import BenchRequest, RequestResult
+from bench.lib.report import percentiles, ratio
 
 
 def request_itl(result: RequestResult, stat: str) -> float | None:
@@ -115,7 +99,7 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
     out = {}
     for key, stat in RATIO_KEYS:
         x, y = _value(a, key, stat), _value(b, key, stat)
-        out[f"{key}.{stat}" if stat else key] = round(x / y, 3) if x is not None and y else None
+        out[f"{key}.{stat}" if stat else key] = ratio(x, y)
     return out
 
 

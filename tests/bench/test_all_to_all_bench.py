@@ -1,4 +1,4 @@
-"""``bench/all_to_all.py`` runs on two gloo ranks (its smoke mode) and reports every exchange."""
+"""``bench.all_to_all`` runs on two gloo ranks (its smoke mode) and reports every exchange."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_run_over_two_ranks_reports_each_exchange():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(BENCH / "all_to_all.py"), "--smoke", "--json", "--repeats", "3"],
-        capture_output=True, text=True, timeout=180, cwd=BENCH,
+         "-m", "bench.all_to_all", "--smoke", "--json", "--repeats", "3"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""``bench/chaos.py``: a one-minute soak on the tiny Llama (2 prefill + 2 decode workers, faults
+"""``bench.chaos``: a one-minute soak on the tiny Llama (2 prefill + 2 decode workers, faults
 every few seconds) meets the soak's targets: nothing hangs, no KV block leaks on any worker,
 every failure is explained by a deadline or by the migration attempts running out, and the
 deployment ends with its workers registered again."""
@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_short_chaos_soak_hangs_nothing_leaks_nothing_and_explains_every_failure():
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--duration", "60", "--fault-interval", "6",
+        [sys.executable, "-m", "bench.chaos", "--duration", "60", "--fault-interval", "6",
          "--concurrency", "4", "--seed", "1", "--json"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout)

@@ -1,4 +1,4 @@
-"""``bench/cpu_attention.py`` runs (two layers, a small cache), against another build of the
+"""``bench.cpu_attention`` runs (two layers, a small cache), against another build of the
 kernel too, and refuses what it cannot run by name."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 from pdserve.kernels.cpu import paged_decode
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(BENCH / "cpu_attention.py"), "--layers", "2", "--reps", "1", "--cache-gib", "0.1", *args],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "bench.cpu_attention", "--layers", "2", "--reps", "1", "--cache-gib", "0.1", *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
 
 

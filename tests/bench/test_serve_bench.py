@@ -1,4 +1,4 @@
-"""``bench/serve.py``: its timing and goodput rules on made-up streams, and one real --compare run
+"""``bench.serve``: its timing and goodput rules on made-up streams, and one real --compare run
 on the tiny Llama (a few requests) checked against its JSON contract."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH_DIR))
+from bench.lib.load import BenchRequest, RequestResult, WorkloadSpec, make_requests
+from bench.serve_report import summarise
 
-from serve_load import BenchRequest, RequestResult, WorkloadSpec, make_requests  # noqa: E402
-from serve_report import summarise  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stream(index: int, messages: list[tuple[float, int]]) -> RequestResult:
@@ -70,11 +69,11 @@ def test_the_workload_is_seeded_within_its_ranges_and_shares_prefixes():
 def test_compare_run_reports_both_deployments_side_by_side(checkpoints):
     path, _ = checkpoints("llama")
     result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "serve.py"), "--model", str(path), "--compare", "--concurrency", "2",
+        [sys.executable, "-m", "bench.serve", "--model", str(path), "--compare", "--concurrency", "2",
          "--num-requests", "4", "--warmup", "2", "--prompt-len", "8:40", "--output-len", "3:6",
          "--shared-prefix-fraction", "0.5", "--prefix-len", "16", "--ttft-slo", "30s", "--itl-slo", "10s",
          "--max-num-seqs", "8", "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)  # exactly one JSON object on stdout

