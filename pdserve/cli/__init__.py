@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pdserve.cli import fetch_model, generate, knobs, kube_operator, operate, planner, profile, serve, slo, status, up
+from pdserve.extras import MissingExtra
 from pdserve.lifecycle import die_with_parent
 
 EPILOG = """examples:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:  # a CheckpointError is a ValueError
+    except (ValueError, FileNotFoundError, MissingExtra) as error:  # a CheckpointError is a ValueError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.extras import missing_extra
+
 DESCRIPTION = """Reconcile PDServeDeployment resources (pdserve.io/v1alpha1): for each, a ConfigMap
 with the components' arguments, Deployments for the frontend, the prefill and decode pools and
 the planner (LeaderWorkerSets for groups larger than a node), and Services; its status counts
@@ -40,7 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import kopf
+    try:
+        import kopf
+    except ModuleNotFoundError as error:
+        missing_extra(error, "k8s", "the operator")
 
     from pdserve.observability.metrics import serve_metrics
     from pdserve.operator import handlers

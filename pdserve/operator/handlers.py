@@ -17,9 +17,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
+from pdserve.extras import missing_extra
+
+try:
+    import kopf
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
+except ModuleNotFoundError as error:
+    missing_extra(error, "k8s", "pdserve's operator")
 
 from pdserve.operator.children import DEPLOYMENT_LABEL, MANAGED_BY, OPERATOR
 from pdserve.operator.kube import Kube

@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
+from pdserve.extras import missing_extra
+
+try:
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+    from kubernetes.client.exceptions import ApiException
+except ModuleNotFoundError as error:
+    missing_extra(error, "k8s", "pdserve's operator")
 
 FIELD_MANAGER = "pdserve-operator"
 # The longest one API call may take; a reconcile fails (and is retried) past it.

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from pdserve.discovery.knobs import Knobs
+from pdserve.extras import missing_extra
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -85,8 +86,8 @@ class KubernetesConnector(ScalingConnector):
     """Patches ``spec.{prefill,decode}.replicas`` (and ``spec.tuning``) of a PDServeDeployment.
 
     ``api`` is a ``kubernetes.client.CustomObjectsApi``; None creates one on first use from
-    the in-cluster service account, else the local kubeconfig. The ``kubernetes`` package is
-    a dependency of pdserve (the operator uses it too).
+    the in-cluster service account, else the local kubeconfig. The ``kubernetes`` package comes
+    with pdserve's ``k8s`` extra (the operator needs it too).
     """
 
     def __init__(self, name: str, namespace: str = "default", api: Any = None) -> None:
@@ -98,8 +99,8 @@ class KubernetesConnector(ScalingConnector):
         if self._api is None:
             try:
                 from kubernetes import client, config
-            except ImportError:
-                raise RuntimeError("KubernetesConnector needs the kubernetes package: pip install kubernetes") from None
+            except ModuleNotFoundError as error:
+                missing_extra(error, "k8s", "the planner's KubernetesConnector")
             try:
                 config.load_incluster_config()
             except config.ConfigException:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.kernels.cpu import paged_decode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +23,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_short_run_against_another_build_reports_both(tmp_path):
     against = tmp_path / "paged_decode.c"
     shutil.copy(Path(paged_decode.__file__).with_suffix(".c"), against)  # no header beside it: this tree's
@@ -33,6 +36,7 @@ def test_a_short_run_against_another_build_reports_both(tmp_path):
     assert report["decode"]["current"]["gb_s"] > 0 and report["prompt"]["against"]["gflops"] > 0
 
 
+@pytest.mark.slow
 def test_a_missing_file_and_a_small_cache_are_named(tmp_path):
     missing = _run("--against", str(tmp_path / "nowhere.c"))
     assert missing.returncode == 2 and "--against" in missing.stderr

@@ -74,6 +74,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_slo_set_then_show_round_trips(etcd_url: str, model: str) -> None:
     stored = pdserve("slo", "set", "--model", model, "--ttft-p90", "500ms", "--itl-p90", "0.03s", etcd=etcd_url)
     assert stored.returncode == 0, stored.stderr

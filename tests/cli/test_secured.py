@@ -11,6 +11,7 @@ import sys
 import time
 
 import msgspec
+import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cli.common import ETCD_AUTH_OPTIONS
@@ -76,6 +77,7 @@ def test_without_credentials_the_commands_fail_naming_what_is_missing(secure_etc
     assert password_only.returncode == 2 and "both a user and a password" in password_only.stderr
 
 
+@pytest.mark.slow
 def test_a_worker_with_an_admin_key_drains_only_for_it(etcd_url, model, checkpoints):
     path, _ = checkpoints("llama")
     worker_id = f"decode-{model[-8:]}"

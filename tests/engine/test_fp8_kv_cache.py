@@ -75,6 +75,7 @@ def test_an_fp8_cache_holds_half_the_bytes_a_token(checkpoints):
     assert fp8.kv_cache_spec.bytes_per_token * 2 == half.kv_cache_spec.bytes_per_token
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
 @pytest.mark.parametrize("scales", [None, ([0.5, 0.25], [2.0, 0.125])])
 def test_greedy_tokens_equal_transformers_rounding_kv_the_same_way(checkpoints, tmp_path, kernels, scales):

@@ -71,6 +71,7 @@ def _resume_during(engine: LLMEngine, layer: int, resumes: dict[str, int]) -> No
     engine.model.layers[layer].feed_forward = run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2_lite"])
 def test_consumers_resumed_mid_step_join_the_step_and_match_transformers(checkpoints, arch):
     path, hf_model = checkpoints(arch)
@@ -90,6 +91,7 @@ def test_consumers_resumed_mid_step_join_the_step_and_match_transformers(checkpo
     _assert_matches_transformers(hf_model, prompts, tokens)
 
 
+@pytest.mark.slow
 def test_joiners_catch_up_several_layers_and_one_boundary_a_step_takes_them(tmp_path):
     """Four layers: consumers resumed during layer 1 catch up on layers 0 and 1 and join at 2;
     one resumed during layer 2 waits for the next step, since this one has had its joiners.

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from pdserve.discovery.knobs import Knobs
+from pdserve.extras import MissingExtra
 from pdserve.planner.scaling import KubernetesConnector
 from tests.utils.aio import run_scenario
 
@@ -56,5 +57,5 @@ def test_current_scale_and_knobs():
 
 def test_a_clear_error_without_the_kubernetes_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "kubernetes", None)  # makes `import kubernetes` fail
-    with pytest.raises(RuntimeError, match="pip install kubernetes"):
+    with pytest.raises(MissingExtra, match=r"pip install 'pdserve\[k8s\]'"):
         run_scenario(KubernetesConnector("llama").current())

@@ -1,7 +1,7 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver and the
 kube-controller-manager's garbage collector, deployment, replicaset and namespace controllers.
 
-The v1.20.2 binaries are built once per machine by ``scripts/k8s_test_env.sh`` (``.ci/run``
+The v1.20.2 binaries are built once per machine by ``scripts/k8s_test_env.sh`` (``scripts/setup.sh``
 runs it). Without them the tests that need a server fail with the command to run, never skip.
 There is no kubelet: pods stay Pending, and tests make them ready by patching their status.
 """
