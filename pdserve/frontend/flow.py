@@ -24,7 +24,8 @@ token continues the client's one stream; the engine counts those tokens for ``ma
 and the penalties and skips a seeded request's draws for them, so the tokens are those an
 unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
 deadline; then UNAVAILABLE naming every worker tried. Each attempt has its own request id
-(``ID``, then ``ID.m1``...), so a late ``Release`` or an old pin never meets a new one.
+(``ID``, then ``ID.m1``...), so a late ``Release`` or an old pin never meets a new one; what
+belongs to one attempt lives in its ``Attempt``, made fresh for each.
 A decode worker that refuses because it could not pull the KV (``KV_SOURCE_FAILED``: the
 prefill worker died or stalled) is not at fault: the next attempt avoids that prefill worker
 instead, and may decode on the same decode worker.
@@ -33,9 +34,9 @@ The prefill worker's engine owns the pinned blocks: the decode worker's completi
 free them, or their deadline. The frontend keeps no state about them, and has one rule: when
 a flow that prefilled ends before the decode worker reported the pull done (its
 ``DecodeStarted``, sent right after the pull), the frontend sends ``Release`` to the prefill
-worker in the background (best effort, bounded). That covers a flow that failed or was
-cancelled, and a decode worker that ended the request before it pulled. ``Release`` is an
-idempotent hint: sent after the notices freed the blocks, it does no harm.
+worker in the background (best effort, bounded; ``prefill_step.release``). That covers a flow
+that failed or was cancelled, and a decode worker that ended the request before it pulled.
+``Release`` is an idempotent hint: sent after the notices freed the blocks, it does no harm.
 
 Workers send token ids; the request's ``TextStream`` makes the text and applies the stop
 strings. When a stop string ends the request, the flow ends the decode call (cancelling it
@@ -49,80 +50,30 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from pdserve.discovery.registry import Role, WorkerEntry
-from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.attempt import RETRYABLE, Attempt, Broken, FlowError
 from pdserve.frontend.catalog import ValidRequest
-from pdserve.frontend.channels import WorkerChannels, unavailable_if_closed
+from pdserve.frontend.channels import unavailable_if_closed
 from pdserve.frontend.flow_report import FlowReport
 from pdserve.frontend.kv_fit import KVMisfit
-from pdserve.frontend.router import NoWorker, PrefillChoice, Router
+from pdserve.frontend.prefill_step import Prefilled, PrefillStep, release
+from pdserve.frontend.router import NoWorker, PrefillChoice
+from pdserve.frontend.routing import Routing
 from pdserve.frontend.text_stream import TextStream
-from pdserve.rpc.kv_source import ready_source
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# Prefill failures worth a second worker; others (a bad request, the deadline) are final.
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-}  # fmt: skip
 # A KVReady the decode worker has not answered within this long is not waited for.
 _KV_READY_TIMEOUT_S = 5.0
 # The frontend's own KVReady goes this long after the Prefill call returned, unless the pull was done.
 _KV_READY_BACKUP_S = 0.5
 # A migrating request with no decode worker to go to looks again this often, until its deadline.
 _WORKER_WAIT_S = 0.2
-
-
-class FlowError(Exception):
-    """The request failed; ``code`` and ``message`` go to the client."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class _Broken(Exception):
-    """A decode worker's stream broke before the request ended: it may go on elsewhere.
-
-    ``kv_source``: the prefill worker whose KV the decode worker could not pull. Then the decode
-    worker is fine and may take the request again; that prefill worker is the one to avoid.
-    """
-
-    def __init__(self, worker_id: str, reason: str, kv_source: str = "") -> None:
-        super().__init__(f"{worker_id}: {reason}")
-        self.worker_id = worker_id
-        self.reason = reason
-        self.kv_source = kv_source
-
-
-@dataclass
-class Routing:
-    """What the frontend shares with every request: registry view, router, channels, how many
-    times a request may move to another decode worker, and how long it waits for one when none
-    is left (``FrontendConfig.max_migrations`` and ``migration_wait_s``)."""
-
-    view: RegistryView
-    router: Router
-    channels: WorkerChannels
-    max_migrations: int = 2
-    migration_wait_s: float = 30.0
-
-
-@dataclass
-class _Prefilled:
-    worker: WorkerEntry
-    response: worker_pb2.PrefillResponse
-    sent_at: float
-    attempts: int
-    request_id: str  # the attempt's
 
 
 class RequestFlow:
@@ -136,11 +87,7 @@ class RequestFlow:
         self.deadline = deadline
         self.report = FlowReport(arrival)
         self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
-        self._decode_started = False  # this attempt's decode worker reported the start (after the pull, if any)
-        self._attempt_id = request_id  # the request id the workers see on this attempt
-        self._migration: inference_pb2.Migration | None = None  # this attempt's, when it is a migration
         self._failed: list[str] = []  # decode workers whose stream broke, in order
-        self._decode_worker: WorkerEntry | None = None  # this attempt's, counted in the router's load
         self._lost_sources: list[str] = []  # prefill workers whose KV could not be pulled, in order
 
     @property
@@ -160,16 +107,15 @@ class RequestFlow:
         return self.report.breakdown.migrations
 
     async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        num_broken = 0
+        attempt = Attempt(self.request_id)
         while True:
             try:
-                async with contextlib.aclosing(self._attempt()) as attempt:
-                    async for message in attempt:
+                async with contextlib.aclosing(self._attempt(attempt)) as messages:
+                    async for message in messages:
                         yield message
                 return
-            except _Broken as broken:
-                num_broken += 1
-                if broken.kv_source:  # _attempt avoids the prefill worker, not the decode worker
+            except Broken as broken:
+                if broken.kv_source:  # the next attempt avoids the prefill worker, not the decode worker
                     self._lost_sources.append(broken.kv_source)
                 else:
                     self._failed.append(broken.worker_id)
@@ -177,22 +123,18 @@ class RequestFlow:
                 if self.num_tokens >= self.request.params.max_tokens:  # only the final message was lost
                     yield self._final(inference_pb2.GenerateResponse(), "length")
                     return
-                if num_broken > self.routing.max_migrations:
+                if attempt.number >= self.routing.max_migrations:
                     raise FlowError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"{self._tried()} (last: {broken.reason}); "
                         f"gave up after {self.routing.max_migrations} migrations (max_migrations)",
                     ) from None
-                self._attempt_id = f"{self.request_id}.m{num_broken}"
-                self._migration = inference_pb2.Migration(
-                    from_worker=broken.worker_id, tokens_streamed=self.num_tokens, reason=broken.reason
-                )
+                attempt = Attempt.after(attempt, broken, self.request_id, self.num_tokens)
 
-    async def _attempt(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _attempt(self, attempt: Attempt) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """One try at the request, on workers that have not failed it, from the tokens streamed so far."""
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
-        self._decode_started = False
         try:
             decode = await self._choose_decode()
             choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
@@ -207,35 +149,40 @@ class RequestFlow:
             ) from None
         # Counted against its decode worker from the choice on, not from the decode call: requests
         # arriving together during their prefills spread over the decode workers.
-        self._decode_worker = decode
+        attempt.decode_worker = decode
         router.decode_started(decode)
         try:
-            async with contextlib.aclosing(self._prefill_then_decode(decode, choice)) as messages:
+            async with contextlib.aclosing(self._prefill_then_decode(attempt, decode, choice)) as messages:
                 async for message in messages:
                     yield message
         finally:
-            router.decode_done(self._decode_worker)
+            router.decode_done(attempt.decode_worker)
 
     async def _prefill_then_decode(
-        self, decode: WorkerEntry, choice: PrefillChoice | None
+        self, attempt: Attempt, decode: WorkerEntry, choice: PrefillChoice | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        early = self._open_decode(decode, choice) if choice is not None else None
+        early = self._open_decode(attempt, decode, choice) if choice is not None else None
         backup: asyncio.Task[None] | None = None
+        prefilled: Prefilled | None = None
         try:
-            prefilled = await self._prefill(choice, decode, early is not None) if choice is not None else None
+            if choice is not None:
+                step = self._prefill(attempt)
+                prefilled = await step.run(choice, decode, avoid=self._lost_sources, announce=early is not None)
         except BaseException:
             if early is not None:
                 early.cancel()
             raise
+        if prefilled is not None and attempt.is_first:
+            self.report.prefilled(prefilled.response, prefilled.attempts, prefilled.sent_at)
         if early is not None and (prefilled is None or prefilled.attempts > 1):
             early.cancel()  # the KV is on another prefill worker, or nowhere: a new call says so
             early = None
-        if self._migration is not None:
-            self._migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
+        if attempt.migration is not None:
+            attempt.migration.prefill_worker = prefilled.worker.worker_id if prefilled is not None else ""
         try:  # the prefill worker holds the blocks from here: a client gone after the first token releases them too
             if prefilled is not None:
                 if early is not None:
-                    backup = self._announce_later(decode, prefilled)
+                    backup = self._announce_later(attempt, decode, prefilled)
                 self.report.first_token()
                 self.report.streamed(1)
                 pr = prefilled.response
@@ -245,7 +192,7 @@ class RequestFlow:
                     yield self._final(first, "stop")
                     return
                 yield first
-            async with contextlib.aclosing(self._decode(decode, prefilled, early)) as messages:
+            async with contextlib.aclosing(self._decode(attempt, decode, prefilled, early)) as messages:
                 async for message in messages:
                     yield message
         finally:
@@ -253,8 +200,8 @@ class RequestFlow:
                 early.cancel()  # a no-op unless no decode used it (a stop string in the first token, a client gone)
             if backup is not None:
                 backup.cancel()  # the request is over: nobody waits for the KV any more
-            if prefilled is not None and not self._decode_started:
-                self._release(prefilled)  # no pull reported: unpin at once, not at the deadline
+            if prefilled is not None and not attempt.decode_started:
+                release(self.routing.channels, prefilled)  # no pull reported: unpin at once, not at the deadline
 
     async def _choose_decode(self) -> WorkerEntry:
         """This attempt's decode worker. A migrating request with none to go to waits for one
@@ -283,104 +230,38 @@ class RequestFlow:
             parts.append(f"KV could not be pulled from {', '.join(self._lost_sources)}")
         return "; ".join(parts)
 
-    @property
-    def _is_first_attempt(self) -> bool:
-        return self._attempt_id == self.request_id
-
     def _known_token_ids(self) -> list[int]:
         """The prompt and the tokens streamed so far: what a migrated attempt's KV is built from."""
         return [*self.request.token_ids, *self.output.token_ids]
 
-    # ---- prefill -----------------------------------------------------------------------------------
-    async def _prefill(self, choice: PrefillChoice, decode: WorkerEntry, announce: bool) -> _Prefilled | None:
-        """Prefill on ``choice``, then once more elsewhere; None: fall back to the decode worker.
-        ``announce``: the first worker tells ``decode`` itself when the KV is ready."""
-        router, view = self.routing.router, self.routing.view
-        failures: list[str] = []
-        current: PrefillChoice | None = choice
-        for attempt in (1, 2):
-            if current is None:
-                break
-            try:
-                return await self._prefill_on(current, attempt, decode.endpoint if announce and attempt == 1 else "")
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    raise FlowError(exc.code(), exc.details() or str(exc.code())) from None
-                failures.append(f"{current.worker.worker_id}: {exc.code().name} {exc.details()}")
-                logger.warning("prefill of %s failed on %s", self.request_id, failures[-1])
-            if attempt == 1:
-                try:
-                    others = view.workers(Role.PREFILL, self.request.model.name)
-                    current = router.choose_prefill(others, self._known_token_ids(),
-                                                    exclude=[*self._lost_sources, choice.worker.worker_id],
-                                                    knobs=view.knobs(self.request.model.name),
-                                                    decode=decode)  # fmt: skip
-                except (NoWorker, KVMisfit):
-                    current = None
-                if current is None and router.config.disaggregation == "conditional":
-                    return None  # no other prefill worker: compute the prompt on the decode worker
-        raise FlowError(grpc.StatusCode.UNAVAILABLE, f"prefill failed: {'; '.join(failures) or 'no other worker'}")
-
-    async def _prefill_on(self, choice: PrefillChoice, attempt: int, kv_consumer: str) -> _Prefilled:
-        router = self.routing.router
-        num_tokens = len(self._known_token_ids())
-        stub = self.routing.channels.stub(choice.worker.endpoint)
+    def _prefill(self, attempt: Attempt) -> PrefillStep:
+        """The attempt's prefill, from the prompt and the tokens streamed so far."""
         message = worker_pb2.PrefillRequest(
-            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
-            generated_token_ids=self.output.token_ids, kv_consumer=kv_consumer,
+            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            generated_token_ids=self.output.token_ids,
         )  # fmt: skip
-        sent_at = time.monotonic()
-        router.prefill_started(choice, num_tokens)
-        try:
-            with unavailable_if_closed(choice.worker.endpoint):
-                response = await stub.Prefill(message, timeout=self._timeout())
-        finally:
-            router.prefill_done(choice, num_tokens)
-        if self._is_first_attempt:
-            self.report.prefilled(response, attempt, sent_at)
-        return _Prefilled(choice.worker, response, time.monotonic(), attempt, self._attempt_id)
-
-    def _release(self, prefilled: _Prefilled) -> None:
-        """Unpin the prompt's blocks on the prefill worker, in the background, best effort."""
-        stub = self.routing.channels.stub(prefilled.worker.endpoint)
-
-        async def release() -> None:
-            try:
-                await stub.Release(worker_pb2.ReleaseRequest(request_id=prefilled.request_id), timeout=5.0)
-            except grpc.aio.AioRpcError as exc:
-                where = prefilled.worker.worker_id
-                logger.info("release of %s on %s: %s", prefilled.request_id, where, exc.code().name)
-
-        self.routing.channels.in_background(release())
+        return PrefillStep(self.routing, self.request.model.name, message, self._timeout)
 
     # ---- decode --------------------------------------------------------------------------------------
-    def _open_decode(self, decode: WorkerEntry, choice: PrefillChoice) -> grpc.aio.UnaryStreamCall:
+    def _open_decode(self, attempt: Attempt, decode: WorkerEntry, choice: PrefillChoice) -> grpc.aio.UnaryStreamCall:
         """The Decode call opened beside the Prefill call on ``choice``: its kv_source pending."""
         source = worker_pb2.KVSource(worker_id=choice.worker.worker_id, peer_info=choice.worker.nixl, pending=True)
         message = worker_pb2.DecodeRequest(
-            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
             generated_token_ids=self.output.token_ids, kv_source=source,
         )  # fmt: skip
         return self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
 
-    def _ready_source(self, prefilled: _Prefilled) -> worker_pb2.KVSource:
-        """Where the prefilled KV is, and how long its pin has left."""
-        pr = prefilled.response
-        pin_left = pr.hold_seconds - (time.monotonic() - prefilled.sent_at)
-        return ready_source(prefilled.worker.worker_id, pr.block_ids, pr.first_token_id, pin_left,
-                            peer_info=prefilled.worker.nixl)  # fmt: skip
-
-    def _announce_later(self, decode: WorkerEntry, prefilled: _Prefilled) -> asyncio.Task[None]:
+    def _announce_later(self, attempt: Attempt, decode: WorkerEntry, prefilled: Prefilled) -> asyncio.Task[None]:
         """Tell the open Decode call its KV is ready unless it reported the pull done within
         ``_KV_READY_BACKUP_S`` (the prefill worker's KVReady was lost), in the background."""
         stub = self.routing.channels.stub(decode.endpoint)
 
         async def announce() -> None:
             await asyncio.sleep(_KV_READY_BACKUP_S)
-            if self._decode_started:
+            if attempt.decode_started:
                 return
-            source = self._ready_source(prefilled)
-            message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=source)
+            message = worker_pb2.KVReadyRequest(request_id=prefilled.request_id, kv_source=prefilled.ready_source())
             try:
                 await stub.KVReady(message, timeout=_KV_READY_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:  # the Decode call fails too, and says why
@@ -389,22 +270,22 @@ class RequestFlow:
         return self.routing.channels.in_background(announce())
 
     async def _decode(
-        self, decode: WorkerEntry, prefilled: _Prefilled | None, early: grpc.aio.UnaryStreamCall | None
+        self, attempt: Attempt, decode: WorkerEntry, prefilled: Prefilled | None, early: grpc.aio.UnaryStreamCall | None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Stream the decode, on ``early`` (the call opened beside the prefill) when there is one."""
         message = worker_pb2.DecodeRequest(
-            request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
             # The prefill worker's token (the last one streamed) comes in kv_source.
             generated_token_ids=self.output.token_ids if prefilled is None else self.output.token_ids[:-1],
         )  # fmt: skip
         if prefilled is not None:
-            message.kv_source.CopyFrom(self._ready_source(prefilled))
+            message.kv_source.CopyFrom(prefilled.ready_source())
         refused: list[str] = []
         call = early
         while True:
-            self._migrated_to(decode)
+            self._migrated_to(attempt, decode)
             try:
-                async with contextlib.aclosing(self._decode_on(decode, message, call)) as responses:
+                async with contextlib.aclosing(self._decode_on(attempt, decode, message, call)) as responses:
                     async for response in responses:
                         yield response
                 return
@@ -412,7 +293,7 @@ class RequestFlow:
                 call = None  # any second call carries the whole kv_source
                 reason = refusal_reason(exc)
                 if reason == KV_SOURCE_FAILED and prefilled is not None:
-                    raise _Broken(decode.worker_id, exc.details(), kv_source=prefilled.worker.worker_id) from None
+                    raise Broken(decode.worker_id, exc.details(), kv_source=prefilled.worker.worker_id) from None
                 # A draining worker refused it before starting anything: another may take it as it is.
                 if reason == DRAINING and not refused:
                     refused.append(decode.worker_id)
@@ -422,28 +303,32 @@ class RequestFlow:
                             self.routing.view.workers(Role.DECODE, self.request.model.name),
                             exclude=[*self._failed, *refused],
                         )
-                        router.decode_done(self._decode_worker)
+                        router.decode_done(attempt.decode_worker)
                         router.decode_started(decode)
-                        self._decode_worker = decode
+                        attempt.decode_worker = decode
                         continue
                     except NoWorker:
                         pass
-                if exc.code() in _RETRYABLE:  # the worker or its call broke: the request may migrate
-                    raise _Broken(decode.worker_id, f"{exc.code().name} {exc.details()}") from None
+                if exc.code() in RETRYABLE:  # the worker or its call broke: the request may migrate
+                    raise Broken(decode.worker_id, f"{exc.code().name} {exc.details()}") from None
                 raise FlowError(exc.code(), f"decode on {decode.worker_id} failed: {exc.details()}") from None
 
-    def _migrated_to(self, decode: WorkerEntry) -> None:
-        """Record this attempt's decode worker in its migration (the first time it is known)."""
-        if self._migration is None:
+    def _migrated_to(self, attempt: Attempt, decode: WorkerEntry) -> None:
+        """Record the attempt's decode worker in its migration (the first time it is known)."""
+        if attempt.migration is None:
             return
-        self._migration.to_worker = decode.worker_id
-        if not self._migration.prefill_worker:
-            self._migration.prefill_worker = decode.worker_id
-        self.report.migrated(self._migration)
-        self._migration = None  # recorded once; a refusal's second worker is not a second migration
+        attempt.migration.to_worker = decode.worker_id
+        if not attempt.migration.prefill_worker:
+            attempt.migration.prefill_worker = decode.worker_id
+        self.report.migrated(attempt.migration)
+        attempt.migration = None  # recorded once; a refusal's second worker is not a second migration
 
     async def _decode_on(
-        self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, call: grpc.aio.UnaryStreamCall | None
+        self,
+        attempt: Attempt,
+        decode: WorkerEntry,
+        message: worker_pb2.DecodeRequest,
+        call: grpc.aio.UnaryStreamCall | None,
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         sent_at = time.monotonic()
         if call is None:
@@ -452,7 +337,7 @@ class RequestFlow:
             with unavailable_if_closed(decode.endpoint):
                 async for response in call:
                     if response.HasField("started"):
-                        self._started(response.started, sent_at)
+                        self._started(attempt, response.started, sent_at)
                     out = self.output.add(response.token_ids, response.logprobs)
                     if out.token_ids:
                         self.report.streamed(len(out.token_ids))
@@ -466,14 +351,14 @@ class RequestFlow:
                     if out.token_ids:  # the first token, when the prompt was computed here
                         self.report.first_token()
                     yield out
-            raise _Broken(decode.worker_id, "the stream ended without a final message")
+            raise Broken(decode.worker_id, "the stream ended without a final message")
         finally:
             call.cancel()
 
-    def _started(self, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
+    def _started(self, attempt: Attempt, started: worker_pb2.DecodeStarted, sent_at: float) -> None:
         """The decode worker began the request: after the pull, or with a prompt computed there."""
-        self._decode_started = True
-        if self._is_first_attempt:
+        attempt.decode_started = True
+        if attempt.is_first:
             self.report.decode_started(started, sent_at)
 
     def _final(

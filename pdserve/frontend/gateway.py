@@ -24,11 +24,13 @@ import msgspec
 
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
+from pdserve.frontend.attempt import FlowError
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelInfo, ModelUnavailable, UnknownModel
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.config import FrontendConfig
-from pdserve.frontend.flow import FlowError, RequestFlow, Routing
+from pdserve.frontend.flow import RequestFlow
 from pdserve.frontend.router import Router
+from pdserve.frontend.routing import Routing
 from pdserve.observability.frontend_stats import FrontendStats, RollingWindow
 from pdserve.observability.metrics import FrontendMetrics
 from pdserve.v1 import inference_pb2

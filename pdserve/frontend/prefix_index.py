@@ -32,7 +32,6 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._workers: dict[str, OrderedDict[bytes, None]] = {}
-        self._capacity: dict[str, int] = {}
 
     def overlap(self, worker_id: str, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` the worker has (as far as we know)."""
@@ -49,7 +48,6 @@ class PrefixIndex:
     def record(self, worker_id: str, hashes: Sequence[bytes], capacity_blocks: int) -> None:
         """The worker is about to compute (and cache) these blocks."""
         cached = self._workers.setdefault(worker_id, OrderedDict())
-        self._capacity[worker_id] = capacity_blocks
         for block_hash in hashes:
             cached[block_hash] = None
             cached.move_to_end(block_hash)
@@ -58,4 +56,3 @@ class PrefixIndex:
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
-        self._capacity.pop(worker_id, None)

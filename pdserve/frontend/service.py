@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.frontend.flow import FlowError
+from pdserve.frontend.attempt import FlowError
 from pdserve.frontend.gateway import Gateway, Rejected
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 

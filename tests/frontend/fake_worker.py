@@ -21,8 +21,8 @@ from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.flow import Routing
 from pdserve.frontend.router import Router
+from pdserve.frontend.routing import Routing
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, KV_SOURCE_FAILED, refuse
 from pdserve.types.engine_load import EngineLoad

@@ -89,7 +89,7 @@ def test_prefill_is_retried_once_on_another_worker_after_unavailable(
             flow = await new_flow(routing, model)
             return flow.request_id, await run_flow(flow)
 
-    with caplog.at_level(logging.WARNING, logger="pdserve.frontend.flow"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.frontend.prefill_step"):
         request_id, responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
     assert token_ids(responses) == [FIRST_TOKEN_ID, 11, 12, 13]
     breakdown = final_of(responses).breakdown

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from pdserve.frontend.catalog import ModelCatalog
-from pdserve.frontend.flow import RequestFlow, Routing
+from pdserve.frontend.flow import RequestFlow
+from pdserve.frontend.routing import Routing
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import inference_pb2

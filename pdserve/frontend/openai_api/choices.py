@@ -15,7 +15,7 @@ from contextlib import aclosing
 
 from starlette.requests import Request
 
-from pdserve.frontend.flow import FlowError
+from pdserve.frontend.attempt import FlowError
 from pdserve.frontend.gateway import Admitted, Gateway, Rejected
 from pdserve.frontend.openai_api.errors import ApiError
 from pdserve.v1 import inference_pb2

@@ -20,8 +20,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.frontend.attempt import FlowError
 from pdserve.frontend.catalog import InvalidRequest, ModelInfo, ModelUnavailable, UnknownModel
-from pdserve.frontend.flow import FlowError
 from pdserve.frontend.gateway import Admitted, Gateway
 from pdserve.frontend.openai_api import protocol
 from pdserve.frontend.openai_api.choices import Event, admit_all, collect_unless_disconnected, first_event, merged
