@@ -201,6 +201,9 @@ class DecodeService(WorkerServicer):
             return [await agent.add_peer(info) for info in infos]
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout of {source.worker_id}: {exc}")
+        except Exception as exc:  # NIXL raises its own types; a prefill worker that died meanwhile is one cause
+            # Typed, so the frontend prefills again elsewhere and keeps this worker for the decode.
+            await refuse(context, KV_SOURCE_FAILED, f"loading {source.worker_id} as a NIXL peer failed: {exc}")
 
     async def _pull(
         self,

@@ -15,11 +15,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import msgspec
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve import LLM, SamplingParams
+from pdserve.kvtransfer.messages import PeerInfo
+from pdserve.rpc.status import refusal_reason
 from pdserve.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
 from tests.e2e.deployment import Deployment, Frontend, collect, long_context_copy
 from tests.e2e.prompts import shared_prefix_prompts
@@ -190,6 +193,30 @@ def test_a_pending_decode_call_whose_kv_never_comes_ends_at_its_deadline_holding
                 worker_id=prefill.worker_id, first_token_id=3)), timeout=5)  # fmt: skip
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source.block_ids" in bad.value.details()
     deployment.wait_registered(_idle, 10, "nothing held after the deadline")
+
+
+def test_a_kv_source_whose_agent_cannot_be_loaded_is_refused_as_kv_source_failed(llama):
+    """NIXL failing to load the prefill side (here: metadata no agent wrote; in life, a prefill
+    worker gone meanwhile) is the source's fault: the refusal says so, so that the frontend
+    prefills again elsewhere and keeps this decode worker."""
+    deployment, _, _ = llama
+    workers = deployment.registered()
+    prefill = next(w for w in workers if w.role == "prefill")
+    decode = next(w for w in workers if w.role == "decode")
+    real = PeerInfo.decode(prefill.nixl)
+    ghost = msgspec.structs.replace(real, agent_name="ghost-agent", agent_metadata=b"not nixl metadata")
+    source = worker_pb2.KVSource(worker_id="ghost", peer_info=ghost.encode(), block_ids=[0], first_token_id=3,
+                                 pull_within_s=10)  # fmt: skip
+    with grpc.insecure_channel(decode.endpoint) as d:
+        call = worker_pb2_grpc.WorkerStub(d).Decode(worker_pb2.DecodeRequest(
+            request_id="ghost-1", prompt_token_ids=list(range(5, 40)),
+            sampling=inference_pb2.SamplingOptions(max_tokens=4), kv_source=source,
+        ), timeout=20)  # fmt: skip
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call)
+    assert refusal_reason(refused.value) == worker_pb2.Refusal.REASON_KV_SOURCE_FAILED
+    assert "loading ghost as a NIXL peer failed" in refused.value.details()
+    deployment.wait_registered(_idle, 10, "nothing held after the refusal")
 
 
 def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(llama):
