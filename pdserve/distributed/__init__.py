@@ -4,6 +4,12 @@ A group of ``world_size = data_parallel_size * tensor_parallel_size`` ranks, one
 each. Rank ``r`` is tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``; with
 expert parallelism every rank of the group holds a share of the experts. gloo on CPU, NCCL
 on GPU: the same code either way.
+
+- ``parallel_config``: a group's sizes and deadlines (``ParallelConfig``);
+- ``parallel_state``: one rank's place in its group and the collectives (``ParallelState``);
+- ``channel``: rank 0's ordered messages to the other ranks, over the group's store;
+- ``errors``: ``RankFailed``, the one error a group raises when it can no longer work;
+- ``rank_group``: starting a group's ranks together (``start_group``) and tearing them down;
 """
 
 from pdserve.distributed.errors import RankFailed

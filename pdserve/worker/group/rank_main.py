@@ -1,4 +1,4 @@
-"""The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.rank_main``).
+"""The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.group.rank_main``).
 
 Like the engine's follower ranks (``pdserve.offline.rank_main``) it loads its share of the model
 and runs every step rank 0 plans, on the main thread; beside that, a second thread runs its
@@ -25,7 +25,7 @@ from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.setup import setup_model
 from pdserve.types.engine_config import EngineConfig
-from pdserve.worker.rank_service import RankService
+from pdserve.worker.group.rank_service import RankService
 
 logger = logging.getLogger("pdserve.worker.rank")
 
