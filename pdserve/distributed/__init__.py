@@ -10,6 +10,7 @@ on GPU: the same code either way.
 - ``channel``: rank 0's ordered messages to the other ranks, over the group's store;
 - ``errors``: ``RankFailed``, the one error a group raises when it can no longer work;
 - ``rank_group``: starting a group's ranks together (``start_group``) and tearing them down;
+- ``rank_program``: the skeleton of every child rank's program (``run_rank``).
 """
 
 from pdserve.distributed.errors import RankFailed
