@@ -5,10 +5,12 @@ each. Rank ``r`` is tensor-parallel rank ``r % tp`` of data-parallel rank ``r //
 expert parallelism every rank of the group holds a share of the experts. gloo on CPU, NCCL
 on GPU: the same code either way.
 
-- ``parallel_config``: ``ParallelConfig``, a group's shape (imports msgspec only);
-- ``parallel_state``: ``ParallelState``, one rank's place in its group and its collectives;
-- ``rank_group``: ``RankGroup``, ``start_group``: starting and watching a group's processes;
-- ``channel``: the pipes between a group's leader and its ranks; ``errors``: ``RankFailed``.
+- ``parallel_config``: a group's sizes and deadlines (``ParallelConfig``);
+- ``parallel_state``: one rank's place in its group and the collectives (``ParallelState``);
+- ``channel``: rank 0's ordered messages to the other ranks, over the group's store;
+- ``errors``: ``RankFailed``, the one error a group raises when it can no longer work;
+- ``rank_group``: starting a group's ranks together (``start_group``) and tearing them down;
+- ``rank_program``: the skeleton of every child rank's program (``run_rank``).
 
 The names below are imported on first use, so that the CLI's commands that take a
 ``ParallelConfig`` (and the operator, which loads the CLI) load no torch.

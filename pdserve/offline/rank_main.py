@@ -13,10 +13,9 @@ import sys
 
 import msgspec
 import torch
-import torch.distributed as dist
 
-from pdserve.distributed import RankFailed
-from pdserve.distributed.rank_group import child_start
+from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import GroupStart
@@ -42,30 +41,20 @@ def rank_program(model: str, engine: EngineConfig) -> bytes:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
-    start, parallel = child_start()
-    program = msgspec.msgpack.decode(start.payload, type=RankProgram)
-    torch.set_num_threads(program.num_threads)
-    try:
-        if parallel.dp_size > 1:
-            engine = LLMEngine(program.model, program.engine, parallel=parallel)
-            ids = itertools.count()
-            while not (command := parallel.channel.receive(GenerateCommand)).stop:
-                generate_share(engine, command, ids)
-        else:
-            setup = setup_model(program.model, program.engine, parallel)
-            num_blocks = parallel.channel.receive(GroupStart).num_blocks
-            kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
-            ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
-    except RankFailed as error:  # another rank is gone: nothing of this one's to report
-        logger.warning("rank %d stops: %s", parallel.rank, error)
-        return 1
-    except Exception:
-        logger.exception("rank %d failed", parallel.rank)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run_rank(RankProgram, _run, logger=logger)
+
+
+def _run(program: RankProgram, parallel: ParallelState) -> int:
+    if parallel.dp_size > 1:
+        engine = LLMEngine(program.model, program.engine, parallel=parallel)
+        ids = itertools.count()
+        while not (command := parallel.channel.receive(GenerateCommand)).stop:
+            generate_share(engine, command, ids)
+    else:
+        setup = setup_model(program.model, program.engine, parallel)
+        num_blocks = parallel.channel.receive(GroupStart).num_blocks
+        kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
+        ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
     return 0
 
 

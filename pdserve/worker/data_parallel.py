@@ -23,11 +23,9 @@ import sys
 from collections.abc import Callable
 
 import msgspec
-import torch
-import torch.distributed as dist
 
 from pdserve.distributed import ParallelState, start_group
-from pdserve.distributed.rank_group import child_start
+from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig
@@ -36,11 +34,18 @@ from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
+# A rank here is a worker: it logs as a worker process does.
+_WORKER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 class DataParallelStart(msgspec.Struct, frozen=True):
     """What rank 0 hands the other ranks: the group's configuration, its worker id fixed."""
 
     config: WorkerConfig
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.config.num_threads
 
 
 def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
@@ -91,19 +96,11 @@ async def serve_rank(
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    start, parallel = child_start()
-    config = rank_config(msgspec.msgpack.decode(start.payload, type=DataParallelStart).config, parallel.rank)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    try:
-        return asyncio.run(serve_rank(config, parallel, announce=False))
-    except Exception:
-        logger.exception("%s failed", config.id)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run_rank(DataParallelStart, _run, logger=logger, log_level=logging.INFO, log_format=_WORKER_LOG_FORMAT)
+
+
+def _run(start: DataParallelStart, parallel: ParallelState) -> int:
+    return asyncio.run(serve_rank(rank_config(start.config, parallel.rank), parallel, announce=False))
 
 
 if __name__ == "__main__":

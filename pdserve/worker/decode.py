@@ -40,7 +40,7 @@ from pdserve.rpc.logprobs import tokens_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.rpc.status import KV_SOURCE_FAILED, refuse
 from pdserve.v1 import worker_pb2
-from pdserve.worker.group_pull import GroupPuller
+from pdserve.worker.group.pull import GroupPuller
 from pdserve.worker.kv_mailbox import KVMailbox
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 

@@ -12,7 +12,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.data_parallel import serve_data_parallel
-from pdserve.worker.group import WorkerGroup
+from pdserve.worker.group.leader import WorkerGroup
 from pdserve.worker.roles import SERVICES
 from pdserve.worker.runtime import WorkerRuntime
 

@@ -26,7 +26,7 @@ from pdserve.kvtransfer import SentReporter
 from pdserve.rpc.logprobs import token_logprobs
 from pdserve.rpc.sampling import sampling_params
 from pdserve.v1 import worker_pb2
-from pdserve.worker.group_sent import GroupSent
+from pdserve.worker.group.sent import GroupSent
 from pdserve.worker.kv_announcer import KVAnnouncer
 from pdserve.worker.runtime import WorkerRuntime, WorkerServicer
 

@@ -36,7 +36,7 @@ from pdserve.rpc.status import DRAINING, refuse
 from pdserve.types.engine_load import EngineLoad
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.group import WorkerGroup
+from pdserve.worker.group.leader import WorkerGroup
 
 logger = logging.getLogger(__name__)
 

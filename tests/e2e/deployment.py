@@ -67,7 +67,7 @@ def scrape(port: int | None) -> dict[str, float]:
     return values
 
 
-def rank_children(parents: list[int], module: str = "pdserve.worker.rank_main") -> list[int]:
+def rank_children(parents: list[int], module: str = "pdserve.worker.group.rank_main") -> list[int]:
     """The pids of the serving ranks (tensor-parallel ones by default; ``module``:
     ``pdserve.worker.data_parallel`` for data-parallel ones) started by ``parents``."""
     found = []

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 
 from pdserve.kvtransfer import PeerInfo
-from pdserve.worker.group_messages import (
+from pdserve.worker.group.messages import (
     ExpectNotices, ForgetPeers, Message, PullDone, PullOrder, RankHello, RankSent, read_message, write_message,
 )  # fmt: skip
 

@@ -21,7 +21,7 @@ import time
 
 from pdserve.discovery.registry import Role
 from pdserve.kvtransfer import KVAgent, KVPuller, LayoutMismatch, SentReporter, TransferFailed
-from pdserve.worker.group_messages import (
+from pdserve.worker.group.messages import (
     ExpectNotices, ForgetPeers, PullDone, PullOrder, RankHello, RankSent, read_message, write_message,
 )  # fmt: skip
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.worker.group_sent import GroupSent
+from pdserve.worker.group.sent import GroupSent
 
 
 def test_the_pin_is_freed_once_every_rank_has_reported_and_partial_tallies_are_forgotten():

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 
 from pdserve.kvtransfer import KVPuller, PeerInfo, TransferFailed, TransferStats
-from pdserve.worker.group_link import GroupLink
-from pdserve.worker.group_messages import PullDone
+from pdserve.worker.group.link import GroupLink
+from pdserve.worker.group.messages import PullDone
 
 # Beyond a pull's own deadline and cancel grace: a rank's answer crossing the link.
 _ANSWER_GRACE_S = 5.0

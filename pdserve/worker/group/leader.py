@@ -1,7 +1,7 @@
 """A worker of several ranks: its child processes and rank 0's link to their NIXL agents.
 
 Start-up: rank 0 (the worker process) opens its ``GroupLink``, starts ranks 1..N-1
-(``pdserve.worker.rank_main``, handed the link's address), and joins their group; the engine
+(``pdserve.worker.group.rank_main``, handed the link's address), and joins their group; the engine
 it builds next sends them the KV cache's size, after which each rank starts its agent and
 says hello. Shutdown: the engine stops the ranks' steps, the link closes (their KV services
 end with it), and the processes are waited for, then killed.
@@ -19,8 +19,8 @@ from pdserve.distributed import ParallelState, RankGroup, start_group
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer import PeerInfo
 from pdserve.worker.config import WorkerConfig
-from pdserve.worker.group_link import GroupLink
-from pdserve.worker.rank_main import ServingRank
+from pdserve.worker.group.link import GroupLink
+from pdserve.worker.group.rank_main import ServingRank
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class WorkerGroup:
         ))  # fmt: skip
         try:
             # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
-            ranks = start_group(parallel, "pdserve.worker.rank_main", payload, config.engine.device)
+            ranks = start_group(parallel, "pdserve.worker.group.rank_main", payload, config.engine.device)
         except BaseException:
             await link.close()
             raise

@@ -1,4 +1,4 @@
-"""The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.rank_main``).
+"""The program of ranks 1..N-1 of a serving worker's group (``python -m pdserve.worker.group.rank_main``).
 
 Like the engine's follower ranks (``pdserve.offline.rank_main``) it loads its share of the model
 and runs every step rank 0 plans, on the main thread; beside that, a second thread runs its
@@ -14,18 +14,17 @@ import sys
 import threading
 
 import msgspec
-import torch
-import torch.distributed as dist
 
 from pdserve.discovery.registry import Role
-from pdserve.distributed.rank_group import child_start
+from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import GroupStart
 from pdserve.kvtransfer import KVAgent, KVLayout
 from pdserve.model.kv_cache import KVCache
 from pdserve.model.setup import setup_model
 from pdserve.types.engine_config import EngineConfig
-from pdserve.worker.rank_service import RankService
+from pdserve.worker.group.rank_service import RankService
 
 logger = logging.getLogger("pdserve.worker.rank")
 
@@ -53,36 +52,27 @@ def agent_name(rank0_name: str, rank: int) -> str:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
-    start, parallel = child_start()
-    program = msgspec.msgpack.decode(start.payload, type=ServingRank)
-    if program.num_threads is not None:
-        torch.set_num_threads(program.num_threads)
-    service: RankService | None = None
-    thread: threading.Thread | None = None
+    return run_rank(ServingRank, _run, logger=logger)
+
+
+def _run(program: ServingRank, parallel: ParallelState) -> int:
+    setup = setup_model(program.model, program.engine, parallel)
+    num_blocks = parallel.channel.receive(GroupStart).num_blocks
+    kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
+    layout = KVLayout.from_spec(setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size,
+                                tp_rank=parallel.tp_rank)  # fmt: skip
+    agent = KVAgent(agent_name(program.agent_name, parallel.rank), kv_cache, layout)
+    service = RankService(
+        parallel.rank, program.role, agent, (program.link_host, program.link_port),
+        transfer_timeout_s=program.transfer_timeout_s, connect_timeout_s=parallel.config.rendezvous_timeout_s,
+    )  # fmt: skip
+    thread = threading.Thread(target=_run_service, args=(service,), name="kv", daemon=True)
+    thread.start()
     try:
-        setup = setup_model(program.model, program.engine, parallel)
-        num_blocks = parallel.channel.receive(GroupStart).num_blocks
-        kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
-        layout = KVLayout.from_spec(setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size,
-                                    tp_rank=parallel.tp_rank)  # fmt: skip
-        agent = KVAgent(agent_name(program.agent_name, parallel.rank), kv_cache, layout)
-        service = RankService(
-            parallel.rank, program.role, agent, (program.link_host, program.link_port),
-            transfer_timeout_s=program.transfer_timeout_s, connect_timeout_s=parallel.config.rendezvous_timeout_s,
-        )  # fmt: skip
-        thread = threading.Thread(target=_run_service, args=(service,), name="kv", daemon=True)
-        thread.start()
         ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
-    except Exception:
-        logger.exception("rank %d failed", parallel.rank)
-        return 1
     finally:
-        if service is not None and thread is not None:
-            service.stop()
-            thread.join(_STOP_GRACE_S)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        service.stop()
+        thread.join(_STOP_GRACE_S)
     return 0
 
 

@@ -17,9 +17,9 @@ import torch
 from pdserve.discovery.registry import Role
 from pdserve.kvtransfer import KVAgent, KVLayout, KVPuller, TransferFailed
 from pdserve.model.kv_cache import KVCache, KVCacheSpec
-from pdserve.worker.group_link import GroupLink
-from pdserve.worker.group_pull import GroupPuller
-from pdserve.worker.rank_service import RankService
+from pdserve.worker.group.link import GroupLink
+from pdserve.worker.group.pull import GroupPuller
+from pdserve.worker.group.rank_service import RankService
 from tests.utils.aio import run_scenario
 
 NUM_HEADS = 4  # KV heads of the model
