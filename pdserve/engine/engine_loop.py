@@ -34,7 +34,8 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import KVRole
 from pdserve.types.engine_load import EngineLoad
 from pdserve.types.sampling_params import SamplingParams
