@@ -16,65 +16,31 @@ token ids and EOS are token-level, and the engine's.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import replace
 
 from pdserve.distributed import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output import RequestOutput, StepOutput, banned_token_ids, request_output, stop_reason
 from pdserve.engine.request import KVRole, Request
+from pdserve.engine.request_limits import RequestLimits
 from pdserve.engine.sampler import Sampler, SamplingRequest, make_generator, skip_draw
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.startup import WARM_UP_REQUEST_ID, eos_token_ids, kv_budget, warm_up_prompt
 from pdserve.engine.step_plan import GroupStart
 from pdserve.model.kv_cache import KVCache, KVCacheSpec
-from pdserve.model.model_config import ModelConfig
 from pdserve.model.setup import setup_model
-from pdserve.text.tokenizer import Tokenizer, find_tokenizer
+from pdserve.text.tokenizer import find_tokenizer
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve.engine")
-# warm_up's request: long enough to start every kernel a prompt step uses.
-_WARM_UP_PROMPT_TOKENS = 64
-_WARM_UP_REQUEST_ID = "pdserve-warm-up"
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (cumulative fields included)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    token_ids: list[int]  # all generated tokens so far
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "kv_transfer"
-    logprobs: list[Logprobs | None] = field(default_factory=list)  # one per generated token
-    new_logprobs: list[Logprobs | None] = field(default_factory=list)  # one per new token
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    # Producer role, on the finishing output: the prompt's blocks, pinned for the peer.
-    held_block_ids: list[int] | None = None
-    # time.monotonic() stamps: arrival, first scheduled (consumer: given blocks), first token.
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-
-
-@dataclass
-class StepOutput:
-    outputs: list[RequestOutput]
-    awaiting_kv: list[tuple[str, list[int], int]]  # (request id, block ids, cached tokens)
-    num_scheduled_tokens: int = 0  # 0: the step ran no model (nothing was runnable)
-    # Data-parallel ranks: whether any rank of the group ran the model in this step.
-    group_ran_model: bool = False
 
 
 class LLMEngine:
@@ -100,15 +66,16 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.tokenizer = find_tokenizer(mc.path)
-        self.eos_token_ids = _eos_token_ids(mc, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
 
         spec = setup.kv_spec
-        num_blocks = spec.num_blocks_for(self._kv_budget(spec))
+        num_blocks = spec.num_blocks_for(kv_budget(cfg, spec, self.device, mc.vocab_size, self.max_model_len))
         if parallel.tp_size > 1:
             parallel.channel.send(GroupStart(num_blocks=num_blocks))
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, cfg.block_size)
+        self.limits = RequestLimits(mc, self.tokenizer, self.max_model_len, self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len), self.kv, clock=clock
         )
@@ -124,18 +91,6 @@ class LLMEngine:
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.kv_cache.spec
-
-    def _kv_budget(self, spec: KVCacheSpec) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory is not None:
-            return cfg.kv_cache_memory
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Keep room for activations and logits of the largest step.
-            reserve = 2**30 + cfg.max_num_batched_tokens * self.model_config.vocab_size * 4
-            return max(int(free * cfg.gpu_memory_utilization) - reserve, spec.bytes_per_block)
-        useful = cfg.max_num_seqs * (self.max_model_len + spec.block_size) * spec.bytes_per_token
-        return min(cfg.cpu_kv_cache_memory, useful)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -179,8 +134,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if kv_role is KVRole.PRODUCER and not (pin_s is not None and pin_s > 0):
             raise ValueError(f"a producer request needs pin_s > 0, got {pin_s!r}")
-        token_ids = self._prompt_token_ids(prompt)
-        generated = self._generated_token_ids(token_ids, generated_token_ids or [], params)
+        token_ids = self.limits.prompt_token_ids(prompt)
+        generated = self.limits.generated_token_ids(token_ids, generated_token_ids or [], params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -215,55 +170,7 @@ class LLMEngine:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> None:
         """Raise the ValueError ``add_request`` would for this prompt, without adding it."""
-        self._generated_token_ids(self._prompt_token_ids(prompt), [], params)
-
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"prompt is text but {self.model_config.path} has no tokenizer.json; pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for index, token in enumerate(token_ids):
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                    raise ValueError(f"prompt token_ids[{index}] = {token!r} is outside the vocabulary [0, {vocab})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but the context window (max_model_len) is "
-                f"{self.max_model_len}, which must leave room for at least one generated token"
-            )
-        needed = self.kv.num_blocks_for(len(token_ids) + 1)
-        if needed > self.block_pool.num_blocks:
-            raise ValueError(
-                f"prompt needs {needed} KV blocks but the cache holds {self.block_pool.num_blocks}; raise kv_cache_memory"
-            )
-        return token_ids
-
-    def _generated_token_ids(self, prompt: list[int], generated: list[int], params: SamplingParams) -> list[int]:
-        """Check a resumed request's generated tokens: in the vocabulary, short of its limits."""
-        vocab = self.model_config.vocab_size
-        for index, token in enumerate(generated):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"generated_token_ids[{index}] = {token!r} is outside the vocabulary [0, {vocab})")
-        if len(generated) >= params.max_tokens:
-            raise ValueError(
-                f"generated_token_ids has {len(generated)} tokens: max_tokens ({params.max_tokens}) leaves none to generate"
-            )
-        if len(prompt) + len(generated) >= self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)}) and generated_token_ids ({len(generated)}) fill the context window "
-                f"(max_model_len {self.max_model_len}): no room for another token"
-            )
-        if self.kv.num_blocks_for(len(prompt) + len(generated) + 1) > self.block_pool.num_blocks:
-            raise ValueError(
-                f"prompt and generated_token_ids need more than the cache's {self.block_pool.num_blocks} KV blocks"
-            )
-        return list(generated)
+        self.limits.generated_token_ids(self.limits.prompt_token_ids(prompt), [], params)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request at any point and free everything it holds, its pin included."""
@@ -312,7 +219,7 @@ class LLMEngine:
         request = self.scheduler.kv_received(request_id, first_token_id)
         if request.generator is not None and not request.params.is_greedy:
             skip_draw(request.generator, self.model_config.vocab_size)
-        reason = self._stop_reason(request, first_token_id)
+        reason = stop_reason(request, first_token_id, self.max_model_len)
         if reason is None:
             return None
         self.scheduler.finish(request, reason)
@@ -345,12 +252,12 @@ class LLMEngine:
         here). The prompt's full blocks stay in the prefix cache, free to evict like any."""
         if self.parallel.world_size > 1 or self.has_unfinished():
             return
-        room = min(self.max_model_len, (self.block_pool.num_blocks - 1) * self.config.block_size) - 2
-        num_tokens = min(_WARM_UP_PROMPT_TOKENS, room)
-        if num_tokens < 1:
+        prompt = warm_up_prompt(
+            self.max_model_len, self.block_pool.num_blocks, self.config.block_size, self.model_config.vocab_size
+        )
+        if prompt is None:
             return
-        prompt = [token % self.model_config.vocab_size for token in range(1, num_tokens + 1)]
-        self.add_request(_WARM_UP_REQUEST_ID, prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+        self.add_request(WARM_UP_REQUEST_ID, prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
         while self.has_unfinished():
             self.step()
 
@@ -393,7 +300,7 @@ class LLMEngine:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         if inputs.sampling_requests:
-            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, _banned(r))
+            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r))
                     for r in inputs.sampling_requests]  # fmt: skip
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
@@ -420,9 +327,9 @@ class LLMEngine:
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)
-        reason = "kv_transfer" if request.kv_role is KVRole.PRODUCER else self._stop_reason(request, token)
+        reason = "kv_transfer" if request.kv_role is KVRole.PRODUCER else stop_reason(request, token, self.max_model_len)
         if reason is None:
-            return self._output(request, [token])
+            return request_output(request, [token])
         hold = request.kv_role is KVRole.PRODUCER
         # Read before pinning: a "sent" that came early frees the blocks as they are pinned.
         held_block_ids = list(self.kv.block_table(request.request_id)) if hold else None
@@ -431,34 +338,8 @@ class LLMEngine:
         output.held_block_ids = held_block_ids
         return output
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        """Why ``token`` (just appended) ends the request, if it does."""
-        params = request.params
-        if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
-            return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, request: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new,
-            token_ids=request.output_token_ids,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            logprobs=request.output_logprobs,
-            # A copy taken now: the cumulative lists grow on the engine thread while a server reads this.
-            new_logprobs=request.output_logprobs[len(request.output_logprobs) - len(new) :] if new else [],
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-        )
-
     def _finish_output(self, request: Request, new: list[int]) -> RequestOutput:
-        output = self._output(request, new)
+        output = request_output(request, new)
         self._requests.pop(request.request_id, None)
         return output
 
@@ -472,31 +353,3 @@ class LLMEngine:
         if not self.has_unfinished() and not self.num_held:
             assert self.block_pool.all_free(), "blocks leaked: nothing runs but blocks are referenced"
 
-
-def _banned(request: Request) -> list[int]:
-    """The tokens that would end ``request`` before its ``min_tokens``: none once it has them."""
-    params = request.params
-    if len(request.output_token_ids) >= params.min_tokens:
-        return []
-    eos = () if params.ignore_eos else request.eos_token_ids
-    return sorted({*(params.stop_token_ids or ()), *eos})
-
-
-def _eos_token_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
-    """EOS ids from generation_config.json and config.json, else the tokenizer's."""
-    ids: set[int] = set()
-    sources = [config.hf.get("eos_token_id")]
-    generation_file = config.path / "generation_config.json"
-    if generation_file.is_file():
-        try:
-            sources.append(json.loads(generation_file.read_text()).get("eos_token_id"))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{generation_file}: not valid JSON ({error})") from None
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

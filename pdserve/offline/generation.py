@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.output import RequestOutput
 from pdserve.text.detokenizer import IncrementalDetokenizer
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams

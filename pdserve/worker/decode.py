@@ -32,8 +32,8 @@ from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.knobs_follower import KnobsFollower
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
-from pdserve.engine.engine import RequestOutput
 from pdserve.engine.engine_loop import EngineStopped, KVAwaited, RequestStream
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import KVRole
 from pdserve.kvtransfer import KVPuller, LayoutMismatch, PeerInfo, TransferFailed, TransferStats, decode_group
 from pdserve.rpc.logprobs import tokens_logprobs

@@ -25,7 +25,7 @@ import threading
 
 import grpc
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.output import RequestOutput
 from pdserve.rpc.kv_source import ready_source
 from pdserve.rpc.server import CHANNEL_OPTIONS
 from pdserve.rpc.tls import ClientTLS

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop, KVAwaited, build_engine
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import KVRole
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams

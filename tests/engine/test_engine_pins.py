@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import KVRole
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams

@@ -9,7 +9,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import KVRole
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.output import RequestOutput
 from pdserve.rpc.kv_source import PULL_MARGIN_S
 from pdserve.rpc.server import RpcServer
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
