@@ -25,7 +25,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelConfig, ParallelState
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.parallel_state import ParallelState
 
 
 class RankTiming(msgspec.Struct, frozen=True):

@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
 from pdserve.types.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
+
+if TYPE_CHECKING:
+    from pdserve.discovery.etcd_auth import EtcdAuth
 
 Config = TypeVar("Config", bound=msgspec.Struct)
 
@@ -173,6 +175,10 @@ def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
 def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     """The ``EtcdAuth`` the options of ``add_etcd_auth_args`` (else ``$PDSERVE_ETCD_*``) give;
     ValueError naming a missing or bad file."""
+    # Here, not at the top: etcd's client takes a tenth of a second to import, and
+    # `pdserve generate --target` builds its parser from this module without talking to etcd.
+    from pdserve.discovery.etcd_auth import EtcdAuth
+
     given = {name: getattr(args, name, None) or os.environ.get(f"PDSERVE_{name.upper()}") for name in ETCD_AUTH_OPTIONS}
     tls = None
     if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:

@@ -1,4 +1,10 @@
-"""``pdserve generate``: one completion, from a local model or from a running server."""
+"""``pdserve generate``: one completion, from a local model or from a running server.
+
+With ``--target`` the command only talks to a server, and it sends its request within half a
+second of starting (bench/cli_start.py): this module and its parser load grpc, protobuf and
+msgspec and nothing heavier; the engine (torch) is imported by ``--model`` runs alone, and what
+only the output needs is imported after the request is sent.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,6 @@ import sys
 import time
 
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
-from pdserve.model.default_model import resolve_model
 from pdserve.rpc.tls import ClientTLS
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams
@@ -87,6 +92,7 @@ def _print_json(
 def _local(args: argparse.Namespace) -> int:
     import msgspec
 
+    from pdserve.model.default_model import resolve_model
     from pdserve.offline.llm import LLM
 
     params = SamplingParams(
@@ -124,7 +130,6 @@ def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
 
 def _remote(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -167,6 +172,8 @@ def _remote(args: argparse.Namespace) -> int:
         print("pdserve generate: the server ended the stream without a final message", file=sys.stderr)
         return 1
     if args.json:
+        from google.protobuf.json_format import MessageToDict
+
         breakdown = MessageToDict(
             final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )

@@ -29,7 +29,7 @@ from pdserve.cli.common import (
     size_bytes,
 )
 from pdserve.discovery.registry import Role
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
 from pdserve.model.default_model import resolve_model
 from pdserve.rpc.tls import ServerTLS
@@ -61,7 +61,7 @@ FRONTEND_CONFIG_HELP = """the whole configuration instead of options: a Frontend
 frontend; give no other option with it"""
 
 
-def add_parsers(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     for role in Role:
         p = commands.add_parser(
             role,

@@ -16,7 +16,7 @@ from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
 from pdserve.discovery.registry import Role
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
 from pdserve.model.default_model import resolve_model
 from pdserve.types.engine_config import EngineConfig

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner

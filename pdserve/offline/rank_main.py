@@ -15,7 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import RankFailed
+from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.rank_group import child_start
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner

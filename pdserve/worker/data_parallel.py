@@ -26,8 +26,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelState, start_group
-from pdserve.distributed.rank_group import child_start
+from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_group import child_start, start_group
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig

@@ -80,8 +80,8 @@ def test_moe_layer_matches_reference(dtype):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback to the interpreter")
-def test_importing_the_package_selects_the_interpreter_on_cpu():
-    # A fresh interpreter with TRITON_INTERPRET unset: pdserve.kernels must set it before
+def test_loading_the_triton_backend_selects_the_interpreter_on_cpu():
+    # A fresh interpreter with TRITON_INTERPRET unset: triton_backend must set it before
     # its kernels are defined, or launching them on CPU tensors fails.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
