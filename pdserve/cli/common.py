@@ -18,12 +18,12 @@ hands it to each worker inside its ``WorkerConfig``.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from pdserve.environment import ETCD_AUTH_SETTINGS, etcd_auth_setting
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
 from pdserve.types.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 
@@ -150,9 +150,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="disable the prefix cache")  # fmt: skip
 
 
-ETCD_AUTH_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_user", "etcd_password")
-
-
 def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
     """etcd's TLS and auth options; build the ``EtcdAuth`` with ``etcd_auth``."""
     group = parser.add_argument_group("etcd TLS and auth (README: Security)")
@@ -179,7 +176,7 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     # `pdserve generate --target` builds its parser from this module without talking to etcd.
     from pdserve.discovery.etcd_auth import EtcdAuth
 
-    given = {name: getattr(args, name, None) or os.environ.get(f"PDSERVE_{name.upper()}") for name in ETCD_AUTH_OPTIONS}
+    given = {name: getattr(args, name, None) or etcd_auth_setting(name) for name in ETCD_AUTH_SETTINGS}
     tls = None
     if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:
         tls = ClientTLS(ca=absolute(given["etcd_cacert"]), cert=absolute(given["etcd_cert"]),
@@ -190,7 +187,7 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
 
 def given_etcd_auth_options(args: argparse.Namespace) -> list[str]:
     """The etcd TLS and auth options given on the command line (not from the environment)."""
-    return [name for name in ETCD_AUTH_OPTIONS if getattr(args, name, None)]
+    return [name for name in ETCD_AUTH_SETTINGS if getattr(args, name, None)]
 
 
 def absolute(path: str | None) -> str | None:

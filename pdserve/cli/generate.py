@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from pdserve import environment
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
 from pdserve.rpc.tls import ClientTLS
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 DESCRIPTION = """Generate a completion for one prompt, either with a local model (--model: a
 Hugging Face directory or a GGUF file, default the small SmolLM2-135M-Instruct that
 scripts/setup.sh fetches; the engine runs in this process) or from a running pdserve server
@@ -54,8 +53,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
-    gen.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                     help=f"--target: the server's API key (default: ${API_KEY_ENV})")  # fmt: skip
+    gen.add_argument("--api-key", default=environment.api_key(), metavar="KEY",
+                     help="--target: the server's API key (default: $PDSERVE_API_KEY)")  # fmt: skip
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +21,7 @@ import aetcd
 import grpc
 import msgspec
 
+from pdserve import environment
 from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect, describe_etcd_error
 from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
@@ -72,7 +72,7 @@ class OperationFailed(Exception):
 
 def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
     """``--etcd`` and etcd's TLS and auth options (``cli.common.etcd_auth`` reads them)."""
-    parser.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), metavar="URL",
+    parser.add_argument("--etcd", default=environment.etcd_url(), metavar="URL",
                         help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)")  # fmt: skip
     add_etcd_auth_args(parser)
 
@@ -229,7 +229,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     drain.add_argument("--timeout", type=duration, default=60.0,
                        help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    drain.add_argument("--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"), metavar="KEY",
+    drain.add_argument("--admin-key", default=environment.admin_key(), metavar="KEY",
                        help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)")  # fmt: skip
     add_cluster_tls_args(drain, "the Drain RPC is made over mTLS with this cluster certificate")
     drain.set_defaults(func=run_drain)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from pathlib import Path
 from typing import TypeVar
 
+from pdserve import environment
 from pdserve.cli.common import (
     absolute,
     add_cluster_tls_args,
@@ -51,7 +51,6 @@ lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight st
 Its KV pulls over NIXL are unencrypted and unauthenticated: keep that traffic on a trusted
 network (README: Security).""",
 }
-API_KEYS_ENV = "PDSERVE_API_KEYS"
 ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"
 WORKER_CONFIG_HELP = """the whole configuration instead of options: a WorkerConfig as JSON
 (pdserve/worker/config.py; the engine's options under "engine"), as `pdserve up` writes it for
@@ -147,7 +146,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     keys = parser.add_argument_group("API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
                                      "'authorization: Bearer KEY'; health checks stay open)")  # fmt: skip
     keys.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                      help=f"a key clients must present on both public APIs (repeatable; also ${API_KEYS_ENV}, "
+                      help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
                       "comma-separated); without any key the APIs are open")  # fmt: skip
     keys.add_argument("--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)")
     add_field_option(keys, "--rate-limit", FrontendConfig, "rate_limit_rps", type=float, metavar="RPS",
@@ -226,7 +225,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def worker_security(args: argparse.Namespace) -> dict[str, object]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
-    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"),
+    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or environment.admin_key(),
             "etcd_auth": etcd_auth(args)}  # fmt: skip
 
 
@@ -260,12 +259,12 @@ def api_keys(args: argparse.Namespace) -> list[str]:
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--api-key-file {args.api_key_file}: {exc}") from None
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    keys += [key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+    keys += environment.api_keys()
     return list(dict.fromkeys(key.strip() for key in keys))
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
-    etcd = args.etcd or os.environ.get("PDSERVE_ETCD")
+    etcd = args.etcd or environment.etcd_url()
     if not etcd:
         raise ValueError("--etcd is required (or set PDSERVE_ETCD); `pdserve up` runs an embedded one")
     return etcd

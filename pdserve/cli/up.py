@@ -7,10 +7,10 @@ built once here; ``pdserve.launch.up`` runs the deployment.
 from __future__ import annotations
 
 import argparse
-import os
 
 import msgspec
 
+from pdserve import environment
 from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options, given_etcd_auth_options, port_or_off
 from pdserve.cli.operate import duration
 from pdserve.cli.planner import add_planner_args, load_planner
@@ -82,7 +82,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     help="spread each MoE layer's experts over the ranks of every worker")
     up.add_argument(
         "--etcd",
-        default=os.environ.get("PDSERVE_ETCD"),
+        default=environment.etcd_url(),
         help="etcd URL (default: $PDSERVE_ETCD, else the embedded registry)",
     )
     up.add_argument(
