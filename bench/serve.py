@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load  # noqa: E402
 from serve_report import plot_cdfs, print_table, ratios, summarise  # noqa: E402
 
-from pdserve.cli.common import add_engine_args, from_options, seconds  # noqa: E402
+from pdserve.cli.common import add_engine_args, duration, from_options  # noqa: E402
 from pdserve.frontend.config import DISAGGREGATION_MODES  # noqa: E402
 from pdserve.types.engine_config import EngineConfig  # noqa: E402
 
@@ -147,10 +147,10 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="workload, arrivals, sampling and random weights (default: 0)"
     )
     parser.add_argument(
-        "--request-timeout", type=seconds, default=300.0, help="deadline of every request (default: 300s)"
+        "--request-timeout", type=duration, default=300.0, help="deadline of every request (default: 300s)"
     )
-    parser.add_argument("--ttft-slo", type=seconds, default=0.5, help="goodput's TTFT bound (default: 500ms)")
-    parser.add_argument("--itl-slo", type=seconds, default=0.05, help="goodput's ITL bound (default: 50ms)")
+    parser.add_argument("--ttft-slo", type=duration, default=0.5, help="goodput's TTFT bound (default: 500ms)")
+    parser.add_argument("--itl-slo", type=duration, default=0.05, help="goodput's ITL bound (default: 50ms)")
     parser.add_argument(
         "--itl-slo-stat",
         choices=["p90", "mean"],

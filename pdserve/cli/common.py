@@ -25,6 +25,7 @@ import msgspec
 
 from pdserve.environment import ETCD_AUTH_SETTINGS, etcd_auth_setting
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
+from pdserve.types.duration import parse_duration
 from pdserve.types.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
@@ -51,15 +52,21 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size such as 512M or 4G, got {text!r}") from None
 
 
-def seconds(text: str) -> float:
-    """A duration: ``500ms``, ``2s``, ``1.5`` (seconds)."""
-    value = text.strip().lower()
+def duration(text: str) -> float:
+    """The argparse type of every duration option: ``500ms``, ``2s``, ``1m``, ``1.5`` (seconds),
+    as ``types.duration.parse_duration`` reads them."""
     try:
-        if value.endswith("ms"):
-            return float(value[:-2]) / 1e3
-        return float(value.removesuffix("s"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 500ms or 2s, got {text!r}") from None
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_duration(text: str) -> float:
+    """``duration``, for an option that has no struct to check it: more than zero."""
+    value = duration(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
+    return value
 
 
 def port_or_off(text: str) -> int | None:

@@ -19,13 +19,13 @@ from pdserve.cli.common import (
     add_etcd_auth_args,
     add_field_option,
     cluster_tls,
+    duration,
     etcd_auth,
     from_options,
     given_etcd_auth_options,
     given_fields,
     port_or_off,
     read_config,
-    seconds,
     size_bytes,
 )
 from pdserve.discovery.registry import Role
@@ -114,14 +114,14 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     option("--port", "port", "gRPC port (default: {default}; 0 picks a free one)", type=int)
     option("--advertise-host", "advertise_host", "host others reach this worker at (default: --host)")
     option("--worker-id", "worker_id", "name in the registry (default: ROLE-HOSTNAME-PID)")
-    option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=seconds)
-    option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=seconds)
+    option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=duration)
+    option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=duration)
     if role is Role.PREFILL:
         option("--hold", "hold_s", "longest a prompt's blocks stay pinned awaiting the pull (default: {default:g}s)",
-               type=seconds)  # fmt: skip
+               type=duration)  # fmt: skip
     else:
         option("--transfer-timeout", "transfer_timeout_s", "deadline of one KV pull (default: {default:g}s)",
-               type=seconds)  # fmt: skip
+               type=duration)  # fmt: skip
     option("--num-threads", "num_threads", "torch CPU threads (default: torch's)", type=int)
     add_field_option(parser, "--tensor-parallel-size", ParallelConfig, "tensor_parallel_size", type=int,
                      help="ranks (processes) to split the model over, each moving its own KV heads over NIXL "
@@ -186,7 +186,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="requests in flight past which new ones get RESOURCE_EXHAUSTED (HTTP 429) (default: {default})",
     )  # fmt: skip
     add_field_option(
-        parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=seconds,
+        parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=duration,
         help="deadline of a request whose caller set none (default: {default:g}s)",
     )  # fmt: skip
     add_field_option(
@@ -195,7 +195,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "tokens already streamed (default: {default}; 0: never)",
     )  # fmt: skip
     add_field_option(
-        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=seconds,
+        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=duration,
         help="how long such a request waits for a decode worker to go to when none is left (one restarting) "
         "before it fails UNAVAILABLE (default: {default:g}s; 0: fail at once)",
     )  # fmt: skip
@@ -204,7 +204,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     add_field_option(parser, "--metrics-port", FrontendConfig, "metrics_port", type=port_or_off,
                      help="Prometheus /metrics port (default: {default}; 0 picks a free one; -1: off)")  # fmt: skip
     add_field_option(
-        parser, "--stats-window", FrontendConfig, "stats_window_s", type=seconds,
+        parser, "--stats-window", FrontendConfig, "stats_window_s", type=duration,
         help="span of the live latency percentiles published in etcd for `pdserve status` and the planner "
         "(default: {default:g}s; match the planner's interval)",
     )  # fmt: skip
