@@ -39,8 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--token-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     sampling = SamplingParams()  # the engine's defaults are the command's
+    gen.add_argument("--max-tokens", type=int, default=sampling.max_tokens,
+                     help="most tokens to generate (default: %(default)s)")  # fmt: skip
     gen.add_argument("--temperature", type=float, default=sampling.temperature,
                      help="0 for greedy (default: %(default)s)")  # fmt: skip
     gen.add_argument("--top-p", type=float, default=sampling.top_p, help="nucleus sampling mass (default: %(default)s)")

@@ -89,3 +89,13 @@ def test_every_duration_option_reads_one_grammar(argv: list[str], dest: str) -> 
     for text, seconds in (("1m", 60.0), ("250ms", 0.25), ("2s", 2.0), ("1.5", 1.5)):
         args = build_parser().parse_args([part.format(text) for part in argv])
         assert getattr(args, dest) == pytest.approx(seconds), text
+
+
+def test_generate_takes_its_sampling_defaults_from_sampling_params() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.types.sampling_params import SamplingParams
+
+    args = build_parser("generate").parse_args(["generate", "--target", "127.0.0.1:1", "--prompt", "hi"])
+    default = SamplingParams()
+    assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p) == (
+        default.max_tokens, default.temperature, default.top_p, default.top_k, default.min_p)  # fmt: skip
