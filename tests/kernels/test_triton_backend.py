@@ -95,3 +95,14 @@ def test_loading_the_triton_backend_selects_the_interpreter_on_cpu():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
+def test_a_kernel_imported_before_the_choice_on_cpu_refuses_to_load():
+    # Its @triton.jit functions would be compiled for a GPU that is not there.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import pdserve.kernels.rms_norm\n"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "use_interpreter_without_cuda()" in result.stderr
