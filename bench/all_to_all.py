@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from bench.lib.report import emit, median
-from pdserve.distributed import ParallelConfig, ParallelState
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.parallel_state import ParallelState
 
 
 class RankTiming(msgspec.Struct, frozen=True):

@@ -59,7 +59,7 @@ from bench.lib.deploy import Deployment, DeploySpec
 from bench.lib.load import SamplingSpec, WorkloadSpec, list_models, make_requests, poisson_arrivals, run_load
 from bench.lib.report import emit
 from bench.serve_report import plot_cdfs, print_table, ratios, summarise
-from pdserve.cli.common import add_engine_args, from_options, seconds
+from pdserve.cli.common import add_engine_args, duration, from_options
 from pdserve.frontend.config import DISAGGREGATION_MODES
 from pdserve.launch.local_cluster import ChildFailed
 from pdserve.types.engine_config import EngineConfig
@@ -147,10 +147,10 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="workload, arrivals, sampling and random weights (default: 0)"
     )
     parser.add_argument(
-        "--request-timeout", type=seconds, default=300.0, help="deadline of every request (default: 300s)"
+        "--request-timeout", type=duration, default=300.0, help="deadline of every request (default: 300s)"
     )
-    parser.add_argument("--ttft-slo", type=seconds, default=0.5, help="goodput's TTFT bound (default: 500ms)")
-    parser.add_argument("--itl-slo", type=seconds, default=0.05, help="goodput's ITL bound (default: 50ms)")
+    parser.add_argument("--ttft-slo", type=duration, default=0.5, help="goodput's TTFT bound (default: 500ms)")
+    parser.add_argument("--itl-slo", type=duration, default=0.05, help="goodput's ITL bound (default: 50ms)")
     parser.add_argument(
         "--itl-slo-stat",
         choices=["p90", "mean"],

@@ -10,10 +10,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from pdserve import environment
+
 
 def cache_root() -> Path:
     """The cache directory (not created here)."""
-    root = os.environ.get("PDSERVE_CACHE_DIR")
+    root = environment.cache_dir()
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME")

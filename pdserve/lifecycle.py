@@ -6,7 +6,7 @@ in its event loop shows, to a thread-level tool, only a loop idling in ``select`
 stacks say which ``await`` never returns. ``pdserve up`` sends SIGUSR1 to a child that does
 not stop in time, before killing it, so the answer lands in its log.
 
-A child that ``pdserve up`` starts sets ``PARENT_PID_ENV``; such a child asks the kernel to
+A child that ``pdserve up`` starts sets ``$PDSERVE_PARENT_PID``; such a child asks the kernel to
 kill it when that parent dies (Linux), so killing ``up`` with SIGKILL leaves no worker behind.
 
 Background loops are stopped with ``cancel_and_wait``, never a bare ``cancel()`` and
@@ -33,10 +33,11 @@ import threading
 import traceback
 from collections.abc import Iterable
 
+from pdserve import environment
+
 logger = logging.getLogger(__name__)
 
 DUMP_SIGNAL = signal.SIGUSR1
-PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Where a coroutine, generator or async generator keeps its frame, and what it awaits.
 _FRAME_ATTRS = ("cr_frame", "gi_frame", "ag_frame")
@@ -105,12 +106,12 @@ def _awaited(awaitable: object) -> object | None:
 
 
 def die_with_parent() -> None:
-    """If ``PARENT_PID_ENV`` names this process's parent, be SIGKILLed when that parent dies.
+    """If ``$PDSERVE_PARENT_PID`` names this process's parent, be SIGKILLed when that parent dies.
 
     A no-op without the variable and off Linux. The parent may already be gone by the time
     this runs; the pid check afterwards catches that.
     """
-    expected = os.environ.get(PARENT_PID_ENV)
+    expected = environment.parent_pid()
     if not expected or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)

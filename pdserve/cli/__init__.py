@@ -1,14 +1,49 @@
-"""The ``pdserve`` command line: one module per command group."""
+"""The ``pdserve`` command line: one module per command group.
+
+- ``common``: argument types and the option groups the commands share (``add_field_option``);
+- ``generate``: ``pdserve generate``, one completion, locally or from a server;
+- ``up``: ``pdserve up``, a whole deployment on this machine;
+- ``serve``: ``pdserve prefill|decode|frontend``, one server process;
+- ``slo``, ``knobs``: ``pdserve slo|knobs set|show|...``, a model's targets and live settings in etcd;
+- ``status``: ``pdserve status``, one screen per model;
+- ``operate``: ``pdserve workers|drain``, and what the commands that talk to etcd share;
+- ``planner``: ``pdserve planner``, the control plane's resizing loop;
+- ``kube_operator``: ``pdserve operator``, the Kubernetes operator;
+- ``profile``: ``pdserve profile``, the engine's speed into a planner profile;
+- ``fetch_model``: ``pdserve fetch-model``, the default model into the cache.
+
+``main`` imports only the module of the command it runs: a command that talks to a server
+loads none of the others, and no torch (tests/test_import_budget.py holds every such command
+to that).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from pdserve.cli import fetch_model, generate, knobs, kube_operator, operate, planner, profile, serve, slo, status, up
 from pdserve.extras import MissingExtra
 from pdserve.lifecycle import die_with_parent
+
+# The module that adds each command, in the order ``pdserve --help`` lists them.
+COMMANDS = {
+    "generate": "generate",
+    "up": "up",
+    "prefill": "serve",
+    "decode": "serve",
+    "frontend": "serve",
+    "slo": "slo",
+    "knobs": "knobs",
+    "status": "status",
+    "workers": "operate",
+    "drain": "operate",
+    "planner": "planner",
+    "operator": "kube_operator",
+    "profile": "profile",
+    "fetch-model": "fetch_model",
+}
 
 EPILOG = """examples:
   pdserve up                                              # serve the default model, SmolLM2-135M-Instruct
@@ -19,7 +54,8 @@ EPILOG = """examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or only of ``command`` (which imports only its module)."""
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="pdserve: disaggregated prefill/decode LLM serving.",
@@ -30,22 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate.add_parser(commands)
-    up.add_parser(commands)
-    serve.add_parsers(commands)
-    slo.add_parser(commands)
-    knobs.add_parser(commands)
-    status.add_parser(commands)
-    operate.add_parser(commands)
-    planner.add_parser(commands)
-    kube_operator.add_parser(commands)
-    profile.add_parser(commands)
-    fetch_model.add_parser(commands)
+    modules = [COMMANDS[command]] if command is not None else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        importlib.import_module(f"pdserve.cli.{name}").add_parser(commands)
     return parser
 
 
+def command_in(argv: list[str]) -> str | None:
+    """The command ``argv`` names, or None when it names none (help, an error, an @FILE)."""
+    for arg in argv:
+        if arg.startswith("@"):
+            return None
+        if arg in COMMANDS:
+            return arg
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(command_in(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()

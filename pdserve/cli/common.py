@@ -18,15 +18,18 @@ hands it to each worker inside its ``WorkerConfig``.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from pdserve.discovery.etcd_auth import EtcdAuth
+from pdserve.environment import ETCD_AUTH_SETTINGS, etcd_auth_setting
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
+from pdserve.types.duration import parse_duration
 from pdserve.types.engine_config import DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
+
+if TYPE_CHECKING:
+    from pdserve.discovery.etcd_auth import EtcdAuth
 
 Config = TypeVar("Config", bound=msgspec.Struct)
 
@@ -49,15 +52,21 @@ def size_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size such as 512M or 4G, got {text!r}") from None
 
 
-def seconds(text: str) -> float:
-    """A duration: ``500ms``, ``2s``, ``1.5`` (seconds)."""
-    value = text.strip().lower()
+def duration(text: str) -> float:
+    """The argparse type of every duration option: ``500ms``, ``2s``, ``1m``, ``1.5`` (seconds),
+    as ``types.duration.parse_duration`` reads them."""
     try:
-        if value.endswith("ms"):
-            return float(value[:-2]) / 1e3
-        return float(value.removesuffix("s"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 500ms or 2s, got {text!r}") from None
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_duration(text: str) -> float:
+    """``duration``, for an option that has no struct to check it: more than zero."""
+    value = duration(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
+    return value
 
 
 def port_or_off(text: str) -> int | None:
@@ -148,9 +157,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="disable the prefix cache")  # fmt: skip
 
 
-ETCD_AUTH_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_user", "etcd_password")
-
-
 def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
     """etcd's TLS and auth options; build the ``EtcdAuth`` with ``etcd_auth``."""
     group = parser.add_argument_group("etcd TLS and auth (README: Security)")
@@ -173,7 +179,11 @@ def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
 def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     """The ``EtcdAuth`` the options of ``add_etcd_auth_args`` (else ``$PDSERVE_ETCD_*``) give;
     ValueError naming a missing or bad file."""
-    given = {name: getattr(args, name, None) or os.environ.get(f"PDSERVE_{name.upper()}") for name in ETCD_AUTH_OPTIONS}
+    # Here, not at the top: etcd's client takes a tenth of a second to import, and
+    # `pdserve generate --target` builds its parser from this module without talking to etcd.
+    from pdserve.discovery.etcd_auth import EtcdAuth
+
+    given = {name: getattr(args, name, None) or etcd_auth_setting(name) for name in ETCD_AUTH_SETTINGS}
     tls = None
     if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:
         tls = ClientTLS(ca=absolute(given["etcd_cacert"]), cert=absolute(given["etcd_cert"]),
@@ -184,7 +194,7 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
 
 def given_etcd_auth_options(args: argparse.Namespace) -> list[str]:
     """The etcd TLS and auth options given on the command line (not from the environment)."""
-    return [name for name in ETCD_AUTH_OPTIONS if getattr(args, name, None)]
+    return [name for name in ETCD_AUTH_SETTINGS if getattr(args, name, None)]
 
 
 def absolute(path: str | None) -> str | None:

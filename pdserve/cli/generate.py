@@ -1,20 +1,24 @@
-"""``pdserve generate``: one completion, from a local model or from a running server."""
+"""``pdserve generate``: one completion, from a local model or from a running server.
+
+With ``--target`` the command only talks to a server, and it sends its request within half a
+second of starting (bench/cli_start.py): this module and its parser load grpc, protobuf and
+msgspec and nothing heavier; the engine (torch) is imported by ``--model`` runs alone, and what
+only the output needs is imported after the request is sent.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from pdserve import environment
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
-from pdserve.model.default_model import resolve_model
 from pdserve.rpc.tls import ClientTLS
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams
 
-API_KEY_ENV = "PDSERVE_API_KEY"
 DESCRIPTION = """Generate a completion for one prompt, either with a local model (--model: a
 Hugging Face directory or a GGUF file, default the small SmolLM2-135M-Instruct that
 scripts/setup.sh fetches; the engine runs in this process) or from a running pdserve server
@@ -35,8 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--token-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     sampling = SamplingParams()  # the engine's defaults are the command's
+    gen.add_argument("--max-tokens", type=int, default=sampling.max_tokens,
+                     help="most tokens to generate (default: %(default)s)")  # fmt: skip
     gen.add_argument("--temperature", type=float, default=sampling.temperature,
                      help="0 for greedy (default: %(default)s)")  # fmt: skip
     gen.add_argument("--top-p", type=float, default=sampling.top_p, help="nucleus sampling mass (default: %(default)s)")
@@ -49,8 +54,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
-    gen.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                     help=f"--target: the server's API key (default: ${API_KEY_ENV})")  # fmt: skip
+    gen.add_argument("--api-key", default=environment.api_key(), metavar="KEY",
+                     help="--target: the server's API key (default: $PDSERVE_API_KEY)")  # fmt: skip
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
@@ -87,6 +92,7 @@ def _print_json(
 def _local(args: argparse.Namespace) -> int:
     import msgspec
 
+    from pdserve.model.default_model import resolve_model
     from pdserve.offline.llm import LLM
 
     params = SamplingParams(
@@ -124,7 +130,6 @@ def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
 
 def _remote(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -167,6 +172,8 @@ def _remote(args: argparse.Namespace) -> int:
         print("pdserve generate: the server ended the stream without a final message", file=sys.stderr)
         return 1
     if args.json:
+        from google.protobuf.json_format import MessageToDict
+
         breakdown = MessageToDict(
             final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )

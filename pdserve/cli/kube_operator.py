@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import argparse
-import os
+
+from pdserve import environment
 
 from pdserve.extras import missing_extra
 
@@ -31,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", metavar="NS", help="watch only this namespace")
     scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
-    p.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), metavar="URL",
+    p.add_argument("--etcd", default=environment.etcd_url(), metavar="URL",
                    help="etcd for deployments whose spec.etcd names none, e.g. the chart's own "
                         "(default: $PDSERVE_ETCD)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=8080,

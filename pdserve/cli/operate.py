@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,10 +21,10 @@ import aetcd
 import grpc
 import msgspec
 
-from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth
+from pdserve import environment
+from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth, positive_duration
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect, describe_etcd_error
 from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
-from pdserve.discovery.slo import parse_duration
 from pdserve.rpc.admin import admin_metadata
 from pdserve.rpc.tls import ClusterTLS, secure_or_insecure_channel
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -72,20 +71,9 @@ class OperationFailed(Exception):
 
 def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
     """``--etcd`` and etcd's TLS and auth options (``cli.common.etcd_auth`` reads them)."""
-    parser.add_argument("--etcd", default=os.environ.get("PDSERVE_ETCD"), metavar="URL",
+    parser.add_argument("--etcd", default=environment.etcd_url(), metavar="URL",
                         help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)")  # fmt: skip
     add_etcd_auth_args(parser)
-
-
-def duration(text: str) -> float:
-    """An argparse type: ``500ms``, ``0.5s``, ``2`` (seconds) → seconds."""
-    try:
-        value = parse_duration(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
-    return value
 
 
 def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Awaitable[int]]) -> int:
@@ -226,10 +214,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     drain.add_argument("--wait", action="store_true",
                        help="wait until the worker has left the registry (with --endpoint: until it has no "
                             "request in flight, or has stopped serving)")  # fmt: skip
-    drain.add_argument("--timeout", type=duration, default=60.0,
+    drain.add_argument("--timeout", type=positive_duration, default=60.0,
                        help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    drain.add_argument("--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"), metavar="KEY",
+    drain.add_argument("--admin-key", default=environment.admin_key(), metavar="KEY",
                        help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)")  # fmt: skip
     add_cluster_tls_args(drain, "the Drain RPC is made over mTLS with this cluster certificate")
     drain.set_defaults(func=run_drain)

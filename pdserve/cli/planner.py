@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pdserve.cli.common import etcd_auth
-from pdserve.cli.operate import add_etcd_arg, duration
+from pdserve.cli.common import etcd_auth, positive_duration
+from pdserve.cli.operate import add_etcd_arg
 from pdserve.planner.config import PlannerConfig
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     """The options every planner takes (also ``pdserve up --autoscale``)."""
     parser.add_argument("--profile", metavar="FILE",
                         help="the engine profile the latency model predicts from (`pdserve profile` writes one)")  # fmt: skip
-    parser.add_argument("--planner-interval", type=duration, metavar="DURATION",
+    parser.add_argument("--planner-interval", type=positive_duration, metavar="DURATION",
                         help="how often the planner observes and decides (default: --planner-config's interval_s, "
                              f"else {PlannerConfig.interval_s:g}s; match the frontends' --stats-window)")  # fmt: skip
     parser.add_argument("--planner-config", metavar="FILE",

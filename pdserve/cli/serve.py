@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from pathlib import Path
 from typing import TypeVar
 
+from pdserve import environment
 from pdserve.cli.common import (
     absolute,
     add_cluster_tls_args,
@@ -19,17 +19,17 @@ from pdserve.cli.common import (
     add_etcd_auth_args,
     add_field_option,
     cluster_tls,
+    duration,
     etcd_auth,
     from_options,
     given_etcd_auth_options,
     given_fields,
     port_or_off,
     read_config,
-    seconds,
     size_bytes,
 )
 from pdserve.discovery.registry import Role
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
 from pdserve.model.default_model import resolve_model
 from pdserve.rpc.tls import ServerTLS
@@ -51,7 +51,6 @@ lease (key /pdserve/v1/workers/MODEL/decode/ID); SIGTERM drains it: in-flight st
 Its KV pulls over NIXL are unencrypted and unauthenticated: keep that traffic on a trusted
 network (README: Security).""",
 }
-API_KEYS_ENV = "PDSERVE_API_KEYS"
 ETCD_HELP = "etcd URL, e.g. http://127.0.0.1:2379 (default: $PDSERVE_ETCD)"
 WORKER_CONFIG_HELP = """the whole configuration instead of options: a WorkerConfig as JSON
 (pdserve/worker/config.py; the engine's options under "engine"), as `pdserve up` writes it for
@@ -61,7 +60,7 @@ FRONTEND_CONFIG_HELP = """the whole configuration instead of options: a Frontend
 frontend; give no other option with it"""
 
 
-def add_parsers(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     for role in Role:
         p = commands.add_parser(
             role,
@@ -115,14 +114,14 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     option("--port", "port", "gRPC port (default: {default}; 0 picks a free one)", type=int)
     option("--advertise-host", "advertise_host", "host others reach this worker at (default: --host)")
     option("--worker-id", "worker_id", "name in the registry (default: ROLE-HOSTNAME-PID)")
-    option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=seconds)
-    option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=seconds)
+    option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=duration)
+    option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=duration)
     if role is Role.PREFILL:
         option("--hold", "hold_s", "longest a prompt's blocks stay pinned awaiting the pull (default: {default:g}s)",
-               type=seconds)  # fmt: skip
+               type=duration)  # fmt: skip
     else:
         option("--transfer-timeout", "transfer_timeout_s", "deadline of one KV pull (default: {default:g}s)",
-               type=seconds)  # fmt: skip
+               type=duration)  # fmt: skip
     option("--num-threads", "num_threads", "torch CPU threads (default: torch's)", type=int)
     add_field_option(parser, "--tensor-parallel-size", ParallelConfig, "tensor_parallel_size", type=int,
                      help="ranks (processes) to split the model over, each moving its own KV heads over NIXL "
@@ -147,7 +146,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     keys = parser.add_argument_group("API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
                                      "'authorization: Bearer KEY'; health checks stay open)")  # fmt: skip
     keys.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                      help=f"a key clients must present on both public APIs (repeatable; also ${API_KEYS_ENV}, "
+                      help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
                       "comma-separated); without any key the APIs are open")  # fmt: skip
     keys.add_argument("--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)")
     add_field_option(keys, "--rate-limit", FrontendConfig, "rate_limit_rps", type=float, metavar="RPS",
@@ -187,7 +186,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="requests in flight past which new ones get RESOURCE_EXHAUSTED (HTTP 429) (default: {default})",
     )  # fmt: skip
     add_field_option(
-        parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=seconds,
+        parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=duration,
         help="deadline of a request whose caller set none (default: {default:g}s)",
     )  # fmt: skip
     add_field_option(
@@ -196,7 +195,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         "tokens already streamed (default: {default}; 0: never)",
     )  # fmt: skip
     add_field_option(
-        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=seconds,
+        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=duration,
         help="how long such a request waits for a decode worker to go to when none is left (one restarting) "
         "before it fails UNAVAILABLE (default: {default:g}s; 0: fail at once)",
     )  # fmt: skip
@@ -205,7 +204,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     add_field_option(parser, "--metrics-port", FrontendConfig, "metrics_port", type=port_or_off,
                      help="Prometheus /metrics port (default: {default}; 0 picks a free one; -1: off)")  # fmt: skip
     add_field_option(
-        parser, "--stats-window", FrontendConfig, "stats_window_s", type=seconds,
+        parser, "--stats-window", FrontendConfig, "stats_window_s", type=duration,
         help="span of the live latency percentiles published in etcd for `pdserve status` and the planner "
         "(default: {default:g}s; match the planner's interval)",
     )  # fmt: skip
@@ -226,7 +225,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 def worker_security(args: argparse.Namespace) -> dict[str, object]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
-    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"),
+    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or environment.admin_key(),
             "etcd_auth": etcd_auth(args)}  # fmt: skip
 
 
@@ -260,12 +259,12 @@ def api_keys(args: argparse.Namespace) -> list[str]:
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--api-key-file {args.api_key_file}: {exc}") from None
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    keys += [key.strip() for key in os.environ.get(API_KEYS_ENV, "").split(",") if key.strip()]
+    keys += environment.api_keys()
     return list(dict.fromkeys(key.strip() for key in keys))
 
 
 def _require_etcd(args: argparse.Namespace) -> str:
-    etcd = args.etcd or os.environ.get("PDSERVE_ETCD")
+    etcd = args.etcd or environment.etcd_url()
     if not etcd:
         raise ValueError("--etcd is required (or set PDSERVE_ETCD); `pdserve up` runs an embedded one")
     return etcd

@@ -7,12 +7,11 @@ import argparse
 import aetcd
 import msgspec
 
-from pdserve.cli.common import field_default
+from pdserve.cli.common import field_default, positive_duration
 from pdserve.cli.operate import (
     EXIT_STATUS,
     OperationFailed,
     add_etcd_arg,
-    duration,
     fmt_seconds,
     print_json,
     run_with_etcd,
@@ -47,7 +46,7 @@ SHOW_HELP = """Print stored targets as a table, or with --json a JSON list (one 
 
 
 def _optional_duration(text: str) -> float | None:
-    return None if text.strip().lower() in ("none", "off", "") else duration(text)
+    return None if text.strip().lower() in ("none", "off", "") else positive_duration(text)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -59,8 +58,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                               epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_etcd_arg(set_)
     set_.add_argument("--model", required=True, help="served model name, as workers register it")
-    set_.add_argument("--ttft-p90", type=duration, metavar="DURATION", help="p90 time to first token, e.g. 500ms")
-    set_.add_argument("--itl-p90", type=duration, metavar="DURATION", help="p90 inter-token latency, e.g. 30ms")
+    set_.add_argument("--ttft-p90", type=positive_duration, metavar="DURATION", help="p90 time to first token, e.g. 500ms")
+    set_.add_argument("--itl-p90", type=positive_duration, metavar="DURATION", help="p90 inter-token latency, e.g. 30ms")
     set_.add_argument("--e2e-p90", type=_optional_duration, default=argparse.SUPPRESS, metavar="DURATION",
                       help="p90 end-to-end latency, e.g. 20s; `none` removes it (default: keep; none)")  # fmt: skip
     for role in Role:

@@ -17,7 +17,6 @@ from pdserve.cli.operate import (
     ETCD_TIMEOUT_S,
     EXIT_STATUS,
     add_etcd_arg,
-    duration,
     fmt_age,
     fmt_ms,
     fmt_seconds,
@@ -27,7 +26,7 @@ from pdserve.cli.operate import (
     table,
     unreachable,
 )
-from pdserve.cli.common import etcd_auth
+from pdserve.cli.common import etcd_auth, positive_duration
 from pdserve.discovery.etcd import ETCD_ERRORS, EtcdConnection, RegistryUnavailable
 from pdserve.discovery.knobs import list_knobs
 from pdserve.discovery.registry import ROOT, Role, WorkerEntry
@@ -69,7 +68,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_etcd_arg(status)
     status.add_argument("--model", help="only this model")
     status.add_argument("--watch", action="store_true", help="redraw every --interval until Ctrl-C")
-    status.add_argument("--interval", type=duration, default=2.0, metavar="DURATION",
+    status.add_argument("--interval", type=positive_duration, default=2.0, metavar="DURATION",
                         help="with --watch: time between redraws, e.g. 5s (default: 2s)")  # fmt: skip
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=run_status)

@@ -7,16 +7,22 @@ built once here; ``pdserve.launch.up`` runs the deployment.
 from __future__ import annotations
 
 import argparse
-import os
 
 import msgspec
 
-from pdserve.cli.common import add_engine_args, add_etcd_auth_args, from_options, given_etcd_auth_options, port_or_off
-from pdserve.cli.operate import duration
+from pdserve import environment
+from pdserve.cli.common import (
+    add_engine_args,
+    add_etcd_auth_args,
+    from_options,
+    given_etcd_auth_options,
+    port_or_off,
+    positive_duration,
+)
 from pdserve.cli.planner import add_planner_args, load_planner
 from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
 from pdserve.discovery.registry import Role
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy
 from pdserve.model.default_model import resolve_model
 from pdserve.types.engine_config import EngineConfig
@@ -82,7 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     help="spread each MoE layer's experts over the ranks of every worker")
     up.add_argument(
         "--etcd",
-        default=os.environ.get("PDSERVE_ETCD"),
+        default=environment.etcd_url(),
         help="etcd URL (default: $PDSERVE_ETCD, else the embedded registry)",
     )
     up.add_argument(
@@ -96,7 +102,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              help="restarts in a row of a child that keeps dying before giving up on it: a worker "
                                   "then leaves its pool, a dead frontend or registry stops everything "
                                   f"(default: {MAX_RESTARTS}; 0: never restart)")  # fmt: skip
-    supervision.add_argument("--restart-backoff", type=duration, default=RestartPolicy.min_backoff_s,
+    supervision.add_argument("--restart-backoff", type=positive_duration, default=RestartPolicy.min_backoff_s,
                              metavar="DURATION",
                              help="wait before the first restart; it doubles with each crash in a row, up to "
                                   f"{RestartPolicy.max_backoff_s:g}s "
@@ -110,8 +116,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_engine_args(up)
     scaling = up.add_argument_group("autoscaling")
     scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
-    scaling.add_argument("--ttft-p90", type=duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
-    scaling.add_argument("--itl-p90", type=duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
+    scaling.add_argument("--ttft-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
+    scaling.add_argument("--itl-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
     for role in Role:
         scaling.add_argument(f"--max-{role}", type=int, default=4, metavar="N",
                              help=f"autoscale: most {role} workers (default: 4; the fewest is 1)")  # fmt: skip

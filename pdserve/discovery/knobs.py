@@ -22,7 +22,7 @@ import aetcd
 import msgspec
 
 from pdserve.discovery.registry import KNOBS_PREFIX, knobs_key
-from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, check_step_limits
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,7 @@ class Knobs(msgspec.Struct, frozen=True, kw_only=True):
     local_prefill_threshold_tokens: int = LOCAL_PREFILL_THRESHOLD_TOKENS
 
     def __post_init__(self) -> None:
-        if self.decode_max_num_seqs < 1:
-            raise ValueError(f"decode_max_num_seqs must be >= 1, got {self.decode_max_num_seqs}")
-        if self.decode_max_num_batched_tokens < self.decode_max_num_seqs:
-            raise ValueError(
-                f"decode_max_num_batched_tokens ({self.decode_max_num_batched_tokens}) must be >= "
-                f"decode_max_num_seqs ({self.decode_max_num_seqs}) so every running decode fits a step"
-            )
+        check_step_limits(self.decode_max_num_seqs, self.decode_max_num_batched_tokens, prefix="decode_")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if self.local_prefill_threshold_tokens < 0:

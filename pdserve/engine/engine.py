@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
@@ -36,7 +36,7 @@ from pdserve.engine.step_plan import GroupStart
 from pdserve.model.kv_cache import KVCache, KVCacheSpec
 from pdserve.model.setup import setup_model
 from pdserve.text.tokenizer import find_tokenizer
-from pdserve.types.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig, check_step_limits
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams
 
@@ -232,9 +232,10 @@ class LLMEngine:
         Requests already running above a lowered ``max_num_seqs`` finish; only admission waits.
         """
         cfg = self.config
-        if not 1 <= max_num_seqs <= cfg.max_num_seqs:
+        check_step_limits(max_num_seqs, max_num_batched_tokens)
+        if max_num_seqs > cfg.max_num_seqs:
             raise ValueError(f"max_num_seqs must be in [1, {cfg.max_num_seqs}] (the start-up value), got {max_num_seqs}")
-        if not max_num_seqs <= max_num_batched_tokens <= cfg.max_num_batched_tokens:
+        if max_num_batched_tokens > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_batched_tokens must be in [max_num_seqs={max_num_seqs}, {cfg.max_num_batched_tokens}] "
                 f"(the start-up value), got {max_num_batched_tokens}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.pins import BlockPins
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from pdserve.types.engine_config import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, check_step_limits
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running decode fits in one step"
-            )
+        check_step_limits(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 @dataclass

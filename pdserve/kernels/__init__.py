@@ -1,24 +1,18 @@
-"""Triton kernels for pdserve, one op a file, each checked against ``TorchBackend``.
+"""Kernels: the ``Backend`` interface the model computes through, and its implementations.
 
-Importing this package on a machine without a CUDA device sets ``TRITON_INTERPRET=1``
-(unless the variable is already set) so that every kernel runs in Triton's interpreter on
-CPU. Triton reads the variable when a function is decorated with ``@triton.jit``, not when
-triton is imported, so this works even if triton was imported earlier — as long as the
-kernel modules themselves are first imported through this package, which is why they import
-``pdserve.kernels`` (this file) before defining any kernel.
+- ``backend``: ``Backend``, the ops a model calls (linear, norms, rotary, paged attention, MoE);
+- ``torch_backend``: ``TorchBackend``, the plain torch reference every kernel is checked against;
+- ``select``: ``select_backend``, which implementation a model runs on;
+- ``block_fp8``: block-scaled FP8 weights and their torch arithmetic;
+- ``triton_backend``: ``TritonBackend``, the ``Backend`` on the Triton kernels below;
+- ``triton_mode``: whether the Triton kernels run compiled or in Triton's interpreter (CPU);
+- ``common``: helpers the Triton kernels share;
+- ``rms_norm``, ``rotary``, ``kv_write``, ``paged_decode``, ``paged_extend``, ``mla_decode``,
+  ``mla_extend``, ``moe_routing``, ``moe_align``, ``moe_gemm``, ``moe_combine``,
+  ``block_fp8_gemm``: the Triton kernels, one op a file, each checked against ``TorchBackend``;
+- ``cpu/``: ``CpuBackend``, oneDNN linears and C paged attention.
 
-``TritonBackend`` (``pdserve.kernels.triton_backend``) implements ``pdserve.kernels.backend.Backend``
-with these kernels.
+Importing the package loads nothing and changes nothing: Triton's interpreter is selected by
+``triton_mode.use_interpreter_without_cuda``, which ``triton_backend`` calls before it loads the
+kernels.
 """
-
-from __future__ import annotations
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Whether the kernels run in Triton's interpreter (CPU tensors) rather than compiled."""

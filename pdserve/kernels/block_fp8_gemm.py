@@ -24,10 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-from pdserve.kernels import INTERPRETED
 from pdserve.kernels.block_fp8 import FP8_DTYPE, FP8_MAX, BlockFP8Weight
-from pdserve.kernels.common import cast, dot, dot_block
+from pdserve.kernels.common import INTERPRETED, cast, dot, dot_block
 
 _INTERPRETED = tl.constexpr(INTERPRETED)
 

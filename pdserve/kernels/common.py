@@ -6,8 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
-from pdserve.kernels import INTERPRETED
+from pdserve.kernels.triton_mode import interpreted
+
+# Before any @triton.jit below: raises where they would be compiled for a missing GPU.
+INTERPRETED = interpreted()
 
 
 @triton.jit

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast, dot, dot_block, ieee_dot
 from pdserve.kernels.paged_decode import LOG2E
 

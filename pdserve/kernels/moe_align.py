@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.backend import DispatchedTokens
+from pdserve.kernels.triton_mode import interpreted
+
+interpreted()  # before any @triton.jit below: raises where they would be compiled for a missing GPU
 
 
 @dataclass

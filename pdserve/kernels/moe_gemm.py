@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.backend import DispatchedTokens
 from pdserve.kernels.common import cast, dot, ieee_dot
 

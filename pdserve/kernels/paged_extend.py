@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-import pdserve.kernels  # noqa: F401  (sets TRITON_INTERPRET before any @triton.jit below)
 from pdserve.kernels.common import cast, dot, dot_block, ieee_dot
 
 LOG2E = 1.4426950408889634

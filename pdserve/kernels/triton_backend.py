@@ -1,8 +1,9 @@
 """``TritonBackend``: the ``Backend`` interface on pdserve's Triton kernels.
 
-On a CUDA device the kernels are compiled; elsewhere importing ``pdserve.kernels`` has set
-``TRITON_INTERPRET=1`` and they run in Triton's interpreter on CPU tensors, slowly but with
-the same results, which is how the CPU-only tests check them against ``TorchBackend``.
+On a CUDA device the kernels are compiled; elsewhere this module selects Triton's interpreter
+(``triton_mode.use_interpreter_without_cuda``) before it imports them, and they run on CPU
+tensors, slowly but with the same results, which is how the CPU-only tests check them
+against ``TorchBackend``.
 
 Attention splits a step as the metadata orders it: the ``num_decodes`` leading one-token
 sequences go to the split-K decode kernel, the rest to the extend kernel.
@@ -12,14 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import kv_write, moe_align, moe_combine, moe_gemm, moe_routing, rms_norm, rotary
-from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, MoERouting
-from pdserve.kernels.block_fp8 import BlockFP8Weight
-from pdserve.kernels.block_fp8_gemm import block_fp8_linear
-from pdserve.kernels.mla_decode import mla_decode_attention
-from pdserve.kernels.mla_extend import mla_extend_attention
-from pdserve.kernels.paged_decode import paged_decode_attention
-from pdserve.kernels.paged_extend import paged_extend_attention
+from pdserve.kernels.triton_mode import use_interpreter_without_cuda
+
+# Triton decides compiled or interpreted as each @triton.jit function is defined: before the imports below.
+use_interpreter_without_cuda()
+
+from pdserve.kernels import kv_write, moe_align, moe_combine, moe_gemm, moe_routing, rms_norm, rotary  # noqa: E402
+from pdserve.kernels.backend import AttentionMetadata, Backend, DispatchedTokens, MoERouting  # noqa: E402
+from pdserve.kernels.block_fp8 import BlockFP8Weight  # noqa: E402
+from pdserve.kernels.block_fp8_gemm import block_fp8_linear  # noqa: E402
+from pdserve.kernels.mla_decode import mla_decode_attention  # noqa: E402
+from pdserve.kernels.mla_extend import mla_extend_attention  # noqa: E402
+from pdserve.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from pdserve.kernels.paged_extend import paged_extend_attention  # noqa: E402
 
 
 class TritonBackend(Backend):

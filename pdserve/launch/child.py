@@ -19,7 +19,8 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.lifecycle import DUMP_SIGNAL, PARENT_PID_ENV, cancel_and_wait
+from pdserve.environment import PARENT_PID
+from pdserve.lifecycle import DUMP_SIGNAL, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Child:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdserve", *self.argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, PARENT_PID_ENV: str(os.getpid())},  # a killed `up` takes its children with it
+            env={**os.environ, PARENT_PID: str(os.getpid())},  # a killed `up` takes its children with it
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[str] = loop.create_future()

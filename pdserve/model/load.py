@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.kernels.backend import Backend
 from pdserve.model.gguf.checkpoint import GGUFCheckpoint
 from pdserve.model.gguf.config import is_gguf

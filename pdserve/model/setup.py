@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve.distributed import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.kernels.backend import Backend
 from pdserve.kernels.select import select_backend
 from pdserve.model.config import read_model_config

@@ -9,7 +9,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-from pdserve.distributed import SINGLE_RANK, ParallelConfig, RankFailed, start_group
+from pdserve.distributed.errors import RankFailed
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.parallel_state import SINGLE_RANK
+from pdserve.distributed.rank_group import start_group
 from pdserve.engine.engine import LLMEngine
 from pdserve.offline.generation import (
     CompletionChunk,

@@ -15,7 +15,7 @@ import re
 
 import msgspec
 
-from pdserve.discovery.slo import parse_duration
+from pdserve.types.duration import parse_duration
 from pdserve.operator.spec import DeploymentSpec, EngineArg, PoolSpec
 from pdserve.worker.config import WorkerConfig
 

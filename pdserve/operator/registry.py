@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
 from pdserve.discovery.registry import Role, list_workers
-from pdserve.discovery.slo import SLOTargets, parse_duration
+from pdserve.discovery.slo import SLOTargets
+from pdserve.types.duration import parse_duration
 from pdserve.discovery.slo_store import get_slo, put_slo
 from pdserve.operator.spec import DeploymentSpec
 

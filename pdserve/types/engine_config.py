@@ -52,12 +52,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
-                f"got {self.max_num_batched_tokens}"
-            )
+        check_step_limits(self.max_num_seqs, self.max_num_batched_tokens)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def check_step_limits(max_num_seqs: int, max_num_batched_tokens: int, prefix: str = "") -> None:
+    """ValueError unless ``max_num_seqs >= 1`` and ``max_num_batched_tokens >= max_num_seqs``:
+    every running decode takes one token of each step, so a step's budget must hold them all.
+    ``prefix`` is the fields' prefix in the caller's struct (``"decode_"`` for ``Knobs``).
+
+    The one copy of this check: ``EngineConfig``, the scheduler's config, live knobs and the
+    engine's retune all call it."""
+    if max_num_seqs < 1:
+        raise ValueError(f"{prefix}max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(
+            f"{prefix}max_num_batched_tokens ({max_num_batched_tokens}) must be >= {prefix}max_num_seqs "
+            f"({max_num_seqs}) so every running decode fits in one step"
+        )

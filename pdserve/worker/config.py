@@ -10,7 +10,7 @@ import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.model.default_model import served_name
 from pdserve.rpc.tls import ClusterTLS
 from pdserve.types.engine_config import EngineConfig

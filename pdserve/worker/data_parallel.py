@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.distributed import ParallelState, start_group
+from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_group import start_group
 from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine

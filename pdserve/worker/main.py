@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK
+from pdserve.distributed.parallel_state import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig

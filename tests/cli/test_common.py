@@ -72,3 +72,30 @@ def test_the_kv_cache_dtype_option_sets_the_engine_field():
     assert "fp8_e4m3" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "int8"])
+
+
+@pytest.mark.parametrize("argv, dest", [
+    (["decode", "--model", "/m", "--lease-ttl", "{}"], "WorkerConfig.lease_ttl_s"),
+    (["prefill", "--model", "/m", "--hold", "{}"], "WorkerConfig.hold_s"),
+    (["frontend", "--request-timeout", "{}"], "FrontendConfig.request_timeout_s"),
+    (["up", "--restart-backoff", "{}"], "restart_backoff"),
+    (["status", "--interval", "{}"], "interval"),
+    (["drain", "w-1", "--timeout", "{}"], "timeout"),
+    (["slo", "set", "--model", "m", "--ttft-p90", "{}"], "ttft_p90"),
+])  # fmt: skip
+def test_every_duration_option_reads_one_grammar(argv: list[str], dest: str) -> None:
+    from pdserve.cli import build_parser
+
+    for text, seconds in (("1m", 60.0), ("250ms", 0.25), ("2s", 2.0), ("1.5", 1.5)):
+        args = build_parser().parse_args([part.format(text) for part in argv])
+        assert getattr(args, dest) == pytest.approx(seconds), text
+
+
+def test_generate_takes_its_sampling_defaults_from_sampling_params() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.types.sampling_params import SamplingParams
+
+    args = build_parser("generate").parse_args(["generate", "--target", "127.0.0.1:1", "--prompt", "hi"])
+    default = SamplingParams()
+    assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p) == (
+        default.max_tokens, default.temperature, default.top_p, default.top_k, default.min_p)  # fmt: skip

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.cli.common import ETCD_AUTH_OPTIONS
+from pdserve.environment import ETCD_AUTH_SETTINGS
 from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.etcd_auth import EtcdAuth
@@ -120,7 +120,7 @@ async def wait_registered(etcd_url: str, worker_id: str, process: subprocess.Pop
 def test_the_security_options_fill_the_configs_with_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("PDSERVE_ADMIN_KEY", raising=False)
-    for name in ETCD_AUTH_OPTIONS:
+    for name in ETCD_AUTH_SETTINGS:
         monkeypatch.delenv(f"PDSERVE_{name.upper()}", raising=False)
     ca = CertificateAuthority(tmp_path, "c")
     member = ca.cluster_tls("m")

@@ -20,7 +20,7 @@ from pdserve.cli import build_parser
 from pdserve.cli.common import field_default
 from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.frontend.config import FrontendConfig, RouterConfig
 from pdserve.observability.frontend_stats import FrontendStats, list_frontend_stats
 from pdserve.types.engine_config import EngineConfig

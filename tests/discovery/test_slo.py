@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from pdserve.discovery.slo import SLOTargets, parse_duration
+from pdserve.discovery.slo import SLOTargets
+from pdserve.types.duration import parse_duration
 
 
 @pytest.mark.parametrize(

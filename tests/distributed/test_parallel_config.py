@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 
 
 def test_world_and_expert_ranks():

@@ -7,7 +7,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelConfig, RankFailed, RankGroup
+from pdserve.distributed.errors import RankFailed
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.rank_group import RankGroup
 
 
 def test_a_child_that_cannot_start_fails_the_start_at_once():

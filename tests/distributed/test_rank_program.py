@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelConfig, RankGroup, start_group
+from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.rank_group import RankGroup, start_group
 from tests.distributed.probe_rank import PROBE_STATUS, Probe
 
 _PROGRAM = "tests.distributed.probe_rank"

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.launch.supervisor import RestartPolicy
 from pdserve.types.engine_config import EngineConfig
 from pdserve.v1 import inference_pb2

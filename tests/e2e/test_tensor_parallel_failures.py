@@ -9,7 +9,7 @@ import signal
 import grpc
 import pytest
 
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from tests.e2e.deployment import Deployment, rank_children
 
 pytestmark = pytest.mark.slow

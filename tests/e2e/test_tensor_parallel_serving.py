@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.distributed import ParallelConfig
+from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.kvtransfer import decode_group
 from tests.e2e.deployment import Deployment
 from tests.e2e.prompts import shared_prefix_prompts

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-# Without a GPU the kernels run in Triton's interpreter on CPU tensors (pdserve.kernels would
-# set this too; doing it here first keeps the choice in one visible place for the tests).
+# Without a GPU the kernels run in Triton's interpreter on CPU tensors (triton_backend would
+# select it too; the tests import kernel modules directly, so they make the choice first).
 # With one, the same tests run compiled on CUDA tensors (see conftest.py) unless
 # TRITON_INTERPRET=1 is set explicitly.
 if not torch.cuda.is_available():

@@ -80,8 +80,8 @@ def test_moe_layer_matches_reference(dtype):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback to the interpreter")
-def test_importing_the_package_selects_the_interpreter_on_cpu():
-    # A fresh interpreter with TRITON_INTERPRET unset: pdserve.kernels must set it before
+def test_loading_the_triton_backend_selects_the_interpreter_on_cpu():
+    # A fresh interpreter with TRITON_INTERPRET unset: triton_backend must set it before
     # its kernels are defined, or launching them on CPU tensors fails.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
@@ -95,3 +95,14 @@ def test_importing_the_package_selects_the_interpreter_on_cpu():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only guard")
+def test_a_kernel_imported_before_the_choice_on_cpu_refuses_to_load():
+    # Its @triton.jit functions would be compiled for a GPU that is not there.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import pdserve.kernels.rms_norm\n"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "use_interpreter_without_cuda()" in result.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.distributed import RankFailed
+from pdserve.distributed.errors import RankFailed
 from pdserve.model.nn.expert_placement import ExpertPlacement
 from pdserve.model.nn.moe import MoE
 from tests.model.test_models import _assert_matches_reference, _prompts

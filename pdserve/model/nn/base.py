@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.kernels.backend import AttentionMetadata, Backend
 from pdserve.model.kv_cache import KVCache, KVCacheSpec
 from pdserve.model.model_config import ModelConfig

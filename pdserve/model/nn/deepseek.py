@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.kernels.backend import AttentionMetadata, Backend, MoERouting
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.model_config import ModelConfig

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from pdserve.distributed import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.model.nn.base import DecoderModel
 from pdserve.model.nn.expert_placement import ExpertPlacement
 from pdserve.model.nn.moe import MoE

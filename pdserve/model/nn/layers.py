@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.kernels.backend import Backend
 from pdserve.kernels.block_fp8 import BlockFP8Weight
 from pdserve.model.nn.tensor_parallel import row_parallel_bias, split

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.distributed import SINGLE_RANK, ParallelState
+from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.kernels.backend import Backend, MoERouting
 from pdserve.model.nn.expert_placement import ExpertPlacement
 from pdserve.model.nn.layers import DenseMLP

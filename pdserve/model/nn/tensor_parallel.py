@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.distributed import ParallelState
+from pdserve.distributed.parallel_state import ParallelState
 from pdserve.kernels.backend import Backend
 
 

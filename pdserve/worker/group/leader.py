@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.distributed import ParallelState, RankGroup, start_group
+from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_group import RankGroup, start_group
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer import PeerInfo
 from pdserve.worker.config import WorkerConfig

@@ -1,0 +1,54 @@
+"""Every ``PDSERVE_*`` environment variable pdserve reads, each read here by one function and
+nowhere else; an option that defaults to one names it in its help. Standard library only.
+
+- ``PDSERVE_ETCD``: the registry's URL (``etcd_url``);
+- ``PDSERVE_ETCD_CACERT``, ``_CERT``, ``_KEY``, ``_SERVER_NAME``, ``_USER``, ``_PASSWORD``: etcd's
+  TLS and auth (``etcd_auth_setting``);
+- ``PDSERVE_API_KEY``: the key a client presents (``api_key``); ``PDSERVE_API_KEYS``: the keys a
+  frontend accepts, comma-separated (``api_keys``);
+- ``PDSERVE_ADMIN_KEY``: the key that drains a worker (``admin_key``);
+- ``PDSERVE_CACHE_DIR``: pdserve's cache directory (``cache_dir``);
+- ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``).
+"""
+
+from __future__ import annotations
+
+import os
+
+PARENT_PID = "PDSERVE_PARENT_PID"
+ETCD_AUTH_SETTINGS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_user", "etcd_password")
+
+
+def _read(name: str) -> str | None:
+    return os.environ.get(name) or None  # set but empty reads as unset
+
+
+def etcd_url() -> str | None:
+    return _read("PDSERVE_ETCD")
+
+
+def etcd_auth_setting(setting: str) -> str | None:
+    """``$PDSERVE_ETCD_CACERT`` for ``"etcd_cacert"``, and so on for each of ``ETCD_AUTH_SETTINGS``."""
+    if setting not in ETCD_AUTH_SETTINGS:
+        raise ValueError(f"no etcd setting {setting!r}; one of {', '.join(ETCD_AUTH_SETTINGS)}")
+    return _read(f"PDSERVE_{setting.upper()}")
+
+
+def api_key() -> str | None:
+    return _read("PDSERVE_API_KEY")
+
+
+def api_keys() -> list[str]:
+    return [key.strip() for key in (_read("PDSERVE_API_KEYS") or "").split(",") if key.strip()]
+
+
+def admin_key() -> str | None:
+    return _read("PDSERVE_ADMIN_KEY")
+
+
+def cache_dir() -> str | None:
+    return _read("PDSERVE_CACHE_DIR")
+
+
+def parent_pid() -> str | None:
+    return _read(PARENT_PID)
