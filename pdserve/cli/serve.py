@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdserve.cli.common import (
     absolute,
@@ -224,7 +224,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         **worker_security(args))  # fmt: skip
 
 
-def worker_security(args: argparse.Namespace) -> dict[str, object]:
+def worker_security(args: argparse.Namespace) -> dict[str, Any]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
     return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or os.environ.get("PDSERVE_ADMIN_KEY"),
             "etcd_auth": etcd_auth(args)}  # fmt: skip

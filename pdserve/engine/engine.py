@@ -105,7 +105,7 @@ class LLMEngine:
         spec = setup.kv_spec
         num_blocks = spec.num_blocks_for(self._kv_budget(spec))
         if parallel.tp_size > 1:
-            parallel.channel.send(GroupStart(num_blocks=num_blocks))
+            parallel.group_channel.send(GroupStart(num_blocks=num_blocks))
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, cfg.block_size)

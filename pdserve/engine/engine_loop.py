@@ -95,7 +95,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.lockstep = engine.parallel.dp_size > 1
         self.lockstep_idle_s = lockstep_idle_s
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -306,7 +306,7 @@ class EngineLoop:
     def _leave(self) -> None:
         self.engine.runner.staying = False
 
-    def _wait_for_command(self) -> Callable[[], None] | None:
+    def _wait_for_command(self) -> Callable[[], object] | None:
         """Nothing is runnable (requests wait for KV, or none): sleep until the next command,
         or until the earliest pin's deadline, when stepping again frees it."""
         while True:
@@ -347,7 +347,8 @@ class EngineLoop:
         finals = [
             RequestOutput(rid, [], [], finished=True, finish_reason="abort") for rid in list(self._streams)
         ]
-        self._loop.call_soon_threadsafe(self._dispatch, [(o.request_id, o) for o in finals])
+        items: list[tuple[str, RequestOutput | KVAwaited]] = [(o.request_id, o) for o in finals]
+        self._loop.call_soon_threadsafe(self._dispatch, items)
 
     def _snapshot(self) -> EngineLoad:
         engine = self.engine

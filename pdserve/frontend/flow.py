@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -188,7 +188,7 @@ class RequestFlow:
                     from_worker=broken.worker_id, tokens_streamed=self.num_tokens, reason=broken.reason
                 )
 
-    async def _attempt(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _attempt(self) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """One try at the request, on workers that have not failed it, from the tokens streamed so far."""
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
@@ -218,7 +218,7 @@ class RequestFlow:
 
     async def _prefill_then_decode(
         self, decode: WorkerEntry, choice: PrefillChoice | None
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         early = self._open_decode(decode, choice) if choice is not None else None
         backup: asyncio.Task[None] | None = None
         try:
@@ -390,7 +390,7 @@ class RequestFlow:
 
     async def _decode(
         self, decode: WorkerEntry, prefilled: _Prefilled | None, early: grpc.aio.UnaryStreamCall | None
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """Stream the decode, on ``early`` (the call opened beside the prefill) when there is one."""
         message = worker_pb2.DecodeRequest(
             request_id=self._attempt_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
@@ -422,6 +422,7 @@ class RequestFlow:
                             self.routing.view.workers(Role.DECODE, self.request.model.name),
                             exclude=[*self._failed, *refused],
                         )
+                        assert self._decode_worker is not None  # set by _attempt
                         router.decode_done(self._decode_worker)
                         router.decode_started(decode)
                         self._decode_worker = decode
@@ -444,7 +445,7 @@ class RequestFlow:
 
     async def _decode_on(
         self, decode: WorkerEntry, message: worker_pb2.DecodeRequest, call: grpc.aio.UnaryStreamCall | None
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         sent_at = time.monotonic()
         if call is None:
             call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
