@@ -18,7 +18,7 @@ def cache_root() -> Path:
     root = environment.cache_dir()
     if root:
         return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME")
+    base: str | Path | None = os.environ.get("XDG_CACHE_HOME")
     if not base:
         try:
             base = Path.home() / ".cache"

@@ -98,7 +98,7 @@ def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Await
         return asyncio.run(main())
     except OperationFailed as error:
         return fail(args, str(error))
-    except (*ETCD_ERRORS, RegistryUnavailable) as error:
+    except ETCD_ERRORS + (RegistryUnavailable,) as error:
         return fail(args, unreachable(args.etcd, error))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdserve import environment
 from pdserve.cli.common import (
@@ -223,7 +223,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         **worker_security(args))  # fmt: skip
 
 
-def worker_security(args: argparse.Namespace) -> dict[str, object]:
+def worker_security(args: argparse.Namespace) -> dict[str, Any]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
     return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or environment.admin_key(),
             "etcd_auth": etcd_auth(args)}  # fmt: skip

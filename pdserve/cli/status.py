@@ -100,12 +100,13 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
                     async with reconnect.use() as current:
                         status = await collect(current, args.etcd, args.model)
                 text = None if args.json else render(status)
-            except (*ETCD_ERRORS, RegistryUnavailable) as error:
+            except ETCD_ERRORS + (RegistryUnavailable,) as error:
                 status, text = None, f"{unreachable(args.etcd, error)}; retrying every {fmt_seconds(args.interval)}"
                 first = None
             if args.json:
                 print_json(status or {"etcd": args.etcd, "time": time.time(), "error": text}, compact=True)
             else:
+                assert text is not None  # rendered, or the error, when not --json
                 header = (f"pdserve status · etcd {args.etcd} · {time.strftime('%H:%M:%S')} · "
                           f"every {fmt_seconds(args.interval)} (Ctrl-C to stop)")  # fmt: skip
                 print(("\x1b[H\x1b[2J" if is_tty else "") + header + "\n\n" + text + ("" if is_tty else "\n"))
@@ -281,8 +282,10 @@ def _render_planner(decision: dict[str, Any] | None, now: float) -> list[str]:
         return ["  planner: no decision published"]
     when = decision.get("time")
     # Decision.time is the observation's clock; it reads as an age only when it is unix time.
-    is_unix = isinstance(when, (int, float)) and 1e9 < when <= now + 60
-    head = f"  planner ({fmt_age(now - when)} ago)" if is_unix else f"  planner (time {when})"
+    if isinstance(when, (int, float)) and 1e9 < when <= now + 60:
+        head = f"  planner ({fmt_age(now - when)} ago)"
+    else:
+        head = f"  planner (time {when})"
     parts = [f"{role} {decision[f'{role}_replicas']}" for role in Role if f"{role}_replicas" in decision]
     if isinstance(decision.get("rate"), (int, float)):
         peak = decision.get("peak_rate")

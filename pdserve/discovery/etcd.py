@@ -131,7 +131,7 @@ async def close_quietly(client: aetcd.Client, timeout_s: float = 1.0) -> None:
     try:
         async with asyncio.timeout(timeout_s):
             await client.close()
-    except (*ETCD_ERRORS, OSError):
+    except ETCD_ERRORS + (OSError,):
         pass
 
 

@@ -17,6 +17,7 @@ range was listed afresh.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import math
@@ -58,7 +59,7 @@ class WatchedRange:
     async def follow(
         self,
         client: aetcd.Client,
-        on_change: Callable[[WatchedRange, list[bytes] | None], None],
+        on_change: Callable[[WatchedRange, builtins.list[bytes] | None], None],
         timeout_s: float,
     ) -> None:
         """Apply the range's changes from ``revision + 1`` on, listing it afresh when etcd has
@@ -98,8 +99,8 @@ async def first_failure(*coros: Coroutine[Any, Any, None]) -> None:
             if not task.done():
                 await cancel_and_wait(task)
     for task in done:
-        if task.exception() is not None:
-            raise task.exception()
+        if (error := task.exception()) is not None:
+            raise error
     raise RuntimeError("a follower's loop returned")
 
 

@@ -13,6 +13,7 @@ all-reduces, a gather) before the next one is sent: by then every rank has read 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TypeVar
 
 import msgspec
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from pdserve.distributed.errors import RankFailed
 
 _PREFIX = "pdserve/channel/"
 _POLL = timedelta(seconds=1)
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class Channel:
@@ -32,11 +35,12 @@ class Channel:
 
     def send(self, message: msgspec.Struct) -> None:
         self._seq += 1
-        self.store.set(f"{_PREFIX}{self._seq}", msgspec.msgpack.encode(message))
+        # torch's stub types the value as str; the store takes bytes as they are.
+        self.store.set(f"{_PREFIX}{self._seq}", msgspec.msgpack.encode(message))  # type: ignore[arg-type]
         if self._seq > 2:
             self.store.delete_key(f"{_PREFIX}{self._seq - 2}")
 
-    def receive(self, type_: type[msgspec.Struct]) -> msgspec.Struct:
+    def receive(self, type_: type[S]) -> S:
         self._seq += 1
         key = f"{_PREFIX}{self._seq}"
         while True:

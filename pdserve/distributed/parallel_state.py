@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from pdserve.distributed.channel import Channel
 from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_config import ParallelConfig
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 @dataclass
@@ -47,6 +50,12 @@ class ParallelState:
     ep_group: dist.ProcessGroup | None = None  # the whole group, on the device's backend
     cpu_group: dist.ProcessGroup | None = None  # the whole group over gloo: plans and results
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+
+    @property
+    def group_channel(self) -> Channel:
+        """``channel``, on a group of more than one rank (the only place it is used)."""
+        assert self.channel is not None, "a single rank has no channel"
+        return self.channel
 
     @property
     def world_size(self) -> int:
@@ -159,7 +168,7 @@ class ParallelState:
         _timed(self.stats, "dp_step_sync", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
         return t.tolist()
 
-    def gather_to_driver(self, message: msgspec.Struct, type_: type[msgspec.Struct]) -> list[msgspec.Struct] | None:
+    def gather_to_driver(self, message: S, type_: type[S]) -> list[S] | None:
         """Every rank's ``message``, in rank order, on rank 0 (None elsewhere)."""
         if self.cpu_group is None:
             return [message]
@@ -178,7 +187,7 @@ class ParallelState:
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.is_driver else None
         _timed(self.stats, "gather", dist.gather, padded, parts, dst=0, group=self.cpu_group)
-        if not self.is_driver:
+        if parts is None:  # not the driver
             return None
         return [
             msgspec.msgpack.decode(part[: int(size.item())].numpy().tobytes(), type=type_)

@@ -70,6 +70,7 @@ class RankGroup:
                 payload=self.payload,
             )
             process = subprocess.Popen([sys.executable, "-m", self.entry_module], stdin=subprocess.PIPE)
+            assert process.stdin is not None  # stdin=PIPE
             process.stdin.write(msgspec.msgpack.encode(start))
             process.stdin.close()
             self.processes.append(process)
@@ -171,7 +172,7 @@ def child_start() -> tuple[RankStart, ParallelState]:
     _exit_with_parent()
     timeout = timedelta(seconds=start.config.rendezvous_timeout_s)
     store = dist.TCPStore(start.store_host, start.store_port, start.config.world_size, is_master=False, timeout=timeout)
-    store.set(_joined_key(start.rank), b"1")
+    store.set(_joined_key(start.rank), "1")
     return start, join_group(start.rank, start.config, store, start.device)
 
 

@@ -62,7 +62,7 @@ class ModelRunner:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
         plan, sampling = self.plan(scheduled)
         if self.parallel.tp_size > 1:
-            self.parallel.channel.send(plan)
+            self.parallel.group_channel.send(plan)
         inputs = self.inputs(plan)
         inputs.sampling_requests = sampling
         inputs.scheduled = list(scheduled)
@@ -74,6 +74,7 @@ class ModelRunner:
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
+        assert self.kv is not None  # rank 0 plans
         tables = [self.kv.block_table(r.request_id) for r, _ in scheduled]
         block_tables = np.zeros((len(scheduled), max(len(t) for t in tables)), dtype=np.int32)
         seq_lens, query_lens, sample_rows, sampling = [], [], [], []
@@ -204,7 +205,7 @@ class ModelRunner:
     def follow(self) -> None:
         """Tensor-parallel ranks but 0: run every step rank 0 plans, until it says stop."""
         while True:
-            plan = self.parallel.channel.receive(StepPlan)
+            plan = self.parallel.group_channel.receive(StepPlan)
             if plan.stop:
                 return
             self.execute(self.inputs(plan))
@@ -212,4 +213,4 @@ class ModelRunner:
     def stop_followers(self) -> None:
         """Rank 0: tell the other tensor-parallel ranks that no more steps come."""
         if self.parallel.tp_size > 1:
-            self.parallel.channel.send(StepPlan(stop=True))
+            self.parallel.group_channel.send(StepPlan(stop=True))

@@ -239,9 +239,9 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
     index = torch.tensor(rows, device=raw.device)
     logprobs = raw[index].log_softmax(dim=-1)  # [len(rows), vocab]
     chosen = logprobs.gather(1, token_ids[index][:, None]).squeeze(1).tolist()
-    num_top = min(max(requests[i].params.logprobs for i in rows), raw.shape[-1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    num_top = min(max(n for r in requests if (n := r.params.logprobs) is not None), raw.shape[-1])
+    top_value_rows, top_id_rows = logprobs.topk(num_top, dim=-1)
+    top_values, top_ids = top_value_rows.tolist(), top_id_rows.tolist()
     for j, i in enumerate(rows):
         n = requests[i].params.logprobs
         result[i] = Logprobs(token_logprob=chosen[j],

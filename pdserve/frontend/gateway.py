@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import msgspec
@@ -165,7 +165,7 @@ class Admitted:
             self._counted = False
             self.gateway.num_in_flight -= 1
 
-    async def responses(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def responses(self) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """The flow's messages; raises FlowError. Closing it early (the client left) cancels
         the flow, which aborts the request on its workers and frees its blocks."""
         if not self._counted:

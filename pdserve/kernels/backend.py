@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +96,12 @@ class Backend(ABC):
         """
         return weight
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor | BlockFP8Weight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x [..., in] · weightᵀ + bias`` → [..., out], ``weight`` as ``prepare_weight`` returned it."""
-        return F.linear(x, weight, bias)
+        # A BlockFP8Weight comes only to a backend that runs_block_fp8, and that one overrides this.
+        return F.linear(x, cast(torch.Tensor, weight), bias)
 
     def prepare_gated_weight(self, weight: torch.Tensor | BlockFP8Weight) -> torch.Tensor | BlockFP8Weight:
         """SwiGLU's gate and up weights stacked [2 · I, in] (gate rows first), in the form
@@ -112,7 +116,7 @@ class Backend(ABC):
         gate, up = self.linear(x, weight, bias).chunk(2, dim=-1)
         return self.silu_mul(gate, up)
 
-    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, lm_head: torch.Tensor | BlockFP8Weight) -> torch.Tensor:
         """The LM head: float32 logits [R, vocab] of hidden [R, H], ``lm_head`` as ``prepare_weight`` returned it.
 
         Its own method because its shape is its own: few rows (one per sampled sequence)

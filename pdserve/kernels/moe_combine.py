@@ -47,13 +47,13 @@ def combine(
     x = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
     width = x.shape[1]
     block = min(1024, triton.next_power_of_2(width))
-    pair_rows = getattr(tokens, "pair_rows", None) if isinstance(tokens, TritonDispatchedTokens) else None
-    if pair_rows is not None and tokens.top_k * num_tokens == pair_rows.shape[0]:
+    pair_rows, top_k = (tokens.pair_rows, tokens.top_k) if isinstance(tokens, TritonDispatchedTokens) else (None, 0)
+    if pair_rows is not None and top_k * num_tokens == pair_rows.shape[0]:
         if out is None:
             out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
         if num_tokens:
             _combine_kernel[(num_tokens, triton.cdiv(width, block))](
-                x, tokens.weights, pair_rows, out, x.stride(0), out.stride(0), width, tokens.top_k, BLOCK=block,
+                x, tokens.weights, pair_rows, out, x.stride(0), out.stride(0), width, top_k, BLOCK=block,
             )
         return out
     acc = torch.zeros(num_tokens, width, dtype=torch.float32, device=x.device)

@@ -30,8 +30,10 @@ def load_model(
 ) -> DecoderModel:
     """Build the model for ``config`` with weights mapped from its directory (or its GGUF file):
     the share of rank ``parallel`` of its group."""
+    ckpt: Checkpoint
     if is_gguf(config.path):
-        ckpt = GGUFCheckpoint(config, device=device, dtype=config.dtype)
+        # Duck-typed: a GGUFCheckpoint reads tensors by name as a Checkpoint does.
+        ckpt = GGUFCheckpoint(config, device=device, dtype=config.dtype)  # type: ignore[assignment]
     else:
         block_size = config.quantization.weight_block_size if config.quantization else None
         ckpt = Checkpoint(config.path, device=device, dtype=config.dtype, weight_block_size=block_size)

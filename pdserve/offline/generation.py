@@ -8,7 +8,8 @@ share of the prompts in lockstep with the others (``generate_share``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 from dataclasses import dataclass
 
 import msgspec
@@ -172,10 +173,10 @@ def generate_share(engine: LLMEngine, command: GenerateCommand, ids: itertools.c
     return results
 
 
-def as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]  # one list of ints is one prompt
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+        return [cast(list[int], items)]  # one list of ints is one prompt
+    return cast(list[Prompt], items)

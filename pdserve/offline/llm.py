@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_config import ParallelConfig
@@ -53,7 +54,7 @@ class LLM:
         enable_expert_parallel: bool = False,
         num_redundant_experts: int = 0,
         eplb_interval_steps: int = 0,
-        **engine_args: object,
+        **engine_args: Any,
     ) -> None:
         config = EngineConfig(dtype=dtype, **engine_args)
         parallel_config = ParallelConfig(
@@ -64,8 +65,10 @@ class LLM:
         self._group = start_group(
             parallel_config, "pdserve.offline.rank_main", rank_program(model, config), config.device
         )
+        parallel = self._group.state if self._group else SINGLE_RANK
+        assert parallel is not None  # a started group has joined
         try:
-            self.engine = LLMEngine(model, config, parallel=self._group.state if self._group else SINGLE_RANK)
+            self.engine = LLMEngine(model, config, parallel=parallel)
         except BaseException:
             self._close_group()
             raise
@@ -86,7 +89,7 @@ class LLM:
         if self._group is not None:
             self.engine.close()
             if self.engine.parallel.dp_size > 1:
-                self.engine.parallel.channel.send(GenerateCommand(stop=True))
+                self.engine.parallel.group_channel.send(GenerateCommand(stop=True))
         self._close_group()
 
     def _close_group(self) -> None:
@@ -129,7 +132,7 @@ class LLM:
                 self.engine.check_request(prompt, params)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
-        parallel.channel.send(GenerateCommand(prompts=prompt_list, params=params_list))
+        parallel.group_channel.send(GenerateCommand(prompts=prompt_list, params=params_list))
         return generate_share(self.engine, GenerateCommand(prompts=prompt_list, params=params_list), self._ids)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionChunk]:

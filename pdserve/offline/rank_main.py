@@ -48,11 +48,11 @@ def _run(program: RankProgram, parallel: ParallelState) -> int:
     if parallel.dp_size > 1:
         engine = LLMEngine(program.model, program.engine, parallel=parallel)
         ids = itertools.count()
-        while not (command := parallel.channel.receive(GenerateCommand)).stop:
+        while not (command := parallel.group_channel.receive(GenerateCommand)).stop:
             generate_share(engine, command, ids)
     else:
         setup = setup_model(program.model, program.engine, parallel)
-        num_blocks = parallel.channel.receive(GroupStart).num_blocks
+        num_blocks = parallel.group_channel.receive(GroupStart).num_blocks
         kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
         ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
     return 0

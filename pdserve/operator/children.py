@@ -99,9 +99,9 @@ def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
 
 
 def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "config", "configMap": {"name": child_name(owner, "config")}},
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": child_name(owner, "config")}},
                {"name": "cache", "emptyDir": {}}]  # fmt: skip
-    mounts = [{"name": "config", "mountPath": cmd.CONFIG_DIR, "readOnly": True},
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": cmd.CONFIG_DIR, "readOnly": True},
               {"name": "cache", "mountPath": "/home/pdserve/.cache"}]  # fmt: skip
     source = spec.model.volume
     if component in POOLS and source is not None:

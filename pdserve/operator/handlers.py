@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +125,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     # Through the client's own getter: an in-cluster configuration re-reads the rotated token there.
     # (kubernetes >= 37 keeps it under "BearerToken"; a hand-made configuration may use "authorization").
     credential = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization") or ""
-    scheme, _, token = credential.partition(" ") if " " in credential else (None, "", credential)
+    scheme, _space, token = credential.partition(" ") if " " in credential else (None, "", credential)
     return kopf.ConnectionInfo(
         server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl, scheme=scheme, token=token or None,
         certificate_path=c.cert_file, private_key_path=c.key_file,
@@ -148,13 +149,15 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 # Async handlers: kopf runs plain functions in a thread, where there is no loop to start a task on.
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def resource_event(name: str, namespace: str, type: str | None, **_: Any) -> None:
+async def resource_event(name: str, namespace: str | None, type: str | None, **_: Any) -> None:
+    assert namespace is not None  # the resource is namespaced
     if type != "DELETED":
         _current().trigger(namespace, name)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY: OPERATOR})
-async def child_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
+async def child_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    assert namespace is not None  # Deployments are namespaced
     owner = labels.get(DEPLOYMENT_LABEL)
     if owner:
         _current().trigger(namespace, owner)

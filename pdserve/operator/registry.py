@@ -58,7 +58,7 @@ async def sync_registry(url: str, spec: DeploymentSpec) -> RegistryView:
         if targets is not None and await get_slo(client, model, ETCD_TIMEOUT_S) != targets:
             await put_slo(client, targets, ETCD_TIMEOUT_S)
         return RegistryView(counts)
-    except (*ETCD_ERRORS, asyncio.TimeoutError) as error:
+    except ETCD_ERRORS + (asyncio.TimeoutError,) as error:
         return RegistryView(None, f"etcd at {url}: {error or 'no answer'}")
     finally:
         await close_quietly(client)

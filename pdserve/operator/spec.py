@@ -33,16 +33,16 @@ class _Camel(msgspec.Struct, frozen=True, kw_only=True, rename="camel", forbid_u
     pass
 
 
-class PvcSource(_Camel):
+class PvcSource(_Camel, frozen=True):
     claim_name: str
     read_only: bool = True
 
 
-class HostPathSource(_Camel):
+class HostPathSource(_Camel, frozen=True):
     path: str
 
 
-class ModelVolume(_Camel):
+class ModelVolume(_Camel, frozen=True):
     """Where the model's files come from: a PersistentVolumeClaim, or a node's model cache
     (a host path); mounted at ``mount_path``."""
 
@@ -51,7 +51,7 @@ class ModelVolume(_Camel):
     mount_path: str = "/models"
 
 
-class ModelSpec(_Camel):
+class ModelSpec(_Camel, frozen=True):
     path: str
     name: str | None = None
     volume: ModelVolume | None = None
@@ -62,7 +62,7 @@ class ModelSpec(_Camel):
         return self.name or posixpath.basename(self.path.rstrip("/"))
 
 
-class PoolSpec(_Camel):
+class PoolSpec(_Camel, frozen=True):
     replicas: int = 1
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -85,7 +85,7 @@ class PoolSpec(_Camel):
         return self.ranks > self.gpus_per_node
 
 
-class FrontendSpec(_Camel):
+class FrontendSpec(_Camel, frozen=True):
     replicas: int = 1
     service_type: ServiceType = "ClusterIP"
     grpc_port: int = 50051
@@ -93,13 +93,13 @@ class FrontendSpec(_Camel):
     args: dict[str, Any] = {}
 
 
-class RouterSpec(_Camel):
+class RouterSpec(_Camel, frozen=True):
     disaggregation: Disaggregation | None = None
     local_prefill_threshold_tokens: int | None = None
     prefill_saturation_tokens: int | None = None
 
 
-class SloSpec(_Camel):
+class SloSpec(_Camel, frozen=True):
     ttft_p90: str | None = None
     itl_p90: str | None = None
     e2e_p90: str | None = None
@@ -109,27 +109,27 @@ class SloSpec(_Camel):
     max_decode_replicas: int = 8
 
 
-class PlannerSpec(_Camel):
+class PlannerSpec(_Camel, frozen=True):
     enabled: bool = False
     interval: str | None = None
     profile_config_map: str | None = None
     service_account_name: str | None = None
 
 
-class EtcdSpec(_Camel):
+class EtcdSpec(_Camel, frozen=True):
     endpoints: list[str] = []
 
 
-class TlsSpec(_Camel):
+class TlsSpec(_Camel, frozen=True):
     secret_name: str
 
 
-class ApiKeySpec(_Camel):
+class ApiKeySpec(_Camel, frozen=True):
     secret_name: str
     key: str = "api-key"
 
 
-class DeploymentSpec(_Camel):
+class DeploymentSpec(_Camel, frozen=True):
     model: ModelSpec
     image: str
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"

@@ -106,7 +106,7 @@ class Forecaster:
         cfg = self.config
         rate = obs.arrival_rate
         # Bursts stand out against the slow baseline, or the fast one after a drop in load.
-        baseline = rate if self._slow_rate is None else min(self._slow_rate, self._fast_rate)
+        baseline = rate if self._slow_rate is None or self._fast_rate is None else min(self._slow_rate, self._fast_rate)
         elevated = burst_rates(obs.arrivals_per_s, cfg.burst_bin_s, baseline, cfg.burst_z)
         start = obs.time - obs.interval_s
         new_level = False

@@ -173,11 +173,10 @@ class LatencyModel:
         idle = list(range(replicas))
 
         def start_step(worker: int, now: float) -> None:
-            budget, done = chunk, []
+            budget, done = chunk, list[int]()
             while budget > 0 and (carry[worker] is not None or queue):
-                if carry[worker] is not None:
-                    i = carry[worker]
-                else:
+                i = carry[worker]
+                if i is None:
                     i = queue.popleft()
                     started[i] = now
                 take = min(left[i], budget)

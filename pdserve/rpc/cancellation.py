@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ import grpc
 logger = logging.getLogger(__name__)
 
 Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None]]
 
 
 class CancellationGuard(grpc.aio.ServerInterceptor):
@@ -70,7 +70,7 @@ def _guard_unary(behavior: Unary, method: str) -> Unary:
 
 
 def _guard_stream(behavior: Streaming, method: str) -> Streaming:
-    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
         try:
             # Closed here, not by the garbage collector: its clean-up (an abort) runs at once.
             async with contextlib.aclosing(behavior(request, context)) as responses:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
 
@@ -13,7 +15,7 @@ _OPTIONAL_FIELDS = (
 
 def sampling_params(options: inference_pb2.SamplingOptions) -> SamplingParams:
     """The engine's params; unset fields keep their defaults. Raises ValueError naming a bad field."""
-    kwargs: dict[str, object] = {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
+    kwargs: dict[str, Any] = {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
     if options.stop:
         kwargs["stop"] = list(options.stop)
     if options.stop_token_ids:

@@ -20,14 +20,14 @@ KV_SOURCE_FAILED = worker_pb2.Refusal.REASON_KV_SOURCE_FAILED
 
 
 async def refuse(
-    context: grpc.aio.ServicerContext, reason: worker_pb2.Refusal.Reason.ValueType, details: str
+    context: grpc.aio.ServicerContext, reason: worker_pb2.Refusal.Reason, details: str
 ) -> None:
     """End the call (this raises) with UNAVAILABLE, ``details`` for people and ``reason`` for programs."""
     refusal = worker_pb2.Refusal(reason=reason).SerializeToString()
     await context.abort(grpc.StatusCode.UNAVAILABLE, details, trailing_metadata=((REFUSAL_KEY, refusal),))
 
 
-def refusal_reason(error: grpc.aio.AioRpcError) -> worker_pb2.Refusal.Reason.ValueType | None:
+def refusal_reason(error: grpc.aio.AioRpcError) -> worker_pb2.Refusal.Reason | None:
     """Why a worker refused the call that failed with ``error``; None when it was no refusal."""
     if error.code() != grpc.StatusCode.UNAVAILABLE:
         return None

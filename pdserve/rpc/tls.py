@@ -22,6 +22,7 @@ every cluster certificate carries that DNS name, besides any others.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -171,7 +172,7 @@ class ClusterTLS(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 def secure_or_insecure_channel(
-    target: str, tls: ClientTLS | None, options: list[tuple[str, int | str]] | None = None
+    target: str, tls: ClientTLS | None, options: Sequence[tuple[str, int | str]] | None = None
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to ``target``: TLS with ``tls``, plaintext without."""
     options = list(options or [])

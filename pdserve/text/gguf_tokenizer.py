@@ -79,7 +79,8 @@ def gguf_tokenizer(file: GGUFFile) -> GGUFTokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     try:
         pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False)
+        # A merge without a space is a 1-tuple here, left for BPE to reject.
+        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
     except Exception as error:  # the Rust side raises a bare Exception for a merge outside the vocabulary
         raise GGUFError(f"{path}: tokenizer.ggml.merges do not fit the vocabulary ({error})") from None
     backend = tokenizers.Tokenizer(bpe)

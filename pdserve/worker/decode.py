@@ -187,7 +187,9 @@ class DecodeService(WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode of {output.request_id} on "
                                 f"{self.runtime.worker_id} stopped: {engine_loop.error}")  # fmt: skip
 
-    async def _peer(self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext) -> list[PeerInfo]:
+    async def _peer(  # type: ignore[return]  # context.abort raises
+        self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext
+    ) -> list[PeerInfo]:
         """The prefill group's ranks (one for a single-rank worker), loaded into this rank's agent."""
         agent = self.runtime.agent
         try:

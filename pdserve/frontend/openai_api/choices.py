@@ -10,7 +10,7 @@ choice's stream, which cancels its flow and frees its blocks on the workers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
 from starlette.requests import Request
@@ -41,7 +41,7 @@ async def admit_all(
     return admitted
 
 
-async def merged(admitted: Sequence[Admitted]) -> AsyncIterator[Event]:
+async def merged(admitted: Sequence[Admitted]) -> AsyncGenerator[Event, None]:
     """Every choice's messages as they come; a choice's FlowError (or any error) ends them all."""
     # Bounded: a client that stops reading stops its flows, as gRPC's flow control does.
     queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | None, Exception | None]] = asyncio.Queue(
@@ -78,7 +78,7 @@ async def merged(admitted: Sequence[Admitted]) -> AsyncIterator[Event]:
             choice.release()
 
 
-async def first_event(events: AsyncIterator[Event]) -> Event:
+async def first_event(events: AsyncGenerator[Event, None]) -> Event:
     """The first message, so that a failure before any (no worker) still gets its status."""
     try:
         return await anext(events)
@@ -89,7 +89,7 @@ async def first_event(events: AsyncIterator[Event]) -> Event:
         raise ApiError(500, "the request ended without a message") from None
 
 
-async def collect_unless_disconnected(request: Request, events: AsyncIterator[Event]) -> list[Event]:
+async def collect_unless_disconnected(request: Request, events: AsyncGenerator[Event, None]) -> list[Event]:
     """Every message, read while watching the client: one that leaves ends the request (its
     blocks freed) and raises ``ClientGone``."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -128,7 +128,7 @@ async def _respond(request: Request, stream: bool, admitted: list[Admitted], out
                              headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
-async def _sse(first: Event, events: AsyncIterator[Event], output: Output) -> AsyncIterator[bytes]:
+async def _sse(first: Event, events: AsyncGenerator[Event, None], output: Output) -> AsyncIterator[bytes]:
     """The chunks, then usage (when asked for) and ``[DONE]``. Starlette cancels this when the
     client leaves; closing ``events`` then cancels every choice."""
     async with aclosing(events):

@@ -10,6 +10,7 @@ row) and as values (its first ``v_dim`` entries).
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import functools
 from pathlib import Path
@@ -27,7 +28,7 @@ _ERRORS = {
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr:
+def _kernel() -> _ctypes.CFuncPtr:
     function = load_library(_SOURCE).pdserve_paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int
@@ -42,7 +43,7 @@ def _kernel() -> ctypes._CFuncPtr:
 
 
 @functools.cache
-def _prefill_kernel() -> ctypes._CFuncPtr:
+def _prefill_kernel() -> _ctypes.CFuncPtr:
     function = load_library(_SOURCE).pdserve_paged_prefill
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int

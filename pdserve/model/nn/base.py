@@ -118,6 +118,7 @@ class DecoderModel:
                     self.embed_tokens(joining.input_ids), None, joining.positions, kv_cache, joining.meta, 0, index
                 )
                 at = joining.insert_at
+                assert residual is not None  # set by layer 0
                 hidden = torch.cat([hidden[:at], caught_up, hidden[at:]])
                 residual = torch.cat([residual[:at], caught_up_residual, residual[at:]])
                 positions = torch.cat([positions[:at], joining.positions, positions[at:]])

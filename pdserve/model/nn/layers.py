@@ -129,8 +129,9 @@ def _stacked(
 def _concatenate(parts: list[torch.Tensor | BlockFP8Weight], dtype: torch.dtype) -> torch.Tensor | BlockFP8Weight:
     """The parts stacked along ``out``: still block-FP8 when all are and their blocks line up
     (each part but the last a whole number of blocks tall), else in ``dtype``."""
-    if all(isinstance(p, BlockFP8Weight) for p in parts):
-        merged = BlockFP8Weight.cat(parts)
+    fp8_parts = [p for p in parts if isinstance(p, BlockFP8Weight)]
+    if len(fp8_parts) == len(parts):
+        merged = BlockFP8Weight.cat(fp8_parts)
         if merged is not None:
             return merged
     return torch.cat([p.dequantize(dtype) if isinstance(p, BlockFP8Weight) else p for p in parts])
@@ -198,7 +199,8 @@ def rope_cos_sin(
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     attention_factor = 1.0
-    rope_type = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":

@@ -35,7 +35,7 @@ class MoE:
         backend: Backend,
         *,
         router_name: str,
-        expert_names: tuple[str, str, str],  # templates for gate, up, down with {e}
+        expert_names: tuple[str, ...],  # templates for gate, up, down with {e}
         num_experts: int,
         hidden: int,
         intermediate: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pdserve.kvtransfer import KVPuller, PeerInfo, TransferFailed, TransferStats
 from pdserve.worker.group.link import GroupLink
@@ -62,7 +63,7 @@ class GroupPuller:
         others = self.link.order_pull(
             request_id, list(peers), list(remote_block_ids), list(local_block_ids), num_cached_blocks, deadline_s
         )
-        own = asyncio.ensure_future(own_pull)
+        own: asyncio.Future[Any] = asyncio.ensure_future(own_pull)
         wait_s = deadline_s + self.puller.cancel_grace_s + _ANSWER_GRACE_S
         try:
             done, pending = await asyncio.wait([own, *others], timeout=wait_s)

@@ -57,7 +57,7 @@ def main() -> int:
 
 def _run(program: ServingRank, parallel: ParallelState) -> int:
     setup = setup_model(program.model, program.engine, parallel)
-    num_blocks = parallel.channel.receive(GroupStart).num_blocks
+    num_blocks = parallel.group_channel.receive(GroupStart).num_blocks
     kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
     layout = KVLayout.from_spec(setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size,
                                 tp_rank=parallel.tp_rank)  # fmt: skip
