@@ -236,7 +236,8 @@ class EngineLoop:
         finals = [
             RequestOutput(rid, [], [], finished=True, finish_reason="abort") for rid in list(self._streams)
         ]
-        self._loop.call_soon_threadsafe(self._dispatch, [(o.request_id, o) for o in finals])
+        items: list[tuple[str, RequestOutput | KVAwaited]] = [(o.request_id, o) for o in finals]
+        self._loop.call_soon_threadsafe(self._dispatch, items)
         if self.on_error is not None:
             self._loop.call_soon_threadsafe(self.on_error, exc)
 

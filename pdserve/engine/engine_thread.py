@@ -59,7 +59,7 @@ class EngineThread:
         self.lockstep_idle_s = lockstep_idle_s
         self._deliver = deliver
         self._on_failure = on_failure
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # The engine's load after its last step or admission.
         self.load = EngineLoad(kv_blocks_total=engine.block_pool.num_blocks)
@@ -98,7 +98,7 @@ class EngineThread:
             self._admitter = None
 
     # ---- commands ----------------------------------------------------------------------------
-    def put(self, command: Callable[[], None]) -> None:
+    def put(self, command: Callable[[], object]) -> None:
         """Run ``command`` on the engine thread, under the lock, before its next step."""
         self._commands.put(command)
 
@@ -182,7 +182,7 @@ class EngineThread:
     def _leave(self) -> None:
         self.engine.runner.staying = False
 
-    def _wait_for_command(self) -> Callable[[], None] | None:
+    def _wait_for_command(self) -> Callable[[], object] | None:
         """Nothing is runnable (requests wait for KV, or none): sleep until the next command,
         or until the earliest pin's deadline, when stepping again frees it."""
         while True:

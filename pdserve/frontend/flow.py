@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -106,7 +106,7 @@ class RequestFlow:
         """Times the request moved to another decode worker so far."""
         return self.report.breakdown.migrations
 
-    async def run(self) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def run(self) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         attempt = Attempt(self.request_id)
         while True:
             try:
@@ -131,7 +131,7 @@ class RequestFlow:
                     ) from None
                 attempt = Attempt.after(attempt, broken, self.request_id, self.num_tokens)
 
-    async def _attempt(self, attempt: Attempt) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _attempt(self, attempt: Attempt) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """One try at the request, on workers that have not failed it, from the tokens streamed so far."""
         model = self.request.model.name
         view, router = self.routing.view, self.routing.router
@@ -160,7 +160,7 @@ class RequestFlow:
 
     async def _prefill_then_decode(
         self, attempt: Attempt, decode: WorkerEntry, choice: PrefillChoice | None
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         early = self._open_decode(attempt, decode, choice) if choice is not None else None
         backup: asyncio.Task[None] | None = None
         prefilled: Prefilled | None = None
@@ -271,7 +271,7 @@ class RequestFlow:
 
     async def _decode(
         self, attempt: Attempt, decode: WorkerEntry, prefilled: Prefilled | None, early: grpc.aio.UnaryStreamCall | None
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """Stream the decode, on ``early`` (the call opened beside the prefill) when there is one."""
         message = worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
@@ -303,6 +303,7 @@ class RequestFlow:
                             self.routing.view.workers(Role.DECODE, self.request.model.name),
                             exclude=[*self._failed, *refused],
                         )
+                        assert attempt.decode_worker is not None  # set by _attempt before any decode
                         router.decode_done(attempt.decode_worker)
                         router.decode_started(decode)
                         attempt.decode_worker = decode
@@ -329,7 +330,7 @@ class RequestFlow:
         decode: WorkerEntry,
         message: worker_pb2.DecodeRequest,
         call: grpc.aio.UnaryStreamCall | None,
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         sent_at = time.monotonic()
         if call is None:
             call = self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
