@@ -100,15 +100,19 @@ def main() -> None:
         return
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (gloo smoke run)",
-        "world_size": world, "tokens_per_rank": tokens, "hidden": hidden, "experts": args.experts,
-        "top_k": args.top_k, "dtype": str(dtype).removeprefix("torch."),
+        "world_size": world,
+        "tokens_per_rank": tokens,
+        "hidden": hidden,
+        "experts": args.experts,
+        "top_k": args.top_k,
+        "dtype": str(dtype).removeprefix("torch."),
         "median_over_ranks": {k: median((g[k] for g in gathered), 4) for k in timings},
         "slowest_rank": {k: round(max(g[k] for g in gathered), 4) for k in timings},
         # Four significant digits: the smoke run's few kilobytes are thousandths of a GB/s.
         "dispatch_gbps_per_rank": float(
             f"{median(g['off_rank_bytes'] / g['dispatch_rows_ms'] / 1e6 for g in gathered):.4g}"
         ),
-    }  # fmt: skip
+    }
     emit(report, args.json, _print_lines)
 
 

@@ -81,14 +81,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, default=2, help="decode workers (default: 2)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load (default: 60)")
     parser.add_argument("--concurrency", type=int, default=6, help="streams in flight (default: 6)")
-    parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 96), metavar=("MIN", "MAX"),
-                        help="output tokens per request, uniform (default: 16 96)")  # fmt: skip
-    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(8, 120), metavar=("MIN", "MAX"),
-                        help="prompt tokens per request, uniform (default: 8 120)")  # fmt: skip
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        nargs=2,
+        default=(16, 96),
+        metavar=("MIN", "MAX"),
+        help="output tokens per request, uniform (default: 16 96)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs=2,
+        default=(8, 120),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens per request, uniform (default: 8 120)",
+    )
     parser.add_argument("--deadline", type=float, default=30.0, help="each request's deadline, s (default: 30)")
     parser.add_argument("--fault-interval", type=float, default=8.0, help="mean seconds between faults (default: 8)")
-    parser.add_argument("--restart-delay", type=float, default=2.0,
-                        help="the supervisor's first restart back-off, s (default: 2)")  # fmt: skip
+    parser.add_argument(
+        "--restart-delay", type=float, default=2.0, help="the supervisor's first restart back-off, s (default: 2)"
+    )
     parser.add_argument("--transfer-timeout", type=float, default=5.0, help="decode's KV pull deadline (default: 5)")
     parser.add_argument("--hold", type=float, default=15.0, help="prefill's pin deadline, s (default: 15)")
     parser.add_argument("--seed", type=int, default=0, help="faults and workload (default: 0)")
@@ -141,9 +154,10 @@ def _lane(args: argparse.Namespace, rng: random.Random, until: float, counter: i
 # ---- faults --------------------------------------------------------------------------------------
 def _running(cluster: LocalCluster, chaos: Chaos, role: Role) -> list[Child]:
     return [
-        c for c in cluster.workers[role]
+        c
+        for c in cluster.workers[role]
         if c.is_alive and c.process.pid not in chaos.stopped and c.name not in chaos.restarting
-    ]  # fmt: skip
+    ]
 
 
 def _own(chaos: Chaos, coro: Any) -> None:
@@ -173,8 +187,9 @@ async def _restarted(child: Child, num_starts: int, chaos: Chaos) -> None:
     chaos.windows.append(("kill", child.name, start, time.perf_counter()))
 
 
-async def _inject(cluster: LocalCluster, etcd: EtcdProcess, args: argparse.Namespace, rng: random.Random,
-                  until: float, chaos: Chaos) -> None:  # fmt: skip
+async def _inject(
+    cluster: LocalCluster, etcd: EtcdProcess, args: argparse.Namespace, rng: random.Random, until: float, chaos: Chaos
+) -> None:
     while True:
         await asyncio.sleep(rng.expovariate(1 / args.fault_interval))
         if time.perf_counter() >= until:
@@ -224,8 +239,14 @@ def _p99(values: list[float]) -> float | None:
     return None if p99 is None else round(p99, 1)
 
 
-def _report(args: argparse.Namespace, outcomes: list[RequestResult], chaos: Chaos, leaked: dict[str, int],
-            live: dict[str, int], seconds: float) -> dict[str, Any]:  # fmt: skip
+def _report(
+    args: argparse.Namespace,
+    outcomes: list[RequestResult],
+    chaos: Chaos,
+    leaked: dict[str, int],
+    live: dict[str, int],
+    seconds: float,
+) -> dict[str, Any]:
     failed = [o for o in outcomes if o.error not in (None, "HUNG")]
     causes = {"deadline": 0, "migrations": 0, "unexplained": 0}
     unexplained = []
@@ -242,9 +263,16 @@ def _report(args: argparse.Namespace, outcomes: list[RequestResult], chaos: Chao
     faults = {kind: sum(w[0] == kind for w in chaos.windows) for kind in ("kill", "pause", "etcd")}
     return {
         "duration_s": round(seconds, 1),
-        "deployment": {"prefill": args.prefill, "decode": args.decode, "concurrency": args.concurrency,
-                       "deadline_s": args.deadline, "transfer_timeout_s": args.transfer_timeout,
-                       "hold_s": args.hold, "fault_interval_s": args.fault_interval, "seed": args.seed},
+        "deployment": {
+            "prefill": args.prefill,
+            "decode": args.decode,
+            "concurrency": args.concurrency,
+            "deadline_s": args.deadline,
+            "transfer_timeout_s": args.transfer_timeout,
+            "hold_s": args.hold,
+            "fault_interval_s": args.fault_interval,
+            "seed": args.seed,
+        },
         "sent": len(outcomes),
         "completed": len(ok),
         "migrated": sum(migrations[id(o)] > 0 for o in ok),
@@ -261,15 +289,25 @@ def _report(args: argparse.Namespace, outcomes: list[RequestResult], chaos: Chao
             "during_faults": _p99([o.ttft_ms for o in ok if o.ttft_ms is not None and chaos.during(o.sent_at)]),
             "outside_faults": _p99([o.ttft_ms for o in ok if o.ttft_ms is not None and not chaos.during(o.sent_at)]),
         },
-    }  # fmt: skip
+    }
 
 
 async def _run(args: argparse.Namespace, model: str, etcd: EtcdProcess) -> dict[str, Any]:
     # Restarts never given up on: the soak kills the same slot again and again.
     restart = RestartPolicy(max_restarts=10_000, min_backoff_s=args.restart_delay)
-    spec = DeploySpec(args.prefill, args.decode, "always", model=model, model_name=MODEL, threads_per_worker=1,
-                      etcd=etcd.url, restart=restart, request_timeout_s=args.deadline, start_timeout_s=180,
-                      worker={"lease_ttl_s": 3.0, "hold_s": args.hold, "transfer_timeout_s": args.transfer_timeout})  # fmt: skip
+    spec = DeploySpec(
+        args.prefill,
+        args.decode,
+        "always",
+        model=model,
+        model_name=MODEL,
+        threads_per_worker=1,
+        etcd=etcd.url,
+        restart=restart,
+        request_timeout_s=args.deadline,
+        start_timeout_s=180,
+        worker={"lease_ttl_s": 3.0, "hold_s": args.hold, "transfer_timeout_s": args.transfer_timeout},
+    )
     rng = random.Random(args.seed)
     chaos = Chaos()
     async with Deployment(spec) as deployment:
@@ -279,12 +317,15 @@ async def _run(args: argparse.Namespace, model: str, etcd: EtcdProcess) -> dict[
             async with inference_stub(deployment.address) as stub:
                 began = time.perf_counter()
                 until = began + args.duration
-                _log(f"load for {args.duration:g} s, {args.concurrency} streams, a fault every ~{args.fault_interval:g} s")
+                _log(
+                    f"load for {args.duration:g} s, {args.concurrency} streams, a fault every ~{args.fault_interval:g} s"
+                )
                 counter = itertools.count()
                 lanes = [_lane(args, random.Random(rng.random()), until, counter) for _ in range(args.concurrency)]
                 sampling = SamplingSpec(timeout_s=args.deadline, hang_grace_s=HANG_GRACE_S)
-                outcomes, _ = await asyncio.gather(run_lanes(stub, MODEL, lanes, sampling),
-                                                   _inject(cluster, etcd, args, rng, until, chaos))  # fmt: skip
+                outcomes, _ = await asyncio.gather(
+                    run_lanes(stub, MODEL, lanes, sampling), _inject(cluster, etcd, args, rng, until, chaos)
+                )
                 seconds = time.perf_counter() - began
                 # Every pause resumed, every restart done.
                 for failure in await asyncio.gather(*chaos.tasks, return_exceptions=True):

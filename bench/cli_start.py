@@ -39,12 +39,14 @@ class _Recorder(inference_pb2_grpc.InferenceServicer):
         self.arrivals: list[float] = []
         self.arrived = threading.Event()
 
-    def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext
-                 ) -> Iterator[inference_pb2.GenerateResponse]:  # fmt: skip
+    def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[inference_pb2.GenerateResponse]:
         self.arrivals.append(time.perf_counter())
         self.arrived.set()
-        yield inference_pb2.GenerateResponse(token_ids=[7], text="x",
-                                             final=inference_pb2.Final(finish_reason="length", text="x"))  # fmt: skip
+        yield inference_pb2.GenerateResponse(
+            token_ids=[7], text="x", final=inference_pb2.Final(finish_reason="length", text="x")
+        )
 
 
 def _cpu() -> dict[str, object]:
@@ -71,8 +73,11 @@ def _round(recorder: _Recorder, target: str) -> dict[str, float]:
     exited = time.perf_counter()
     if done.returncode != 0 or not recorder.arrived.is_set():
         raise RuntimeError(f"pdserve generate failed ({done.returncode}): {done.stderr}")
-    return {"to_request_s": recorder.arrivals[-1] - start, "to_exit_s": exited - start,
-            "cpu_s": _children_cpu_s() - before}  # fmt: skip
+    return {
+        "to_request_s": recorder.arrivals[-1] - start,
+        "to_exit_s": exited - start,
+        "cpu_s": _children_cpu_s() - before,
+    }
 
 
 def _children_cpu_s() -> float:
@@ -122,12 +127,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"process start -> request at the server: median {result['median_to_request_s'] * 1e3:.0f} ms "
-          f"(min {result['min_to_request_s'] * 1e3:.0f}, max {result['max_to_request_s'] * 1e3:.0f}) "
-          f"over {args.rounds} rounds")  # fmt: skip
-    print(f"process start -> exit: median {result['median_to_exit_s'] * 1e3:.0f} ms, "
-          f"{result['median_cpu_s'] * 1e3:.0f} ms of CPU; bare `python -c pass`: median "
-          f"{result['median_bare_python_s'] * 1e3:.0f} ms, {result['median_bare_python_cpu_s'] * 1e3:.0f} ms of CPU")  # fmt: skip
+    print(
+        f"process start -> request at the server: median {result['median_to_request_s'] * 1e3:.0f} ms "
+        f"(min {result['min_to_request_s'] * 1e3:.0f}, max {result['max_to_request_s'] * 1e3:.0f}) "
+        f"over {args.rounds} rounds"
+    )
+    print(
+        f"process start -> exit: median {result['median_to_exit_s'] * 1e3:.0f} ms, "
+        f"{result['median_cpu_s'] * 1e3:.0f} ms of CPU; bare `python -c pass`: median "
+        f"{result['median_bare_python_s'] * 1e3:.0f} ms, {result['median_bare_python_cpu_s'] * 1e3:.0f} ms of CPU"
+    )
     print(f"CPU: {result['cpu']['model']}; {' '.join(result['cpu']['avx_flags'])}")
 
 

@@ -79,22 +79,45 @@ def run(function, cache: KVCache, layers: list[int], batch: Batch, prompt: bool)
         view = cache.layer(layer)
         keys, values = view[:, 0], view[:, 1]
         cache_args = (
-            batch.q.data_ptr(), batch.q.stride(0), keys.data_ptr(), values.data_ptr(), keys.shape[0], keys.stride(0),
-            keys.stride(1), keys.stride(2), batch.tables.data_ptr(), batch.tables.stride(0), batch.lens.data_ptr(),
-        )  # fmt: skip
+            batch.q.data_ptr(),
+            batch.q.stride(0),
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.shape[0],
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            batch.tables.data_ptr(),
+            batch.tables.stride(0),
+            batch.lens.data_ptr(),
+        )
         num_seqs = batch.lens.shape[0]
         if prompt:
-            status = function(*cache_args, batch.query_start.data_ptr(), num_seqs, HEADS, KV_HEADS, BLOCK, HEAD_DIM,
-                              int(batch.lens.max()), SCALE, out.data_ptr(), threads)  # fmt: skip
+            status = function(
+                *cache_args,
+                batch.query_start.data_ptr(),
+                num_seqs,
+                HEADS,
+                KV_HEADS,
+                BLOCK,
+                HEAD_DIM,
+                int(batch.lens.max()),
+                SCALE,
+                out.data_ptr(),
+                threads,
+            )
         else:
-            status = function(*cache_args, num_seqs, HEADS, KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, SCALE, out.data_ptr(),
-                              threads)  # fmt: skip
+            status = function(
+                *cache_args, num_seqs, HEADS, KV_HEADS, BLOCK, HEAD_DIM, HEAD_DIM, SCALE, out.data_ptr(), threads
+            )
         assert status == 0, status
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--against", type=Path, help="another version of paged_decode.c to run alternately")
     parser.add_argument("--layers", type=int, default=30, help="layers of cache (default: SmolLM2's 30)")
     parser.add_argument("--reps", type=int, default=5, help="measured runs per build and case (default 5)")
@@ -106,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--against {args.against}: no such file")
     torch.set_num_threads(args.threads)
 
-    spec = KVCacheSpec(num_layers=args.layers, block_size=BLOCK, dtype=torch.float32, is_mla=False,
-                       num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)  # fmt: skip
+    spec = KVCacheSpec(
+        num_layers=args.layers,
+        block_size=BLOCK,
+        dtype=torch.float32,
+        is_mla=False,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+    )
     num_blocks = int(args.cache_gib * 2**30) // spec.bytes_per_block
     cache = KVCache(spec, num_blocks, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
@@ -163,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         entry = {}
         for build_name in builds:
             ms = median(times[name][build_name])
-            rate = {"gb_s": round(decode_bytes / ms / 1e6, 1)} if name.startswith("decode") else {
-                "gflops": round(prompt_flops / ms / 1e6, 1)
-            }
+            rate = (
+                {"gb_s": round(decode_bytes / ms / 1e6, 1)}
+                if name.startswith("decode")
+                else {"gflops": round(prompt_flops / ms / 1e6, 1)}
+            )
             entry[build_name] = {"ms_per_layer": round(ms, 4), **rate}
         if "against" in builds:
             entry["against_over_current"] = ratio(entry["against"]["ms_per_layer"], entry["current"]["ms_per_layer"])
         result[name] = entry
+
     def table(report: dict) -> None:
         for name in cases:
             print(name, report[name])

@@ -46,8 +46,18 @@ def linear_of(library: ctypes.CDLL) -> Linear:
 
     def linear(x: torch.Tensor, weight: panel_gemm.PanelWeight) -> torch.Tensor:
         out = torch.empty(x.shape[0], weight.out_features)
-        gemm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.panels.data_ptr(), weight.out_features, None,
-             out.data_ptr(), torch.get_num_threads(), weight.gated)  # fmt: skip
+        gemm(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.stride(0),
+            weight.panels.data_ptr(),
+            weight.out_features,
+            None,
+            out.data_ptr(),
+            torch.get_num_threads(),
+            weight.gated,
+        )
         return out
 
     return linear
@@ -131,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(results[-1], file=sys.stderr)
     report = {
-        "bench": "cpu_linear", "layers": args.layers, "reps": args.reps, "threads": args.threads,
+        "bench": "cpu_linear",
+        "layers": args.layers,
+        "reps": args.reps,
+        "threads": args.threads,
         "machine": machine.describe(),
         "results": results,
-    }  # fmt: skip
+    }
     if args.json:
         emit(report, True)
     return 0

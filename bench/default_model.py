@@ -45,29 +45,51 @@ print(json.dumps({{"header_s": t1 - t0, "dequantize_all_s": t2 - t1, "engine_s":
 
 
 def _load_round(path: str) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", _LOAD.format(path=path)], capture_output=True, text=True,
-                          timeout=900, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD.format(path=path)], capture_output=True, text=True, timeout=900, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _generate_round(prompt: str, max_tokens: int) -> dict[str, float]:
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve", "generate", "--prompt", prompt, "--max-tokens", str(max_tokens),
-         "--temperature", "0", "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=900, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            str(max_tokens),
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     wall = time.perf_counter() - start
     out = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = len(out["token_ids"])
     decode_s = out["itl_ms"] * (tokens - 1) / 1e3
-    return {"command_s": wall, "ttft_ms": out["ttft_ms"], "itl_ms": out["itl_ms"],
-            "decode_tok_s": (tokens - 1) / decode_s if decode_s else 0.0,
-            "tok_s_whole_command": tokens / wall}  # fmt: skip
+    return {
+        "command_s": wall,
+        "ttft_ms": out["ttft_ms"],
+        "itl_ms": out["itl_ms"],
+        "decode_tok_s": (tokens - 1) / decode_s if decode_s else 0.0,
+        "tok_s_whole_command": tokens / wall,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.default_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.default_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt", default="The capital of France is")
@@ -81,9 +103,15 @@ def main() -> None:
     medians = {key: median(r[key] for r in loads) for key in loads[0]}
     medians.update({key: median(r[key] for r in gens) for key in gens[0]})
     result = {
-        "model": path, "rounds": args.rounds, "max_tokens": args.max_tokens, "median": medians,
-        "load": loads, "generate": gens, "loadavg": os.getloadavg(), "machine": machine.describe(),
-    }  # fmt: skip
+        "model": path,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "median": medians,
+        "load": loads,
+        "generate": gens,
+        "loadavg": os.getloadavg(),
+        "machine": machine.describe(),
+    }
     emit(result, args.json, _print_table)
 
 

@@ -111,10 +111,14 @@ def _metadata(seq_lens: list[int], query_lens: list[int], block_size: int, devic
         starts.append(starts[-1] + q)
     num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots), block_tables=tables,
+        slot_mapping=torch.cat(slots),
+        block_tables=tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens_list=seq_lens, query_lens_list=query_lens, num_decodes=num_decodes, block_size=block_size,
+        seq_lens_list=seq_lens,
+        query_lens_list=query_lens,
+        num_decodes=num_decodes,
+        block_size=block_size,
     )
     return meta, sum(blocks)
 
@@ -137,11 +141,16 @@ def attention_cases(z: Sizes, device: str, backend) -> list[Case]:
         q = torch.randn(sum(query_lens), hq, d, device=device).to(dt)
         keys = _visible_keys(seq_lens, query_lens)
         kv_bytes = sum(seq_lens) * 2 * hkv * d * e
-        cases.append(Case(
-            f"paged_attention_{label}", "Llama-3.1-8B", f"{len(seq_lens)} seqs x {seq_lens[0]} ctx, {query_lens[0]} new",
-            lambda q=q, cache=cache, meta=meta: backend.paged_attention(q, cache, meta, d**-0.5),
-            kv_bytes + 2 * q.numel() * e, 4 * keys * hq * d,
-        ))
+        cases.append(
+            Case(
+                f"paged_attention_{label}",
+                "Llama-3.1-8B",
+                f"{len(seq_lens)} seqs x {seq_lens[0]} ctx, {query_lens[0]} new",
+                lambda q=q, cache=cache, meta=meta: backend.paged_attention(q, cache, meta, d**-0.5),
+                kv_bytes + 2 * q.numel() * e,
+                4 * keys * hq * d,
+            )
+        )
     # DeepSeek-V3: 128 heads, absorbed MLA over 512 + 64 latents, 64-token blocks.
     h, lat, v = z.v3_heads, 576, 512
     for label, (seq_lens, query_lens) in (("decode", decode), ("extend", prefill)):
@@ -149,11 +158,16 @@ def attention_cases(z: Sizes, device: str, backend) -> list[Case]:
         cache = torch.randn(num_blocks, 64, lat, device=device).to(dt)
         q = torch.randn(sum(query_lens), h, lat, device=device).to(dt)
         keys = _visible_keys(seq_lens, query_lens)
-        cases.append(Case(
-            f"mla_attention_{label}", "DeepSeek-V3", f"{len(seq_lens)} seqs x {seq_lens[0]} ctx, {query_lens[0]} new",
-            lambda q=q, cache=cache, meta=meta: backend.mla_attention(q, cache, meta, lat**-0.5, v),
-            sum(seq_lens) * lat * e + q.numel() * e + q.shape[0] * h * v * e, 2 * keys * h * (lat + v),
-        ))
+        cases.append(
+            Case(
+                f"mla_attention_{label}",
+                "DeepSeek-V3",
+                f"{len(seq_lens)} seqs x {seq_lens[0]} ctx, {query_lens[0]} new",
+                lambda q=q, cache=cache, meta=meta: backend.mla_attention(q, cache, meta, lat**-0.5, v),
+                sum(seq_lens) * lat * e + q.numel() * e + q.shape[0] * h * v * e,
+                2 * keys * h * (lat + v),
+            )
+        )
     return cases
 
 
@@ -163,26 +177,67 @@ def small_op_cases(z: Sizes, device: str, backend) -> list[Case]:
     for model, hidden in (("Llama-3.1-8B", z.llama_hidden), ("DeepSeek-V3", z.v3_hidden)):
         x, res = torch.randn(t, hidden, device=device).to(dt), torch.randn(t, hidden, device=device).to(dt)
         w = torch.ones(hidden, device=device, dtype=dt)
-        cases.append(Case("rms_norm_residual", model, f"{t} x {hidden}", lambda x=x, res=res, w=w: backend.rms_norm(x, w, 1e-6, res),
-                          4 * x.numel() * e, 4 * x.numel()))
+        cases.append(
+            Case(
+                "rms_norm_residual",
+                model,
+                f"{t} x {hidden}",
+                lambda x=x, res=res, w=w: backend.rms_norm(x, w, 1e-6, res),
+                4 * x.numel() * e,
+                4 * x.numel(),
+            )
+        )
     cos_sin = torch.randn(z.context * 2, 128, device=device)
     positions = torch.randint(0, z.context * 2, (t,), device=device)
     q = torch.randn(t, z.llama_heads, 128, device=device).to(dt)
-    cases.append(Case("rotary_neox", "Llama-3.1-8B", f"{t} x {z.llama_heads} x 128",
-                      lambda: backend.rotary(q, positions, cos_sin, False), 2 * q.numel() * e, 3 * q.numel()))
+    cases.append(
+        Case(
+            "rotary_neox",
+            "Llama-3.1-8B",
+            f"{t} x {z.llama_heads} x 128",
+            lambda: backend.rotary(q, positions, cos_sin, False),
+            2 * q.numel() * e,
+            3 * q.numel(),
+        )
+    )
     q_rope = torch.randn(t, z.v3_heads, 192, device=device).to(dt)[..., 128:]
     cs64 = cos_sin[:, :64].contiguous()
-    cases.append(Case("rotary_interleaved", "DeepSeek-V3", f"{t} x {z.v3_heads} x 64 (strided)",
-                      lambda: backend.rotary(q_rope, positions, cs64, True), 2 * q_rope.numel() * e, 3 * q_rope.numel()))
+    cases.append(
+        Case(
+            "rotary_interleaved",
+            "DeepSeek-V3",
+            f"{t} x {z.v3_heads} x 64 (strided)",
+            lambda: backend.rotary(q_rope, positions, cs64, True),
+            2 * q_rope.numel() * e,
+            3 * q_rope.numel(),
+        )
+    )
     blocks = -(-t // 16) + 1
     cache = torch.zeros(blocks, 2, z.llama_kv_heads, 16, 128, device=device, dtype=dt)
     k = torch.randn(t, z.llama_kv_heads, 128, device=device).to(dt)
     slots = torch.randperm(blocks * 16, device=device)[:t]
-    cases.append(Case("write_kv", "Llama-3.1-8B", f"{t} tokens", lambda: backend.write_kv(cache, k, k, slots), 4 * k.numel() * e, 0))
+    cases.append(
+        Case(
+            "write_kv",
+            "Llama-3.1-8B",
+            f"{t} tokens",
+            lambda: backend.write_kv(cache, k, k, slots),
+            4 * k.numel() * e,
+            0,
+        )
+    )
     lat_cache = torch.zeros(blocks, 16, 576, device=device, dtype=dt)
     latent = torch.randn(t, 576, device=device).to(dt)
-    cases.append(Case("write_latent", "DeepSeek-V3", f"{t} tokens", lambda: backend.write_latent(lat_cache, latent, slots),
-                      2 * latent.numel() * e, 0))
+    cases.append(
+        Case(
+            "write_latent",
+            "DeepSeek-V3",
+            f"{t} tokens",
+            lambda: backend.write_latent(lat_cache, latent, slots),
+            2 * latent.numel() * e,
+            0,
+        )
+    )
     return cases
 
 
@@ -190,23 +245,52 @@ def moe_cases(z: Sizes, device: str, backend) -> list[Case]:
     from pdserve.kernels.backend import MoERouting
 
     dt, e, t, num_experts, hidden, inter = torch.bfloat16, 2, z.moe_tokens, z.v3_experts, z.v3_hidden, z.v3_inter
-    config = MoERouting(top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, group_score="top2_sum", scaling_factor=2.5)
+    config = MoERouting(
+        top_k=8, scoring="sigmoid", num_groups=8, topk_groups=4, group_score="top2_sum", scaling_factor=2.5
+    )
     logits = torch.randn(t, num_experts, device=device)
     bias = torch.randn(num_experts, device=device) / 10
     x = torch.randn(t, hidden, device=device).to(dt)
     weights, ids = backend.route(logits, config, bias)
     tokens = backend.dispatch(x, weights, ids, num_experts)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=dt) / hidden**0.5)
-    w2 = (torch.randn(num_experts, hidden, inter, device=device, dtype=dt) / inter**0.5)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=dt) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device, dtype=dt) / inter**0.5
     expert_out = backend.expert_mlp(tokens, w13, w2)
     rows = t * config.top_k
     shape = f"{t} tokens, {num_experts} experts, top-8, {hidden}/{inter}"
     return [
-        Case("moe_route_grouped", "DeepSeek-V3", shape, lambda: backend.route(logits, config, bias), logits.numel() * 4 + rows * 12, 0),
-        Case("moe_dispatch", "DeepSeek-V3", shape, lambda: backend.dispatch(x, weights, ids, num_experts), 2 * rows * hidden * e, 0),
-        Case("moe_expert_mlp", "DeepSeek-V3", shape, lambda: backend.expert_mlp(tokens, w13, w2),
-             (w13.numel() + w2.numel()) * e + 2 * rows * hidden * e, 6 * rows * hidden * inter),
-        Case("moe_combine", "DeepSeek-V3", shape, lambda: backend.combine(expert_out, tokens, t), (rows + t) * hidden * e, 2 * rows * hidden),
+        Case(
+            "moe_route_grouped",
+            "DeepSeek-V3",
+            shape,
+            lambda: backend.route(logits, config, bias),
+            logits.numel() * 4 + rows * 12,
+            0,
+        ),
+        Case(
+            "moe_dispatch",
+            "DeepSeek-V3",
+            shape,
+            lambda: backend.dispatch(x, weights, ids, num_experts),
+            2 * rows * hidden * e,
+            0,
+        ),
+        Case(
+            "moe_expert_mlp",
+            "DeepSeek-V3",
+            shape,
+            lambda: backend.expert_mlp(tokens, w13, w2),
+            (w13.numel() + w2.numel()) * e + 2 * rows * hidden * e,
+            6 * rows * hidden * inter,
+        ),
+        Case(
+            "moe_combine",
+            "DeepSeek-V3",
+            shape,
+            lambda: backend.combine(expert_out, tokens, t),
+            (rows + t) * hidden * e,
+            2 * rows * hidden,
+        ),
     ]
 
 
@@ -219,17 +303,24 @@ def fp8_gemm_cases(z: Sizes, device: str, backend) -> list[Case]:
     num_out, num_in, block = z.v3_hidden, z.v3_attn_out, (128, 128)
     weight = BlockFP8Weight(
         (torch.randn(num_out, num_in, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn),
-        torch.rand(-(-num_out // 128), -(-num_in // 128), device=device) / 1e3, block,
+        torch.rand(-(-num_out // 128), -(-num_in // 128), device=device) / 1e3,
+        block,
     )
     cases = []
     for label, tokens in (("decode", z.batch), ("prefill", z.tokens)):
         x = torch.randn(tokens, num_in, device=device).to(torch.bfloat16)
         # The weight and its scales once, the activations in and quantized, the output out.
         moved = weight.weight.numel() + weight.scale_inv.numel() * 4 + x.numel() * (2 + 1) + tokens * num_out * 2
-        cases.append(Case(
-            f"block_fp8_gemm_{label}", "DeepSeek-V3", f"{tokens} x {num_in} -> {num_out}, 128x128 blocks",
-            lambda x=x: backend.linear(x, weight), moved, 2 * tokens * num_out * num_in,
-        ))
+        cases.append(
+            Case(
+                f"block_fp8_gemm_{label}",
+                "DeepSeek-V3",
+                f"{tokens} x {num_in} -> {num_out}, 128x128 blocks",
+                lambda x=x: backend.linear(x, weight),
+                moved,
+                2 * tokens * num_out * num_in,
+            )
+        )
     return cases
 
 
@@ -259,11 +350,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ms = _time_ms(case.run, device)
             gbps, tflops = case.bytes / ms / 1e6, case.flops / ms / 1e9
-            results.append({
-                "kernel": case.kernel, "model": case.model, "shape": case.shape, "median_ms": ms,
-                "gbps": gbps, "tflops": tflops,
-                "bandwidth_fraction": gbps / ceilings["copy_gbps"], "compute_fraction": tflops / ceilings["matmul_tflops"],
-            })
+            results.append(
+                {
+                    "kernel": case.kernel,
+                    "model": case.model,
+                    "shape": case.shape,
+                    "median_ms": ms,
+                    "gbps": gbps,
+                    "tflops": tflops,
+                    "bandwidth_fraction": gbps / ceilings["copy_gbps"],
+                    "compute_fraction": tflops / ceilings["matmul_tflops"],
+                }
+            )
         if device == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
@@ -274,11 +372,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(report: dict) -> None:
     ceilings, results = report["ceilings"], report["results"]
-    print(f"{report['device']}: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s")
+    print(
+        f"{report['device']}: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s"
+    )
     print(f"{'kernel':24} {'model':13} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'%bw':>5} {'%mm':>5}  shape")
     for r in results:
-        print(f"{r['kernel']:24} {r['model']:13} {r['median_ms']:9.4f} {r['gbps']:8.1f} {r['tflops']:8.2f} "
-              f"{100 * r['bandwidth_fraction']:5.1f} {100 * r['compute_fraction']:5.1f}  {r['shape']}")
+        print(
+            f"{r['kernel']:24} {r['model']:13} {r['median_ms']:9.4f} {r['gbps']:8.1f} {r['tflops']:8.2f} "
+            f"{100 * r['bandwidth_fraction']:5.1f} {100 * r['compute_fraction']:5.1f}  {r['shape']}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,20 +40,25 @@ TOKENS = 4096
 BLOCK_SIZE = 16
 LAYOUTS = {
     # SmolLM2-135M, the default model's shape: 30 layers, 3 KV heads x 64, float32 → 45 KiB per token.
-    "smollm2-135m": KVCacheSpec(num_layers=30, block_size=BLOCK_SIZE, dtype=torch.float32, is_mla=False,
-                                num_kv_heads=3, head_dim=64),
+    "smollm2-135m": KVCacheSpec(
+        num_layers=30, block_size=BLOCK_SIZE, dtype=torch.float32, is_mla=False, num_kv_heads=3, head_dim=64
+    ),
     # Llama-3.1-8B: 32 layers, 8 KV heads x 128, bf16 → 128 KiB per token.
-    "llama-3.1-8b": KVCacheSpec(num_layers=32, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=False,
-                                num_kv_heads=8, head_dim=128),
+    "llama-3.1-8b": KVCacheSpec(
+        num_layers=32, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=False, num_kv_heads=8, head_dim=128
+    ),
     # DeepSeek-V3 MLA: 61 layers x (512 latent + 64 rope) = 576, bf16 → 68.6 KiB per token.
-    "deepseek-v3-mla": KVCacheSpec(num_layers=61, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=True,
-                                   latent_dim=576),
+    "deepseek-v3-mla": KVCacheSpec(
+        num_layers=61, block_size=BLOCK_SIZE, dtype=torch.bfloat16, is_mla=True, latent_dim=576
+    ),
     # The same with kv_cache_dtype="fp8_e4m3": one byte a value, so half the bytes a token moves.
-    "llama-3.1-8b-fp8": KVCacheSpec(num_layers=32, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=False,
-                                    num_kv_heads=8, head_dim=128),
-    "deepseek-v3-mla-fp8": KVCacheSpec(num_layers=61, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=True,
-                                       latent_dim=576),
-}  # fmt: skip
+    "llama-3.1-8b-fp8": KVCacheSpec(
+        num_layers=32, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=False, num_kv_heads=8, head_dim=128
+    ),
+    "deepseek-v3-mla-fp8": KVCacheSpec(
+        num_layers=61, block_size=BLOCK_SIZE, dtype=torch.float8_e4m3fn, is_mla=True, latent_dim=576
+    ),
+}
 
 
 class BenchConfig(msgspec.Struct, frozen=True):
@@ -108,8 +113,10 @@ async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # the child imports this package from any working directory
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer", "--role", "prefill", "--config", msgspec.json.encode(cfg).decode()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
     kv, layout = pool_for(cfg, "decode")
     agent = KVAgent(f"bench-decode-{os.getpid()}", kv, layout, progress_delay_us=cfg.progress_delay_us)
     await agent.start()
@@ -158,7 +165,9 @@ def main() -> None:
     parser.add_argument("--pool-factor", type=int, default=2, help="pool size in requests' worth of blocks")
     parser.add_argument("--progress-delay-us", type=int, default=1000)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"the request's tokens, whole blocks (default: {TOKENS})")
+    parser.add_argument(
+        "--tokens", type=int, default=TOKENS, help=f"the request's tokens, whole blocks (default: {TOKENS})"
+    )
     parser.add_argument("--role", default="decode", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()

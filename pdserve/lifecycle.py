@@ -69,8 +69,10 @@ def stack_dump(loop: asyncio.AbstractEventLoop, name: str) -> str:
 
 def task_stacks(tasks: Iterable[asyncio.Task]) -> str:
     """Each task by name, with the chain of awaits it is suspended in, innermost last."""
-    return "".join(f"task {task.get_name()}:\n{_await_chain(task.get_coro())}"
-                   for task in sorted(tasks, key=lambda t: t.get_name()))  # fmt: skip
+    return "".join(
+        f"task {task.get_name()}:\n{_await_chain(task.get_coro())}"
+        for task in sorted(tasks, key=lambda t: t.get_name())
+    )
 
 
 def _await_chain(awaitable: object) -> str:

@@ -82,11 +82,17 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd
     ca = CertificateAuthority(directory, "etcd")
     server_cert = ca.issue("etcd", dns=("localhost",), ips=("127.0.0.1",))
     probe = ca.issue("root")
-    server = EtcdServer(directory, EtcdTLS(cert=server_cert.cert, key=server_cert.key, ca=ca.ca,
-                                           probe_cert=probe.cert, probe_key=probe.key)).start()  # fmt: skip
+    server = EtcdServer(
+        directory,
+        EtcdTLS(cert=server_cert.cert, key=server_cert.key, ca=ca.ca, probe_cert=probe.cert, probe_key=probe.key),
+    ).start()
     client = ca.client_tls("pdserve-operator-tls")
-    users = {"operator": (OPERATOR_PASSWORD, "pdserve-operator"), "pdserve-worker": ("unused-w", "pdserve-worker"),
-             "pdserve-frontend": ("unused-f", "pdserve-frontend"), "pdserve-planner": ("unused-p", "pdserve-planner")}
+    users = {
+        "operator": (OPERATOR_PASSWORD, "pdserve-operator"),
+        "pdserve-worker": ("unused-w", "pdserve-worker"),
+        "pdserve-frontend": ("unused-f", "pdserve-frontend"),
+        "pdserve-planner": ("unused-p", "pdserve-planner"),
+    }
     host_port = server.url.removeprefix("https://")
     run_scenario(enable_auth(host_port, ClientTLS(ca=ca.ca, cert=probe.cert, key=probe.key), "root-pw", users), 60)
     yield SecureEtcd(url=server.url, ca=ca, client=client)

@@ -15,8 +15,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_json_matches_the_offline_api(checkpoints):
     path, _ = checkpoints("llama")
-    result = _run("generate", "--model", str(path), "--token-ids", "5,6,7,8", "--max-tokens", "6",
-                  "--temperature", "0", "--ignore-eos", "--json")
+    result = _run(
+        "generate",
+        "--model",
+        str(path),
+        "--token-ids",
+        "5,6,7,8",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     expected = LLM(str(path)).generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
@@ -27,8 +38,9 @@ def test_generate_json_matches_the_offline_api(checkpoints):
 
 def test_generate_streams_the_seeded_text(checkpoints):
     path, _ = checkpoints("llama")
-    result = _run("generate", "--model", str(path), "--prompt", "hello world", "--max-tokens", "8",
-                  "--seed", "3", "--ignore-eos")
+    result = _run(
+        "generate", "--model", str(path), "--prompt", "hello world", "--max-tokens", "8", "--seed", "3", "--ignore-eos"
+    )
     assert result.returncode == 0, result.stderr
     expected = LLM(str(path)).generate(["hello world"], SamplingParams(max_tokens=8, seed=3, ignore_eos=True))[0]
     assert expected.text  # a stream of nothing would prove nothing

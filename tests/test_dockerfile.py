@@ -86,7 +86,9 @@ def test_the_operator_image_installs_no_torch_and_pyprojects_pins() -> None:
     required = operator_requirements()
     assert {"kopf", "kubernetes"} <= {Requirement(r).name for r in required}
     for requirement in required:
-        assert requirement in pinned, f"the operator stage installs {requirement!r}, which pyproject.toml does not pin so"
+        assert requirement in pinned, (
+            f"the operator stage installs {requirement!r}, which pyproject.toml does not pin so"
+        )
     assert not {"torch", "nixl", "tokenizers"} & {Requirement(r).name for r in required}
 
 
@@ -144,7 +146,8 @@ def test_the_operator_image_holds_everything_the_operator_imports() -> None:
     assert "torch" not in installed
     modules = importlib.metadata.packages_distributions()
     allowed = {top for top, dists in modules.items() if {normalized(d) for d in dists} & installed}
-    result = subprocess.run([sys.executable, "-c", IMAGE_PYTHON, ",".join(sorted(allowed))],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", IMAGE_PYTHON, ",".join(sorted(allowed))], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "usage: pdserve operator" in result.stdout

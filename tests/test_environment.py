@@ -13,8 +13,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pdserve"
 
 
 def _names_pdserve_variable(node: ast.expr) -> bool:
-    return any(isinstance(part, ast.Constant) and isinstance(part.value, str) and "PDSERVE_" in part.value
-               for part in ast.walk(node))  # fmt: skip
+    return any(
+        isinstance(part, ast.Constant) and isinstance(part.value, str) and "PDSERVE_" in part.value
+        for part in ast.walk(node)
+    )
 
 
 def _environment_reads(tree: ast.AST) -> list[int]:
@@ -23,7 +25,9 @@ def _environment_reads(tree: ast.AST) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args:
             called = ast.unparse(node.func)
-            if called in ("os.environ.get", "os.getenv", "environ.get", "getenv") and _names_pdserve_variable(node.args[0]):
+            if called in ("os.environ.get", "os.getenv", "environ.get", "getenv") and _names_pdserve_variable(
+                node.args[0]
+            ):
                 lines.append(node.lineno)
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
             if ast.unparse(node.value) in ("os.environ", "environ") and _names_pdserve_variable(node.slice):
@@ -36,7 +40,9 @@ def test_pdserve_variables_are_read_only_in_environment_py() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "environment.py" and path.parent == PACKAGE:
             continue
-        found += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line in _environment_reads(ast.parse(path.read_text()))]
+        found += [
+            f"{path.relative_to(PACKAGE.parent)}:{line}" for line in _environment_reads(ast.parse(path.read_text()))
+        ]
     assert found == [], "read these through pdserve.environment"
 
 

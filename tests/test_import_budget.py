@@ -52,16 +52,18 @@ def heavy_imports(stderr: str) -> list[str]:
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
-    return subprocess.run([sys.executable, "-c", RUN_CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", RUN_CLI, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 class _Inference(inference_pb2_grpc.InferenceServicer):
     """Answers every Generate with one token and a final message."""
 
     def Generate(self, request, context):
-        yield inference_pb2.GenerateResponse(token_ids=[7], text="x",
-                                             final=inference_pb2.Final(finish_reason="length", text="x"))  # fmt: skip
+        yield inference_pb2.GenerateResponse(
+            token_ids=[7], text="x", final=inference_pb2.Final(finish_reason="length", text="x")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +83,17 @@ def test_generate_against_a_server_loads_no_torch(inference_target: str) -> None
     assert heavy_imports(result.stderr) == []
 
 
-@pytest.mark.parametrize("command", [
-    ["status"], ["workers"], ["slo", "show"], ["knobs", "show"],
-    ["slo", "set", "--model", "budget", "--ttft-p90", "500ms", "--itl-p90", "30ms"],
-    ["knobs", "set", "--model", "budget", "--decode-max-num-seqs", "8"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["workers"],
+        ["slo", "show"],
+        ["knobs", "show"],
+        ["slo", "set", "--model", "budget", "--ttft-p90", "500ms", "--itl-p90", "30ms"],
+        ["knobs", "set", "--model", "budget", "--decode-max-num-seqs", "8"],
+    ],
+)
 def test_etcd_commands_load_no_torch(command: list[str], etcd_url: str) -> None:
     result = run_cli(*command, "--etcd", etcd_url)
     assert result.returncode == 0, result.stderr
@@ -101,18 +109,38 @@ def test_drain_loads_no_torch() -> None:
 def test_operator_loads_no_torch(tmp_path: Path) -> None:
     # An API server that is not there: the operator starts its handlers and keeps retrying.
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-    }))  # fmt: skip
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "k", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     process = subprocess.Popen(
-        [sys.executable, "-c", RUN_CLI, "operator", "--kubeconfig", str(kubeconfig), "--metrics-port", "-1",
-         "--health-port", "-1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            RUN_CLI,
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--metrics-port",
+            "-1",
+            "--health-port",
+            "-1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         time.sleep(8)  # past start-up: its handlers are loaded and it is reaching for the API server
         assert process.poll() is None, process.communicate()[1]
@@ -123,10 +151,18 @@ def test_operator_loads_no_torch(tmp_path: Path) -> None:
     assert heavy_imports(stderr) == []
 
 
-@pytest.mark.parametrize("module", [
-    "pdserve", "pdserve.cli", "pdserve.types.engine_config", "pdserve.types.sampling_params",
-    "pdserve.distributed.parallel_config", "pdserve.distributed.errors", "pdserve.kernels",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pdserve",
+        "pdserve.cli",
+        "pdserve.types.engine_config",
+        "pdserve.types.sampling_params",
+        "pdserve.distributed.parallel_config",
+        "pdserve.distributed.errors",
+        "pdserve.kernels",
+    ],
+)
 def test_light_modules_load_nothing_heavy_and_change_no_environment(module: str) -> None:
     code = (
         "import json, os, sys\n"
@@ -137,7 +173,8 @@ def test_light_modules_load_nothing_heavy_and_change_no_environment(module: str)
         "print(json.dumps([heavy, changed]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                            cwd=ROOT)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [[], []]

@@ -100,7 +100,7 @@ def test_the_stack_dump_follows_a_grpc_handler_down_to_the_await_it_is_stuck_in(
 
     dump = run_scenario(scenario(), timeout_s=60)
     assert dump.startswith("--- stuck server:") and dump.endswith("--- stuck server: end ---")
-    handler_task = dump[dump.index("task HandleExceptions[/test.Stuck/Call]"):]
+    handler_task = dump[dump.index("task HandleExceptions[/test.Stuck/Call]") :]
     handler_task = handler_task[: handler_task.index("\ntask ")]
     # The handler's frames, innermost last, each with its line, then what the innermost awaits.
     assert handler_task.index("in handler\n") < handler_task.index("in _stuck_deep_inside\n")

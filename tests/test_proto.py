@@ -12,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_generated_code_is_current(tmp_path: Path) -> None:
     subprocess.run(
         ["bash", str(ROOT / "scripts/gen_proto.sh"), str(tmp_path)],
-        check=True, cwd=ROOT, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+        check=True,
+        cwd=ROOT,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
     fresh = {p.name: p.read_bytes() for p in (tmp_path / "pdserve/v1").iterdir()}
     committed = {p.name: p.read_bytes() for p in (ROOT / "pdserve/v1").iterdir() if p.name in fresh}
     assert fresh, "gen_proto.sh generated nothing"

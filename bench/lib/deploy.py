@@ -81,8 +81,12 @@ class DeploySpec:
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {self.num_prefill} and {self.num_decode}")
-        local = {"engine": self.engine, "worker": self.worker, "restart": self.restart,
-                 "request_timeout_s": self.request_timeout_s}  # fmt: skip
+        local = {
+            "engine": self.engine,
+            "worker": self.worker,
+            "restart": self.restart,
+            "request_timeout_s": self.request_timeout_s,
+        }
         remote = {"up_args": self.up_args, "log": self.log}
         for name, value in (local if self.process else remote).items():
             if value:
@@ -151,15 +155,32 @@ class Deployment:
     async def _start_cluster(self) -> None:
         s = self.spec
         name = s.model_name or None
-        prefill = WorkerConfig(role=Role.PREFILL, model=resolve_model(s.model), etcd="", model_name=name,
-                               num_threads=s.threads_per_worker, engine=s.engine or EngineConfig(), **s.worker)  # fmt: skip
+        prefill = WorkerConfig(
+            role=Role.PREFILL,
+            model=resolve_model(s.model),
+            etcd="",
+            model_name=name,
+            num_threads=s.threads_per_worker,
+            engine=s.engine or EngineConfig(),
+            **s.worker,
+        )
         timeout = {} if s.request_timeout_s is None else {"request_timeout_s": s.request_timeout_s}
-        frontend = FrontendConfig(etcd="", port=0, http_port=0 if s.http else None,
-                                  router=RouterConfig(disaggregation=s.disaggregation), **timeout)  # fmt: skip
+        frontend = FrontendConfig(
+            etcd="",
+            port=0,
+            http_port=0 if s.http else None,
+            router=RouterConfig(disaggregation=s.disaggregation),
+            **timeout,
+        )
         # The cluster gives every child its registry's URL as ``etcd``.
-        spec = ClusterSpec(prefill=prefill, decode=msgspec.structs.replace(prefill, role=Role.DECODE),
-                           frontend=frontend, etcd=s.etcd, start_timeout_s=s.start_timeout_s,
-                           restart=s.restart or RestartPolicy())  # fmt: skip
+        spec = ClusterSpec(
+            prefill=prefill,
+            decode=msgspec.structs.replace(prefill, role=Role.DECODE),
+            frontend=frontend,
+            etcd=s.etcd,
+            start_timeout_s=s.start_timeout_s,
+            restart=s.restart or RestartPolicy(),
+        )
         self._served_name = prefill.served_model_name
         self.cluster = LocalCluster(spec)
         try:
@@ -173,10 +194,28 @@ class Deployment:
 
     async def _start_up(self, deadline: float) -> None:
         s = self.spec
-        command = [sys.executable, "-m", "pdserve", "up", "--prefill", str(s.num_prefill), "--decode", str(s.num_decode),
-                   "--disaggregation", s.disaggregation, "--port", "0", "--http-port", "0" if s.http else "-1"]  # fmt: skip
-        for flag, value in (("--model", s.model), ("--model-name", s.model_name), ("--etcd", s.etcd),
-                            ("--threads-per-worker", s.threads_per_worker)):  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--prefill",
+            str(s.num_prefill),
+            "--decode",
+            str(s.num_decode),
+            "--disaggregation",
+            s.disaggregation,
+            "--port",
+            "0",
+            "--http-port",
+            "0" if s.http else "-1",
+        ]
+        for flag, value in (
+            ("--model", s.model),
+            ("--model-name", s.model_name),
+            ("--etcd", s.etcd),
+            ("--threads-per-worker", s.threads_per_worker),
+        ):
             if value:
                 command += [flag, str(value)]
         command += s.up_args
@@ -185,8 +224,9 @@ class Deployment:
         self._log = s.log or Path(self._tmp.name) / "up.log"  # type: ignore[union-attr]
         offset = self._log.stat().st_size if self._log.exists() else 0  # an earlier run's output comes first
         with self._log.open("ab") as out:  # the child keeps its own descriptor
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         while True:
             with self._log.open("rb") as out:
                 out.seek(offset)
@@ -214,13 +254,17 @@ class Deployment:
                 seen = [{"error": repr(exc)}]
             for m in seen:
                 if (m.get("name") == self._served_name or not self._served_name) and (
-                    m.get("prefill_workers"), m.get("decode_workers")) == (s.num_prefill, s.num_decode):  # fmt: skip
+                    m.get("prefill_workers"),
+                    m.get("decode_workers"),
+                ) == (s.num_prefill, s.num_decode):
                     return m
             if self.process is not None and self.process.poll() is not None:
                 raise DeployFailed(f"pdserve up exited with {self.process.returncode}:\n{self._tail()}")
             await asyncio.sleep(0.2)
-        raise DeployFailed(f"the frontend did not list {self._served_name or 'the model'} with {s.num_prefill}P+"
-                           f"{s.num_decode}D within {s.start_timeout_s:g} s: {seen}")  # fmt: skip
+        raise DeployFailed(
+            f"the frontend did not list {self._served_name or 'the model'} with {s.num_prefill}P+"
+            f"{s.num_decode}D within {s.start_timeout_s:g} s: {seen}"
+        )
 
     def _tail(self) -> str:
         return self._log.read_text(errors="replace")[-3000:] if self._log is not None else ""

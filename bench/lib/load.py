@@ -85,20 +85,27 @@ class BenchRequest:
 
     def message(self, model: str, sampling: SamplingSpec) -> inference_pb2.GenerateRequest:
         """The ``Generate`` call: greedy unless ``sampling.temperature``, with ``ignore_eos``."""
-        options = inference_pb2.SamplingOptions(max_tokens=self.max_tokens, temperature=sampling.temperature,
-                                                ignore_eos=True)  # fmt: skip
+        options = inference_pb2.SamplingOptions(
+            max_tokens=self.max_tokens, temperature=sampling.temperature, ignore_eos=True
+        )
         if sampling.temperature > 0:
             options.seed = sampling.seed + self.index
-        prompt = {"text": self.prompt} if isinstance(self.prompt, str) else {"token_ids": inference_pb2.TokenIds(ids=self.prompt)}
-        return inference_pb2.GenerateRequest(model=model, sampling=options,
-                                             request_id=f"bench-{self.index}-{uuid.uuid4().hex[:8]}", **prompt)  # fmt: skip
+        prompt = (
+            {"text": self.prompt}
+            if isinstance(self.prompt, str)
+            else {"token_ids": inference_pb2.TokenIds(ids=self.prompt)}
+        )
+        return inference_pb2.GenerateRequest(
+            model=model, sampling=options, request_id=f"bench-{self.index}-{uuid.uuid4().hex[:8]}", **prompt
+        )
 
 
 def make_requests(spec: WorkloadSpec, vocab_size: int) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """(warm-up, measured) requests of random token ids; the warm-up ones share nothing with the rest."""
     rng = random.Random(spec.seed)
-    prefixes = [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(spec.prefix_len)]
-                for _ in range(spec.num_prefixes)]  # fmt: skip
+    prefixes = [
+        [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(spec.prefix_len)] for _ in range(spec.num_prefixes)
+    ]
 
     def draw(index: int, rng: random.Random, shared: bool) -> BenchRequest:
         length = rng.randint(*spec.prompt_len)
@@ -173,8 +180,9 @@ class RequestResult:
         self._last_at = now
 
 
-async def generate(stub: Any, model: str, request: BenchRequest, sampling: SamplingSpec,
-                   scheduled_at: float | None = None) -> RequestResult:  # fmt: skip
+async def generate(
+    stub: Any, model: str, request: BenchRequest, sampling: SamplingSpec, scheduled_at: float | None = None
+) -> RequestResult:
     """Send one request and time its stream; failures are recorded, never raised."""
     message = request.message(model, sampling)
     sent = time.perf_counter()
@@ -201,14 +209,22 @@ async def generate(stub: Any, model: str, request: BenchRequest, sampling: Sampl
         result.e2e_ms = (result.ended_at - sent) * 1e3
         result.finish_reason = final.finish_reason
         u, b = final.usage, final.breakdown
-        result.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                        "cached_prompt_tokens": u.cached_prompt_tokens}  # fmt: skip
+        result.usage = {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "cached_prompt_tokens": u.cached_prompt_tokens,
+        }
         result.breakdown = {
-            "disaggregated": b.disaggregated, "queue_ms": b.queue_ms, "prefill_ms": b.prefill_ms,
-            "kv_transfer_ms": b.kv_transfer_ms, "kv_transfer_bytes": b.kv_transfer_bytes,
-            "ttft_ms": b.ttft_ms, "e2e_ms": b.e2e_ms, "prefill_attempts": b.prefill_attempts,
+            "disaggregated": b.disaggregated,
+            "queue_ms": b.queue_ms,
+            "prefill_ms": b.prefill_ms,
+            "kv_transfer_ms": b.kv_transfer_ms,
+            "kv_transfer_bytes": b.kv_transfer_bytes,
+            "ttft_ms": b.ttft_ms,
+            "e2e_ms": b.e2e_ms,
+            "prefill_attempts": b.prefill_attempts,
             "migrations": b.migrations,
-        }  # fmt: skip
+        }
         result.migration_history = [(m.from_worker, m.to_worker, m.tokens_streamed) for m in b.migration_history]
     return result
 
@@ -223,13 +239,29 @@ async def inference_stub(target: str) -> AsyncIterator[inference_pb2_grpc.Infere
 async def list_models(target: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     async with inference_stub(target) as stub:
         response = await stub.ListModels(inference_pb2.ListModelsRequest(), timeout=timeout_s)
-    return [{"name": m.name, "max_model_len": m.max_model_len, "vocab_size": m.vocab_size,
-             "prefill_workers": m.prefill_workers, "decode_workers": m.decode_workers} for m in response.models]  # fmt: skip
+    return [
+        {
+            "name": m.name,
+            "max_model_len": m.max_model_len,
+            "vocab_size": m.vocab_size,
+            "prefill_workers": m.prefill_workers,
+            "decode_workers": m.decode_workers,
+        }
+        for m in response.models
+    ]
 
 
-async def run_load(target: str, model: str, warmup: list[BenchRequest], requests: list[BenchRequest],
-                   sampling: SamplingSpec, *, arrivals: list[float] | None, concurrency: int | None,
-                   warmup_concurrency: int) -> tuple[list[RequestResult], float, Counter]:  # fmt: skip
+async def run_load(
+    target: str,
+    model: str,
+    warmup: list[BenchRequest],
+    requests: list[BenchRequest],
+    sampling: SamplingSpec,
+    *,
+    arrivals: list[float] | None,
+    concurrency: int | None,
+    warmup_concurrency: int,
+) -> tuple[list[RequestResult], float, Counter]:
     """Warm up (closed loop), then the measured load: open loop at ``arrivals`` (offsets in
     seconds) or closed loop at ``concurrency``. Returns the results, the measured duration in
     seconds (first send to last end) and the warm-up's errors."""
@@ -248,8 +280,9 @@ async def run_load(target: str, model: str, warmup: list[BenchRequest], requests
     return results, ended - started, warm_errors
 
 
-async def open_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
-                     offsets: list[float]) -> list[RequestResult]:  # fmt: skip
+async def open_loop(
+    stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec, offsets: list[float]
+) -> list[RequestResult]:
     start = time.perf_counter()
     tasks = []
     for request, offset in zip(requests, offsets):
@@ -260,15 +293,17 @@ async def open_loop(stub: Any, model: str, requests: list[BenchRequest], samplin
     return list(await asyncio.gather(*tasks))
 
 
-async def closed_loop(stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec,
-                       concurrency: int) -> list[RequestResult]:  # fmt: skip
+async def closed_loop(
+    stub: Any, model: str, requests: list[BenchRequest], sampling: SamplingSpec, concurrency: int
+) -> list[RequestResult]:
     pending = iter(requests)  # shared by the lanes: one event loop, no races
     results = await run_lanes(stub, model, [pending] * min(concurrency, len(requests)), sampling)
     return sorted(results, key=lambda r: r.index)
 
 
-async def run_lanes(stub: Any, model: str, lanes: list[Iterable[BenchRequest]],
-                    sampling: SamplingSpec) -> list[RequestResult]:  # fmt: skip
+async def run_lanes(
+    stub: Any, model: str, lanes: list[Iterable[BenchRequest]], sampling: SamplingSpec
+) -> list[RequestResult]:
     """Every lane at once, each sending its requests one after another; results as they end."""
     results: list[RequestResult] = []
 

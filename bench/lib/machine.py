@@ -65,7 +65,13 @@ def describe() -> dict[str, Any]:
     model, flags = cpu_model_and_flags()
     cuda = torch.cuda.is_available()
     return {
-        "nproc": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "cpu_model": model,
-        "cpu_flags": flags, "ram_gib": ram_gib(), "torch": torch.__version__, "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name(0) if cuda else None, "gpu_count": torch.cuda.device_count() if cuda else 0,
-    }  # fmt: skip
+        "nproc": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "cpu_flags": flags,
+        "ram_gib": ram_gib(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+    }

@@ -41,8 +41,14 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
         high = min(low + 1, len(ordered) - 1)
         return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
-    return {"p50": round(at(0.5), 3), "p90": round(at(0.9), 3), "p99": round(at(0.99), 3),
-            "mean": round(statistics.fmean(ordered), 3), "max": round(ordered[-1], 3), "n": len(ordered)}  # fmt: skip
+    return {
+        "p50": round(at(0.5), 3),
+        "p90": round(at(0.9), 3),
+        "p99": round(at(0.99), 3),
+        "mean": round(statistics.fmean(ordered), 3),
+        "max": round(ordered[-1], 3),
+        "n": len(ordered),
+    }
 
 
 def nearest_rank(values: list[float], q: float) -> float | None:
@@ -53,8 +59,14 @@ def nearest_rank(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def emit(report: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], None] | None = None, *,
-         indent: int | None = None, width: int = 0) -> None:  # fmt: skip
+def emit(
+    report: dict[str, Any],
+    as_json: bool,
+    table: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    indent: int | None = None,
+    width: int = 0,
+) -> None:
     """Print ``report``: one JSON object, else ``table(report)``, else a ``key: value`` line each."""
     if as_json:
         print(json.dumps(report, indent=indent))

@@ -100,8 +100,9 @@ def add_field_option(
     default = field_default(struct, field)  # raises for a field the struct does not have
     if kwargs.get("action") is None and "choices" not in kwargs:
         kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-    return parser.add_argument(flag, dest=f"{struct.__name__}.{field}", default=argparse.SUPPRESS,
-                               help=help.format(default=default), **kwargs)  # fmt: skip
+    return parser.add_argument(
+        flag, dest=f"{struct.__name__}.{field}", default=argparse.SUPPRESS, help=help.format(default=default), **kwargs
+    )
 
 
 def from_options(args: argparse.Namespace, struct: type[Config], **fields: Any) -> Config:
@@ -130,50 +131,95 @@ def read_config(path: str, struct: type[Config]) -> Config:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The ``EngineConfig`` options; build the config with ``from_options(args, EngineConfig)``."""
     group = parser.add_argument_group("engine")
-    add_field_option(group, "--dtype", EngineConfig, "dtype", choices=DTYPE_CHOICES,
-                     help="compute dtype (default: the checkpoint's)")  # fmt: skip
     add_field_option(
-        group, "--kernels", EngineConfig, "kernels", choices=KERNEL_CHOICES,
+        group, "--dtype", EngineConfig, "dtype", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)"
+    )
+    add_field_option(
+        group,
+        "--kernels",
+        EngineConfig,
+        "kernels",
+        choices=KERNEL_CHOICES,
         help="compute kernels: triton (GPU); cpu (oneDNN linears and a C decode attention, compiled on first "
         "use with the machine's C compiler and cached in ~/.cache/pdserve or $PDSERVE_CACHE_DIR); torch (the "
         "plain reference); auto = triton on CUDA, else cpu, falling back to torch with a warning when no "
         "compiler builds the C kernel (default: {default})",
-    )  # fmt: skip
-    add_field_option(group, "--kv-cache-memory", EngineConfig, "kv_cache_memory", type=size_bytes,
-                     help="KV cache budget, e.g. 2G (default: sized automatically)")  # fmt: skip
+    )
     add_field_option(
-        group, "--kv-cache-dtype", EngineConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPE_CHOICES,
+        group,
+        "--kv-cache-memory",
+        EngineConfig,
+        "kv_cache_memory",
+        type=size_bytes,
+        help="KV cache budget, e.g. 2G (default: sized automatically)",
+    )
+    add_field_option(
+        group,
+        "--kv-cache-dtype",
+        EngineConfig,
+        "kv_cache_dtype",
+        choices=KV_CACHE_DTYPE_CHOICES,
         help="KV cache storage: auto = the model dtype; fp8_e4m3 = float8 with per-layer scales (the "
         "checkpoint's k_scale/v_scale, else 1), half the bytes of bfloat16 held and moved per token; cpu and "
         "torch kernels only; prefill and decode workers must agree (default: {default})",
-    )  # fmt: skip
-    add_field_option(group, "--max-num-seqs", EngineConfig, "max_num_seqs", type=int,
-                     help="most requests running at once (default: {default})")  # fmt: skip
-    add_field_option(group, "--max-num-batched-tokens", EngineConfig, "max_num_batched_tokens", type=int,
-                     help="per-step token budget; also the prefill chunk size (default: {default})")  # fmt: skip
-    add_field_option(group, "--max-model-len", EngineConfig, "max_model_len", type=int,
-                     help="context window (default: the model's)")  # fmt: skip
-    add_field_option(group, "--no-prefix-caching", EngineConfig, "enable_prefix_caching", action="store_false",
-                     help="disable the prefix cache")  # fmt: skip
+    )
+    add_field_option(
+        group,
+        "--max-num-seqs",
+        EngineConfig,
+        "max_num_seqs",
+        type=int,
+        help="most requests running at once (default: {default})",
+    )
+    add_field_option(
+        group,
+        "--max-num-batched-tokens",
+        EngineConfig,
+        "max_num_batched_tokens",
+        type=int,
+        help="per-step token budget; also the prefill chunk size (default: {default})",
+    )
+    add_field_option(
+        group, "--max-model-len", EngineConfig, "max_model_len", type=int, help="context window (default: the model's)"
+    )
+    add_field_option(
+        group,
+        "--no-prefix-caching",
+        EngineConfig,
+        "enable_prefix_caching",
+        action="store_false",
+        help="disable the prefix cache",
+    )
 
 
 def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
     """etcd's TLS and auth options; build the ``EtcdAuth`` with ``etcd_auth``."""
     group = parser.add_argument_group("etcd TLS and auth (README: Security)")
-    group.add_argument("--etcd-cacert", metavar="FILE",
-                       help="CA that etcd's certificate chains to, for an https:// etcd URL "
-                       "(default: $PDSERVE_ETCD_CACERT, else the system's roots)")  # fmt: skip
-    group.add_argument("--etcd-cert", metavar="FILE",
-                       help="client certificate for an etcd run with --client-cert-auth; with auth enabled and "
-                       "no --etcd-user its common name is the etcd user (default: $PDSERVE_ETCD_CERT)")  # fmt: skip
+    group.add_argument(
+        "--etcd-cacert",
+        metavar="FILE",
+        help="CA that etcd's certificate chains to, for an https:// etcd URL "
+        "(default: $PDSERVE_ETCD_CACERT, else the system's roots)",
+    )
+    group.add_argument(
+        "--etcd-cert",
+        metavar="FILE",
+        help="client certificate for an etcd run with --client-cert-auth; with auth enabled and "
+        "no --etcd-user its common name is the etcd user (default: $PDSERVE_ETCD_CERT)",
+    )
     group.add_argument("--etcd-key", metavar="FILE", help="the client certificate's key (default: $PDSERVE_ETCD_KEY)")
-    group.add_argument("--etcd-server-name", metavar="NAME",
-                       help="the name etcd's certificate must carry, if not the URL's host: pdserve-cluster for the "
-                       "registry of a `pdserve up` given cluster certificates (default: $PDSERVE_ETCD_SERVER_NAME)")  # fmt: skip
+    group.add_argument(
+        "--etcd-server-name",
+        metavar="NAME",
+        help="the name etcd's certificate must carry, if not the URL's host: pdserve-cluster for the "
+        "registry of a `pdserve up` given cluster certificates (default: $PDSERVE_ETCD_SERVER_NAME)",
+    )
     group.add_argument("--etcd-user", metavar="NAME", help="etcd user, with auth enabled (default: $PDSERVE_ETCD_USER)")
-    group.add_argument("--etcd-password", metavar="PASSWORD",
-                       help="the etcd user's password (default: $PDSERVE_ETCD_PASSWORD, which keeps it out of "
-                       "the process list)")  # fmt: skip
+    group.add_argument(
+        "--etcd-password",
+        metavar="PASSWORD",
+        help="the etcd user's password (default: $PDSERVE_ETCD_PASSWORD, which keeps it out of the process list)",
+    )
 
 
 def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
@@ -186,8 +232,12 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     given = {name: getattr(args, name, None) or etcd_auth_setting(name) for name in ETCD_AUTH_SETTINGS}
     tls = None
     if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:
-        tls = ClientTLS(ca=absolute(given["etcd_cacert"]), cert=absolute(given["etcd_cert"]),
-                        key=absolute(given["etcd_key"]), server_name=given["etcd_server_name"])  # fmt: skip
+        tls = ClientTLS(
+            ca=absolute(given["etcd_cacert"]),
+            cert=absolute(given["etcd_cert"]),
+            key=absolute(given["etcd_key"]),
+            server_name=given["etcd_server_name"],
+        )
         tls.check()
     return EtcdAuth(tls=tls, user=given["etcd_user"], password=given["etcd_password"])
 
@@ -205,15 +255,23 @@ def absolute(path: str | None) -> str | None:
 def add_cluster_tls_args(parser: argparse.ArgumentParser, who: str) -> None:
     """The cluster certificate set's options (``cluster_tls`` builds it); ``who`` says what uses it."""
     group = parser.add_argument_group("cluster mTLS (README: Security)")
-    group.add_argument("--cluster-ca", metavar="FILE",
-                       help=f"the cluster CA: {who}; with --cluster-cert and --cluster-key")  # fmt: skip
-    group.add_argument("--cluster-cert", metavar="FILE",
-                       help="this component's cluster certificate; it must name the cluster server name "
-                       f"(--cluster-server-name, default {DEFAULT_CLUSTER_SERVER_NAME}) in its DNS SANs")  # fmt: skip
+    group.add_argument(
+        "--cluster-ca", metavar="FILE", help=f"the cluster CA: {who}; with --cluster-cert and --cluster-key"
+    )
+    group.add_argument(
+        "--cluster-cert",
+        metavar="FILE",
+        help="this component's cluster certificate; it must name the cluster server name "
+        f"(--cluster-server-name, default {DEFAULT_CLUSTER_SERVER_NAME}) in its DNS SANs",
+    )
     group.add_argument("--cluster-key", metavar="FILE", help="the cluster certificate's key")
-    group.add_argument("--cluster-server-name", metavar="NAME", default=DEFAULT_CLUSTER_SERVER_NAME,
-                       help="the DNS name internal clients check in every server's certificate, whatever address "
-                       "they dial (default: %(default)s)")  # fmt: skip
+    group.add_argument(
+        "--cluster-server-name",
+        metavar="NAME",
+        default=DEFAULT_CLUSTER_SERVER_NAME,
+        help="the DNS name internal clients check in every server's certificate, whatever address "
+        "they dial (default: %(default)s)",
+    )
 
 
 def cluster_tls(args: argparse.Namespace) -> ClusterTLS | None:
@@ -224,8 +282,14 @@ def cluster_tls(args: argparse.Namespace) -> ClusterTLS | None:
         return None
     missing = [flag for flag, value in files.items() if not value]
     if missing:
-        raise ValueError(f"cluster mTLS needs --cluster-ca, --cluster-cert and --cluster-key; missing {', '.join(missing)}")
-    tls = ClusterTLS(ca=str(absolute(args.cluster_ca)), cert=str(absolute(args.cluster_cert)),
-                     key=str(absolute(args.cluster_key)), server_name=args.cluster_server_name)  # fmt: skip
+        raise ValueError(
+            f"cluster mTLS needs --cluster-ca, --cluster-cert and --cluster-key; missing {', '.join(missing)}"
+        )
+    tls = ClusterTLS(
+        ca=str(absolute(args.cluster_ca)),
+        cert=str(absolute(args.cluster_cert)),
+        key=str(absolute(args.cluster_key)),
+        server_name=args.cluster_server_name,
+    )
     tls.check()
     return tls

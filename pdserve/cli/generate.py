@@ -34,28 +34,39 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     where = gen.add_mutually_exclusive_group()
-    where.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
+    where.add_argument(
+        "--model",
+        help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)",
+    )
     where.add_argument("--target", help="a pdserve frontend, HOST:PORT")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--token-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     sampling = SamplingParams()  # the engine's defaults are the command's
-    gen.add_argument("--max-tokens", type=int, default=sampling.max_tokens,
-                     help="most tokens to generate (default: %(default)s)")  # fmt: skip
-    gen.add_argument("--temperature", type=float, default=sampling.temperature,
-                     help="0 for greedy (default: %(default)s)")  # fmt: skip
+    gen.add_argument(
+        "--max-tokens", type=int, default=sampling.max_tokens, help="most tokens to generate (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=sampling.temperature, help="0 for greedy (default: %(default)s)"
+    )
     gen.add_argument("--top-p", type=float, default=sampling.top_p, help="nucleus sampling mass (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=sampling.top_k,
-                     help="sample from the k most likely tokens; -1 disables")  # fmt: skip
-    gen.add_argument("--min-p", type=float, default=sampling.min_p,
-                     help="drop tokens below min_p x the top probability")  # fmt: skip
+    gen.add_argument(
+        "--top-k", type=int, default=sampling.top_k, help="sample from the k most likely tokens; -1 disables"
+    )
+    gen.add_argument(
+        "--min-p", type=float, default=sampling.min_p, help="drop tokens below min_p x the top probability"
+    )
     gen.add_argument("--seed", type=int, default=None, help="per-request seed: same seed, same tokens")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable); not included in the text")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
-    gen.add_argument("--api-key", default=environment.api_key(), metavar="KEY",
-                     help="--target: the server's API key (default: $PDSERVE_API_KEY)")  # fmt: skip
+    gen.add_argument(
+        "--api-key",
+        default=environment.api_key(),
+        metavar="KEY",
+        help="--target: the server's API key (default: $PDSERVE_API_KEY)",
+    )
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
@@ -64,8 +75,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     tls.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's roots")
     tls.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), for a frontend with --tls-client-ca")
     tls.add_argument("--tls-key", metavar="FILE", help="the client certificate's key (PEM)")
-    tls.add_argument("--tls-server-name", metavar="NAME",
-                     help="the name the server's certificate must carry (default: the --target host)")  # fmt: skip
+    tls.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server's certificate must carry (default: the --target host)",
+    )
     add_engine_args(gen)  # used with --model only
     gen.set_defaults(func=run)
 
@@ -79,14 +93,18 @@ def _print_json(
 ) -> None:
     ttft = (times[0] - start) if times else 0.0
     gaps = [b - a for a, b in zip(times, times[1:])]
-    print(json.dumps({
-        "token_ids": token_ids,
-        "text": text,
-        "finish_reason": reason,
-        "ttft_ms": round(ttft * 1e3, 3),
-        "itl_ms": round(sum(gaps) / len(gaps) * 1e3, 3) if gaps else 0.0,
-        **extra,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "token_ids": token_ids,
+                "text": text,
+                "finish_reason": reason,
+                "ttft_ms": round(ttft * 1e3, 3),
+                "itl_ms": round(sum(gaps) / len(gaps) * 1e3, 3) if gaps else 0.0,
+                **extra,
+            }
+        )
+    )
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -96,9 +114,15 @@ def _local(args: argparse.Namespace) -> int:
     from pdserve.offline.llm import LLM
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     llm = LLM(resolve_model(args.model), **msgspec.structs.asdict(from_options(args, EngineConfig)))
     prompt = args.prompt if args.prompt is not None else args.token_ids
     start = time.perf_counter()
@@ -112,9 +136,15 @@ def _local(args: argparse.Namespace) -> int:
         final = chunk.output
     assert final is not None
     if args.json:
-        _print_json(final.token_ids, final.text, final.finish_reason, times, start,
-                    prompt_tokens=final.num_prompt_tokens,
-                    total_ms=round((time.perf_counter() - start) * 1e3, 3))  # fmt: skip
+        _print_json(
+            final.token_ids,
+            final.text,
+            final.finish_reason,
+            times,
+            start,
+            prompt_tokens=final.num_prompt_tokens,
+            total_ms=round((time.perf_counter() - start) * 1e3, 3),
+        )
     else:
         print()
     return 0
@@ -124,8 +154,12 @@ def _client_tls(args: argparse.Namespace) -> ClientTLS | None:
     """The TLS the ``--tls*`` options ask for, or None for plaintext."""
     if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
         return None
-    return ClientTLS(ca=absolute(args.tls_ca), cert=absolute(args.tls_cert), key=absolute(args.tls_key),
-                     server_name=args.tls_server_name)  # fmt: skip
+    return ClientTLS(
+        ca=absolute(args.tls_ca),
+        cert=absolute(args.tls_cert),
+        key=absolute(args.tls_key),
+        server_name=args.tls_server_name,
+    )
 
 
 def _remote(args: argparse.Namespace) -> int:
@@ -134,9 +168,14 @@ def _remote(args: argparse.Namespace) -> int:
     from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
     sampling = inference_pb2.SamplingOptions(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, stop=args.stop or [], ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
     if args.seed is not None:
         sampling.seed = args.seed
     request = inference_pb2.GenerateRequest(model=args.model_name, sampling=sampling)

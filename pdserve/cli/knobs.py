@@ -53,13 +53,22 @@ _FLAGS = {
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    knobs = commands.add_parser("knobs", help="set or show a model's live scheduler and router settings",
-                                description=DESCRIPTION, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    knobs = commands.add_parser(
+        "knobs",
+        help="set or show a model's live scheduler and router settings",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     actions = knobs.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    set_ = actions.add_parser("set", help="change a model's knobs", description=SET_HELP, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    set_ = actions.add_parser(
+        "set",
+        help="change a model's knobs",
+        description=SET_HELP,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(set_)
     set_.add_argument("--model", required=True, help="served model name, as workers register it")
     for field, flag in _FLAGS.items():
@@ -67,15 +76,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     set_.add_argument("--json", action="store_true", help="print the stored knobs as JSON")
     set_.set_defaults(func=run_set)
 
-    show = actions.add_parser("show", help="print the knobs in force", description=SHOW_HELP, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    show = actions.add_parser(
+        "show",
+        help="print the knobs in force",
+        description=SHOW_HELP,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(show)
     show.add_argument("--model", help="only this model")
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
     show.set_defaults(func=run_show)
 
-    reset = actions.add_parser("reset", help="delete a model's knobs: back to start-up settings",
-                               epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    reset = actions.add_parser(
+        "reset",
+        help="delete a model's knobs: back to start-up settings",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(reset)
     reset.add_argument("--model", required=True, help="served model name")
     reset.set_defaults(func=run_reset)
@@ -131,8 +149,9 @@ def _capped(knobs: Knobs, workers: list[WorkerEntry]) -> list[str]:
     ):
         limits = [limit_of(w) for w in workers if w.role == role and limit_of(w)]
         if limits and getattr(knobs, field) > min(limits):
-            notes.append(f"{field} {getattr(knobs, field)} is capped at {min(limits)} on {role} workers "
-                         "started with less")  # fmt: skip
+            notes.append(
+                f"{field} {getattr(knobs, field)} is capped at {min(limits)} on {role} workers started with less"
+            )
     return notes
 
 
@@ -146,8 +165,9 @@ def run_show(args: argparse.Namespace) -> int:
             rows[model] = (deployed_knobs(model, workers, frontends), "start-up")
         if args.model is not None:
             if args.model not in rows:
-                raise OperationFailed(f"no knobs for model {args.model!r} in etcd at {args.etcd}, and no worker "
-                                      "serves it")  # fmt: skip
+                raise OperationFailed(
+                    f"no knobs for model {args.model!r} in etcd at {args.etcd}, and no worker serves it"
+                )
             rows = {args.model: rows[args.model]}
         if args.json:
             values = [{"model": m, "source": src, **msgspec.to_builtins(k)} for m, (k, src) in sorted(rows.items())]
@@ -174,9 +194,15 @@ def run_reset(args: argparse.Namespace) -> int:
 def knobs_table(rows: dict[str, tuple[Knobs, str]], indent: str = "") -> str:
     """One row per model: where its knobs come from, then each knob."""
     lines = [
-        [model, source, k.decode_max_num_seqs, k.decode_max_num_batched_tokens, k.prefill_chunk_size,
-         k.local_prefill_threshold_tokens]
+        [
+            model,
+            source,
+            k.decode_max_num_seqs,
+            k.decode_max_num_batched_tokens,
+            k.prefill_chunk_size,
+            k.local_prefill_threshold_tokens,
+        ]
         for model, (k, source) in sorted(rows.items())
-    ]  # fmt: skip
+    ]
     headers = ["MODEL", "SOURCE", "DECODE_SEQS", "DECODE_TOKENS", "PREFILL_CHUNK", "LOCAL_PREFILL"]
     return table(headers, lines, indent)

@@ -26,19 +26,35 @@ EXAMPLES = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("operator", help="run the Kubernetes operator (PDServeDeployment)", description=DESCRIPTION,
-                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = commands.add_parser(
+        "operator",
+        help="run the Kubernetes operator (PDServeDeployment)",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", metavar="NS", help="watch only this namespace")
     scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
-    p.add_argument("--etcd", default=environment.etcd_url(), metavar="URL",
-                   help="etcd for deployments whose spec.etcd names none, e.g. the chart's own "
-                        "(default: $PDSERVE_ETCD)")  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=8080,
-                   help="Prometheus /metrics port: reconciles, errors, duration (default: 8080; -1: off)")  # fmt: skip
-    p.add_argument("--health-port", type=int, default=8081,
-                   help="liveness endpoint http://0.0.0.0:PORT/healthz (default: 8081; -1: off)")  # fmt: skip
+    p.add_argument(
+        "--etcd",
+        default=environment.etcd_url(),
+        metavar="URL",
+        help="etcd for deployments whose spec.etcd names none, e.g. the chart's own (default: $PDSERVE_ETCD)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Prometheus /metrics port: reconciles, errors, duration (default: 8080; -1: off)",
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=8081,
+        help="liveness endpoint http://0.0.0.0:PORT/healthz (default: 8081; -1: off)",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port >= 0:
         serve_metrics(reconciler.metrics.registry, "0.0.0.0", args.metrics_port)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port >= 0 else None
-    kopf.run(standalone=True, clusterwide=args.namespace is None,
-             namespaces=[args.namespace] if args.namespace else [], liveness_endpoint=liveness)  # fmt: skip
+    kopf.run(
+        standalone=True,
+        clusterwide=args.namespace is None,
+        namespaces=[args.namespace] if args.namespace else [],
+        liveness_endpoint=liveness,
+    )
     return 0

@@ -71,8 +71,12 @@ class OperationFailed(Exception):
 
 def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
     """``--etcd`` and etcd's TLS and auth options (``cli.common.etcd_auth`` reads them)."""
-    parser.add_argument("--etcd", default=environment.etcd_url(), metavar="URL",
-                        help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)")  # fmt: skip
+    parser.add_argument(
+        "--etcd",
+        default=environment.etcd_url(),
+        metavar="URL",
+        help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)",
+    )
     add_etcd_auth_args(parser)
 
 
@@ -192,33 +196,51 @@ def worker_json(entry: WorkerEntry, lease_id: int, ttl: tuple[int, int] | None, 
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    workers = commands.add_parser("workers", help="list registered workers: role, address, model, load, lease",
-                                  description="List every worker registered in etcd with its role, gRPC "
-                                  "endpoint, model, load and lease.", epilog=WORKERS_EXAMPLES,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    workers = commands.add_parser(
+        "workers",
+        help="list registered workers: role, address, model, load, lease",
+        description="List every worker registered in etcd with its role, gRPC endpoint, model, load and lease.",
+        epilog=WORKERS_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(workers)
     workers.add_argument("--model", help="only this model's workers")
     workers.add_argument("--json", action="store_true", help="print a JSON list (one object per worker)")
     workers.set_defaults(func=run_workers)
 
-    drain = commands.add_parser("drain", help="drain a worker: it finishes its requests, then exits",
-                                description="Ask a worker, through its Drain RPC, to stop taking work, finish what\n"
-                                "is in flight, leave the registry and exit.", epilog=DRAIN_EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    drain = commands.add_parser(
+        "drain",
+        help="drain a worker: it finishes its requests, then exits",
+        description="Ask a worker, through its Drain RPC, to stop taking work, finish what\n"
+        "is in flight, leave the registry and exit.",
+        epilog=DRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(drain)
     target = drain.add_mutually_exclusive_group(required=True)
     target.add_argument("worker", metavar="WORKER", nargs="?", help="worker id, as `pdserve workers` lists it")
-    target.add_argument("--endpoint", metavar="HOST:PORT",
-                        help="the worker's gRPC address instead of its id (no etcd needed): a pod's preStop hook "
-                             "drains its own worker at 127.0.0.1:PORT")  # fmt: skip
-    drain.add_argument("--wait", action="store_true",
-                       help="wait until the worker has left the registry (with --endpoint: until it has no "
-                            "request in flight, or has stopped serving)")  # fmt: skip
-    drain.add_argument("--timeout", type=positive_duration, default=60.0,
-                       help="with --wait: the longest wait, e.g. 90s (default: 60s)")  # fmt: skip
+    target.add_argument(
+        "--endpoint",
+        metavar="HOST:PORT",
+        help="the worker's gRPC address instead of its id (no etcd needed): a pod's preStop hook "
+        "drains its own worker at 127.0.0.1:PORT",
+    )
+    drain.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until the worker has left the registry (with --endpoint: until it has no "
+        "request in flight, or has stopped serving)",
+    )
+    drain.add_argument(
+        "--timeout", type=positive_duration, default=60.0, help="with --wait: the longest wait, e.g. 90s (default: 60s)"
+    )
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    drain.add_argument("--admin-key", default=environment.admin_key(), metavar="KEY",
-                       help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)")  # fmt: skip
+    drain.add_argument(
+        "--admin-key",
+        default=environment.admin_key(),
+        metavar="KEY",
+        help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)",
+    )
     add_cluster_tls_args(drain, "the Drain RPC is made over mTLS with this cluster certificate")
     drain.set_defaults(func=run_drain)
 
@@ -238,12 +260,21 @@ def run_workers(args: argparse.Namespace) -> int:
         rows = []
         for e, lease in workers:
             ttl = ttls.get(lease)
-            rows.append([
-                e.role, e.worker_id, e.endpoint, e.model, e.load.running, e.load.waiting,
-                f"{e.load.kv_usage:.0%}", e.load.held_requests if e.role is Role.PREFILL else None,
-                "draining" if e.draining else "ready", fmt_age(now - e.started_at),
-                f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
-            ])  # fmt: skip
+            rows.append(
+                [
+                    e.role,
+                    e.worker_id,
+                    e.endpoint,
+                    e.model,
+                    e.load.running,
+                    e.load.waiting,
+                    f"{e.load.kv_usage:.0%}",
+                    e.load.held_requests if e.role is Role.PREFILL else None,
+                    "draining" if e.draining else "ready",
+                    fmt_age(now - e.started_at),
+                    f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
+                ]
+            )
         print(table(["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE"], rows))
         return 0
 
@@ -274,15 +305,27 @@ def run_drain(args: argparse.Namespace) -> int:
                 hint = ""
                 if error.code() == grpc.StatusCode.UNAVAILABLE and cluster is None:
                     hint = " (a worker serving the cluster's mTLS needs --cluster-ca, --cluster-cert and --cluster-key)"
-                raise OperationFailed(f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: "
-                                      f"{error.code().name}: {error.details()}{hint}") from None  # fmt: skip
+                raise OperationFailed(
+                    f"Drain RPC to {entry.worker_id} at {entry.endpoint} failed: "
+                    f"{error.code().name}: {error.details()}{hint}"
+                ) from None
         left = await _wait_gone(client, entry, args.timeout) if args.wait else None
         if args.json:
-            print_json({"worker_id": entry.worker_id, "role": entry.role, "model": entry.model,
-                        "endpoint": entry.endpoint, "in_flight": reply.in_flight, "left_registry": left})  # fmt: skip
+            print_json(
+                {
+                    "worker_id": entry.worker_id,
+                    "role": entry.role,
+                    "model": entry.model,
+                    "endpoint": entry.endpoint,
+                    "in_flight": reply.in_flight,
+                    "left_registry": left,
+                }
+            )
         else:
-            print(f"draining {entry.role} worker {entry.worker_id} ({entry.model}) at {entry.endpoint}: "
-                  f"{reply.in_flight} request(s) in flight to finish")  # fmt: skip
+            print(
+                f"draining {entry.role} worker {entry.worker_id} ({entry.model}) at {entry.endpoint}: "
+                f"{reply.in_flight} request(s) in flight to finish"
+            )
             if left:
                 print(f"{entry.worker_id} has left the registry")
         if left is False:
@@ -317,8 +360,10 @@ def _drain_endpoint(args: argparse.Namespace, cluster: ClusterTLS | None) -> int
         else:
             print(f"draining the worker at {args.endpoint}: {first} request(s) in flight to finish")
         if args.wait and in_flight:
-            raise OperationFailed(f"the worker at {args.endpoint} still has {in_flight} request(s) in flight "
-                                  f"after {fmt_seconds(args.timeout)}")  # fmt: skip
+            raise OperationFailed(
+                f"the worker at {args.endpoint} still has {in_flight} request(s) in flight "
+                f"after {fmt_seconds(args.timeout)}"
+            )
         return 0
 
     try:

@@ -39,28 +39,52 @@ EXAMPLES = """examples:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("planner", help="resize the pools to hold each model's SLO", description=DESCRIPTION,
-                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = commands.add_parser(
+        "planner",
+        help="resize the pools to hold each model's SLO",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(p)
     add_planner_args(p)
-    p.add_argument("--connector", choices=["kubernetes", "none"], default="none",
-                   help="how decisions are applied (default: none, advise only)")  # fmt: skip
+    p.add_argument(
+        "--connector",
+        choices=["kubernetes", "none"],
+        default="none",
+        help="how decisions are applied (default: none, advise only)",
+    )
     p.add_argument("--namespace", default="default", help="kubernetes: the PDServeDeployments' namespace")
-    p.add_argument("--deployment", action="append", default=[], metavar="MODEL=NAME",
-                   help="kubernetes: the PDServeDeployment of MODEL (default: the model name, lower-cased, "
-                        "other characters as '-'); repeatable")  # fmt: skip
+    p.add_argument(
+        "--deployment",
+        action="append",
+        default=[],
+        metavar="MODEL=NAME",
+        help="kubernetes: the PDServeDeployment of MODEL (default: the model name, lower-cased, "
+        "other characters as '-'); repeatable",
+    )
     p.set_defaults(func=run)
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:
     """The options every planner takes (also ``pdserve up --autoscale``)."""
-    parser.add_argument("--profile", metavar="FILE",
-                        help="the engine profile the latency model predicts from (`pdserve profile` writes one)")  # fmt: skip
-    parser.add_argument("--planner-interval", type=positive_duration, metavar="DURATION",
-                        help="how often the planner observes and decides (default: --planner-config's interval_s, "
-                             f"else {PlannerConfig.interval_s:g}s; match the frontends' --stats-window)")  # fmt: skip
-    parser.add_argument("--planner-config", metavar="FILE",
-                        help="JSON with PlannerConfig fields to override (margins, cool-downs, forecast: {...})")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="the engine profile the latency model predicts from (`pdserve profile` writes one)",
+    )
+    parser.add_argument(
+        "--planner-interval",
+        type=positive_duration,
+        metavar="DURATION",
+        help="how often the planner observes and decides (default: --planner-config's interval_s, "
+        f"else {PlannerConfig.interval_s:g}s; match the frontends' --stats-window)",
+    )
+    parser.add_argument(
+        "--planner-config",
+        metavar="FILE",
+        help="JSON with PlannerConfig fields to override (margins, cool-downs, forecast: {...})",
+    )
 
 
 def load_planner(args: argparse.Namespace) -> tuple[EngineProfile, PlannerConfig]:
@@ -124,10 +148,11 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        print(f"pdserve planner: planning every {config.interval_s:g}s from {args.etcd} "
-              f"(connector: {args.connector})", flush=True)  # fmt: skip
+        print(
+            f"pdserve planner: planning every {config.interval_s:g}s from {args.etcd} (connector: {args.connector})",
+            flush=True,
+        )
         await PlannerService(args.etcd, profile, connector_for, config, auth).run(stop)
 
     asyncio.run(main())
     return 0
-

@@ -31,9 +31,17 @@ def _ints(text: str) -> list[int]:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("profile", help="measure the engine into a planner profile", description=DESCRIPTION,
-                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
+    p = commands.add_parser(
+        "profile",
+        help="measure the engine into a planner profile",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--out", required=True, help="where to write the profile JSON")
     p.add_argument("--prompt-lengths", type=_ints, default=[32, 128, 512, 1024], help="default: 32,128,512,1024")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32], help="decode batches (default: 1,8,32)")
@@ -60,11 +68,16 @@ def run(args: argparse.Namespace) -> int:
     batches = [b for b in args.batch_sizes if b <= max_seqs]
     contexts = [c for c in args.context_lengths if 2 * c < max_len]
     if not (prompts and batches and contexts):
-        raise ValueError(f"no measurement fits this engine (max_model_len {max_len}, max_num_seqs {max_seqs}); "
-                         "pass smaller --prompt-lengths, --batch-sizes or --context-lengths")  # fmt: skip
+        raise ValueError(
+            f"no measurement fits this engine (max_model_len {max_len}, max_num_seqs {max_seqs}); "
+            "pass smaller --prompt-lengths, --batch-sizes or --context-lengths"
+        )
     plan = ProfilePlan(prompt_lengths=prompts, batch_sizes=batches, context_lengths=contexts, repeats=args.repeats)
     profile = profile_engine(engine, plan, source=f"pdserve profile --model {model}")
     profile.save(args.out)
-    print(f"pdserve profile: wrote {args.out} ({len(prompts)} prefill points, "
-          f"{len(batches)}x{len(contexts)} decode grid)", flush=True)  # fmt: skip
+    print(
+        f"pdserve profile: wrote {args.out} ({len(prompts)} prefill points, "
+        f"{len(batches)}x{len(contexts)} decode grid)",
+        flush=True,
+    )
     return 0

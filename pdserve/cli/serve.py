@@ -69,7 +69,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         source = p.add_mutually_exclusive_group()
-        source.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
+        source.add_argument(
+            "--model",
+            help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)",
+        )
         source.add_argument("--config", metavar="FILE", help=WORKER_CONFIG_HELP)
         p.add_argument("--etcd", help=ETCD_HELP)
         add_worker_args(p, role)
@@ -95,11 +98,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def add_worker_security_args(parser: argparse.ArgumentParser) -> None:
     """A worker's cluster mTLS and admin key (``pdserve prefill|decode`` and ``pdserve up``)."""
-    add_cluster_tls_args(parser, "internal gRPC servers serve only clients with a certificate it signed, and "
-                         "internal clients present theirs")  # fmt: skip
-    parser.add_argument("--admin-key", metavar="KEY",
-                        help="the key `pdserve drain --admin-key` must give when the caller has no cluster "
-                        "certificate (default: $PDSERVE_ADMIN_KEY); with neither, Drain is open")  # fmt: skip
+    add_cluster_tls_args(
+        parser,
+        "internal gRPC servers serve only clients with a certificate it signed, and internal clients present theirs",
+    )
+    parser.add_argument(
+        "--admin-key",
+        metavar="KEY",
+        help="the key `pdserve drain --admin-key` must give when the caller has no cluster "
+        "certificate (default: $PDSERVE_ADMIN_KEY); with neither, Drain is open",
+    )
 
 
 def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
@@ -108,8 +116,11 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     def option(flag: str, field: str, help: str, **kwargs: object) -> None:
         add_field_option(parser, flag, WorkerConfig, field, help=help, **kwargs)
 
-    option("--model-name", "model_name", "served model name (default: the directory's name, or a GGUF file's less "
-           "its quantization suffix)")
+    option(
+        "--model-name",
+        "model_name",
+        "served model name (default: the directory's name, or a GGUF file's less its quantization suffix)",
+    )
     option("--host", "host", "listen address (default: {default})")
     option("--port", "port", "gRPC port (default: {default}; 0 picks a free one)", type=int)
     option("--advertise-host", "advertise_host", "host others reach this worker at (default: --host)")
@@ -117,97 +128,208 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=duration)
     option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=duration)
     if role is Role.PREFILL:
-        option("--hold", "hold_s", "longest a prompt's blocks stay pinned awaiting the pull (default: {default:g}s)",
-               type=duration)  # fmt: skip
+        option(
+            "--hold",
+            "hold_s",
+            "longest a prompt's blocks stay pinned awaiting the pull (default: {default:g}s)",
+            type=duration,
+        )
     else:
-        option("--transfer-timeout", "transfer_timeout_s", "deadline of one KV pull (default: {default:g}s)",
-               type=duration)  # fmt: skip
+        option(
+            "--transfer-timeout", "transfer_timeout_s", "deadline of one KV pull (default: {default:g}s)", type=duration
+        )
     option("--num-threads", "num_threads", "torch CPU threads (default: torch's)", type=int)
-    add_field_option(parser, "--tensor-parallel-size", ParallelConfig, "tensor_parallel_size", type=int,
-                     help="ranks (processes) to split the model over, each moving its own KV heads over NIXL "
-                     "(default: {default})")  # fmt: skip
-    add_field_option(parser, "--data-parallel-size", ParallelConfig, "data_parallel_size", type=int,
-                     help="data-parallel attention ranks sharing a MoE model's experts (needs "
-                     "--enable-expert-parallel): each rank serves as a worker of its own, WORKER_ID-dpR past "
-                     "rank 0, all stepping together (default: {default})")  # fmt: skip
-    add_field_option(parser, "--enable-expert-parallel", ParallelConfig, "enable_expert_parallel",
-                     action="store_true", help="spread each MoE layer's experts over the ranks")
-    option("--metrics-port", "metrics_port",
-           "Prometheus /metrics port (default: {default}; 0 picks a free one, published in the registry; -1: off)",
-           type=port_or_off)  # fmt: skip
+    add_field_option(
+        parser,
+        "--tensor-parallel-size",
+        ParallelConfig,
+        "tensor_parallel_size",
+        type=int,
+        help="ranks (processes) to split the model over, each moving its own KV heads over NIXL (default: {default})",
+    )
+    add_field_option(
+        parser,
+        "--data-parallel-size",
+        ParallelConfig,
+        "data_parallel_size",
+        type=int,
+        help="data-parallel attention ranks sharing a MoE model's experts (needs "
+        "--enable-expert-parallel): each rank serves as a worker of its own, WORKER_ID-dpR past "
+        "rank 0, all stepping together (default: {default})",
+    )
+    add_field_option(
+        parser,
+        "--enable-expert-parallel",
+        ParallelConfig,
+        "enable_expert_parallel",
+        action="store_true",
+        help="spread each MoE layer's experts over the ranks",
+    )
+    option(
+        "--metrics-port",
+        "metrics_port",
+        "Prometheus /metrics port (default: {default}; 0 picks a free one, published in the registry; -1: off)",
+        type=port_or_off,
+    )
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     """The ``FrontendConfig`` and ``RouterConfig`` options; build them with ``frontend_config``."""
     add_field_option(parser, "--host", FrontendConfig, "host", help="listen address (default: {default})")
     add_field_option(parser, "--port", FrontendConfig, "port", type=int, help="public gRPC port (default: {default})")
-    add_field_option(parser, "--http-port", FrontendConfig, "http_port", type=port_or_off,
-                     help="OpenAI-compatible HTTP API port (default: {default}; 0 picks a free one; -1: off)")  # fmt: skip
-    keys = parser.add_argument_group("API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
-                                     "'authorization: Bearer KEY'; health checks stay open)")  # fmt: skip
-    keys.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                      help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
-                      "comma-separated); without any key the APIs are open")  # fmt: skip
-    keys.add_argument("--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)")
-    add_field_option(keys, "--rate-limit", FrontendConfig, "rate_limit_rps", type=float, metavar="RPS",
-                     help="requests a second each API key may start, on either API (without keys: all clients "
-                     "together); past it HTTP 429 / RESOURCE_EXHAUSTED (default: no limit)")  # fmt: skip
-    add_field_option(keys, "--rate-limit-burst", FrontendConfig, "rate_limit_burst", type=int,
-                     help="requests a key may start at once (default: the rate, rounded up)")  # fmt: skip
-    add_field_option(parser, "--max-request-bytes", FrontendConfig, "max_request_bytes", type=size_bytes,
-                     help="largest HTTP request body, e.g. 16M; larger ones get 413 (default: {default})")  # fmt: skip
-    add_field_option(parser, "--max-prompt-chars", FrontendConfig, "max_prompt_chars", type=int,
-                     help="longest text prompt, refused before tokenizing (default: {default})")  # fmt: skip
+    add_field_option(
+        parser,
+        "--http-port",
+        FrontendConfig,
+        "http_port",
+        type=port_or_off,
+        help="OpenAI-compatible HTTP API port (default: {default}; 0 picks a free one; -1: off)",
+    )
+    keys = parser.add_argument_group(
+        "API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
+        "'authorization: Bearer KEY'; health checks stay open)"
+    )
+    keys.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
+        "comma-separated); without any key the APIs are open",
+    )
+    keys.add_argument(
+        "--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)"
+    )
+    add_field_option(
+        keys,
+        "--rate-limit",
+        FrontendConfig,
+        "rate_limit_rps",
+        type=float,
+        metavar="RPS",
+        help="requests a second each API key may start, on either API (without keys: all clients "
+        "together); past it HTTP 429 / RESOURCE_EXHAUSTED (default: no limit)",
+    )
+    add_field_option(
+        keys,
+        "--rate-limit-burst",
+        FrontendConfig,
+        "rate_limit_burst",
+        type=int,
+        help="requests a key may start at once (default: the rate, rounded up)",
+    )
+    add_field_option(
+        parser,
+        "--max-request-bytes",
+        FrontendConfig,
+        "max_request_bytes",
+        type=size_bytes,
+        help="largest HTTP request body, e.g. 16M; larger ones get 413 (default: {default})",
+    )
+    add_field_option(
+        parser,
+        "--max-prompt-chars",
+        FrontendConfig,
+        "max_prompt_chars",
+        type=int,
+        help="longest text prompt, refused before tokenizing (default: {default})",
+    )
     tls = parser.add_argument_group("public API TLS (README: Security)")
     tls.add_argument("--tls-cert", metavar="FILE", help="serve the public API over TLS with this certificate (PEM)")
     tls.add_argument("--tls-key", metavar="FILE", help="the --tls-cert certificate's key (PEM)")
-    tls.add_argument("--tls-client-ca", metavar="FILE",
-                     help="require client certificates signed by this CA (mTLS); needs --tls-cert")  # fmt: skip
+    tls.add_argument(
+        "--tls-client-ca", metavar="FILE", help="require client certificates signed by this CA (mTLS); needs --tls-cert"
+    )
     add_field_option(
-        parser, "--disaggregation", RouterConfig, "disaggregation", choices=DISAGGREGATION_MODES,
+        parser,
+        "--disaggregation",
+        RouterConfig,
+        "disaggregation",
+        choices=DISAGGREGATION_MODES,
         help="always: every prompt on a prefill worker; off: on its decode worker (colocated); "
         "conditional: short uncached prompts, or any while the prefill pool is saturated, on the decode worker "
         "(default: {default})",
-    )  # fmt: skip
+    )
     threshold = add_field_option(
-        parser, "--local-prefill-threshold", RouterConfig, "local_prefill_threshold_tokens", type=int,
-        metavar="TOKENS", help="conditional: prompts with at most this many uncached tokens prefill on the decode "
+        parser,
+        "--local-prefill-threshold",
+        RouterConfig,
+        "local_prefill_threshold_tokens",
+        type=int,
+        metavar="TOKENS",
+        help="conditional: prompts with at most this many uncached tokens prefill on the decode "
         "worker; the live knob of the same name (`pdserve knobs set`) replaces it (default: {default})",
-    )  # fmt: skip
+    )
     # The option's name until the router's and the knob's settings became one; still accepted.
-    parser.add_argument("--local-prefill-tokens", dest=threshold.dest, type=int, default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--local-prefill-tokens", dest=threshold.dest, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     add_field_option(
-        parser, "--prefill-saturation-tokens", RouterConfig, "prefill_saturation_tokens", type=int,
+        parser,
+        "--prefill-saturation-tokens",
+        RouterConfig,
+        "prefill_saturation_tokens",
+        type=int,
         help="conditional: queued prompt tokens at which a prefill worker counts as saturated (default: {default})",
-    )  # fmt: skip
+    )
     add_field_option(
-        parser, "--max-queued-requests", FrontendConfig, "max_queued_requests", type=int,
+        parser,
+        "--max-queued-requests",
+        FrontendConfig,
+        "max_queued_requests",
+        type=int,
         help="requests in flight past which new ones get RESOURCE_EXHAUSTED (HTTP 429) (default: {default})",
-    )  # fmt: skip
+    )
     add_field_option(
-        parser, "--request-timeout", FrontendConfig, "request_timeout_s", type=duration,
+        parser,
+        "--request-timeout",
+        FrontendConfig,
+        "request_timeout_s",
+        type=duration,
         help="deadline of a request whose caller set none (default: {default:g}s)",
-    )  # fmt: skip
+    )
     add_field_option(
-        parser, "--max-migrations", FrontendConfig, "max_migrations", type=int,
+        parser,
+        "--max-migrations",
+        FrontendConfig,
+        "max_migrations",
+        type=int,
         help="times a request whose decode worker failed mid-stream goes on on another decode worker, keeping the "
         "tokens already streamed (default: {default}; 0: never)",
-    )  # fmt: skip
+    )
     add_field_option(
-        parser, "--migration-wait", FrontendConfig, "migration_wait_s", type=duration,
+        parser,
+        "--migration-wait",
+        FrontendConfig,
+        "migration_wait_s",
+        type=duration,
         help="how long such a request waits for a decode worker to go to when none is left (one restarting) "
         "before it fails UNAVAILABLE (default: {default:g}s; 0: fail at once)",
-    )  # fmt: skip
-    add_field_option(parser, "--tokenizer", FrontendConfig, "tokenizer",
-                     help="tokenizer directory (default: the workers' model directory)")  # fmt: skip
-    add_field_option(parser, "--metrics-port", FrontendConfig, "metrics_port", type=port_or_off,
-                     help="Prometheus /metrics port (default: {default}; 0 picks a free one; -1: off)")  # fmt: skip
+    )
     add_field_option(
-        parser, "--stats-window", FrontendConfig, "stats_window_s", type=duration,
+        parser,
+        "--tokenizer",
+        FrontendConfig,
+        "tokenizer",
+        help="tokenizer directory (default: the workers' model directory)",
+    )
+    add_field_option(
+        parser,
+        "--metrics-port",
+        FrontendConfig,
+        "metrics_port",
+        type=port_or_off,
+        help="Prometheus /metrics port (default: {default}; 0 picks a free one; -1: off)",
+    )
+    add_field_option(
+        parser,
+        "--stats-window",
+        FrontendConfig,
+        "stats_window_s",
+        type=duration,
         help="span of the live latency percentiles published in etcd for `pdserve status` and the planner "
         "(default: {default:g}s; match the planner's interval)",
-    )  # fmt: skip
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -215,26 +337,44 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     if args.config:
         config = _config_file(args, WorkerConfig)
         if config.role != args.role:
-            raise ValueError(f"--config {args.config} configures a {config.role} worker; run it with "
-                             f"`pdserve {config.role}`")  # fmt: skip
+            raise ValueError(
+                f"--config {args.config} configures a {config.role} worker; run it with `pdserve {config.role}`"
+            )
         return config
-    return from_options(args, WorkerConfig, role=args.role, model=resolve_model(args.model), etcd=_require_etcd(args),
-                        engine=from_options(args, EngineConfig), parallel=from_options(args, ParallelConfig),
-                        **worker_security(args))  # fmt: skip
+    return from_options(
+        args,
+        WorkerConfig,
+        role=args.role,
+        model=resolve_model(args.model),
+        etcd=_require_etcd(args),
+        engine=from_options(args, EngineConfig),
+        parallel=from_options(args, ParallelConfig),
+        **worker_security(args),
+    )
 
 
 def worker_security(args: argparse.Namespace) -> dict[str, Any]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
-    return {"cluster_tls": cluster_tls(args), "admin_key": args.admin_key or environment.admin_key(),
-            "etcd_auth": etcd_auth(args)}  # fmt: skip
+    return {
+        "cluster_tls": cluster_tls(args),
+        "admin_key": args.admin_key or environment.admin_key(),
+        "etcd_auth": etcd_auth(args),
+    }
 
 
 def frontend_config(args: argparse.Namespace, etcd: str) -> FrontendConfig:
     """The frontend's configuration from the options of ``add_frontend_args``,
     ``add_cluster_tls_args`` and ``add_etcd_auth_args``."""
-    return from_options(args, FrontendConfig, etcd=etcd, router=from_options(args, RouterConfig),
-                        api_keys=api_keys(args), tls=public_tls(args), cluster_tls=cluster_tls(args),
-                        etcd_auth=etcd_auth(args))  # fmt: skip
+    return from_options(
+        args,
+        FrontendConfig,
+        etcd=etcd,
+        router=from_options(args, RouterConfig),
+        api_keys=api_keys(args),
+        tls=public_tls(args),
+        cluster_tls=cluster_tls(args),
+        etcd_auth=etcd_auth(args),
+    )
 
 
 def public_tls(args: argparse.Namespace) -> ServerTLS | None:
@@ -243,8 +383,9 @@ def public_tls(args: argparse.Namespace) -> ServerTLS | None:
         return None
     if not (args.tls_cert and args.tls_key):
         raise ValueError("public API TLS needs both --tls-cert and --tls-key")
-    tls = ServerTLS(cert=str(absolute(args.tls_cert)), key=str(absolute(args.tls_key)),
-                    client_ca=absolute(args.tls_client_ca))  # fmt: skip
+    tls = ServerTLS(
+        cert=str(absolute(args.tls_cert)), key=str(absolute(args.tls_key)), client_ca=absolute(args.tls_client_ca)
+    )
     tls.check()
     return tls
 
@@ -276,8 +417,9 @@ def _config_file(args: argparse.Namespace, struct: type[Config]) -> Config:
     security = ["tls_cert", "tls_key", "tls_client_ca", "cluster_ca", "cluster_cert", "cluster_key", "admin_key"]
     given += [name for name in security if getattr(args, name, None)] + given_etcd_auth_options(args)
     if given:
-        raise ValueError(f"--config {args.config} is the whole configuration: set {', '.join(given)} in it, "
-                         "not as options")  # fmt: skip
+        raise ValueError(
+            f"--config {args.config} is the whole configuration: set {', '.join(given)} in it, not as options"
+        )
     return read_config(args.config, struct)
 
 

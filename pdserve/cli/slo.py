@@ -50,35 +50,67 @@ def _optional_duration(text: str) -> float | None:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    slo = commands.add_parser("slo", help="set or show a model's latency targets (SLO)", description=DESCRIPTION,
-                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    slo = commands.add_parser(
+        "slo",
+        help="set or show a model's latency targets (SLO)",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     actions = slo.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    set_ = actions.add_parser("set", help="create or change a model's targets", description=SET_HELP,
-                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    set_ = actions.add_parser(
+        "set",
+        help="create or change a model's targets",
+        description=SET_HELP,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(set_)
     set_.add_argument("--model", required=True, help="served model name, as workers register it")
-    set_.add_argument("--ttft-p90", type=positive_duration, metavar="DURATION", help="p90 time to first token, e.g. 500ms")
-    set_.add_argument("--itl-p90", type=positive_duration, metavar="DURATION", help="p90 inter-token latency, e.g. 30ms")
-    set_.add_argument("--e2e-p90", type=_optional_duration, default=argparse.SUPPRESS, metavar="DURATION",
-                      help="p90 end-to-end latency, e.g. 20s; `none` removes it (default: keep; none)")  # fmt: skip
+    set_.add_argument(
+        "--ttft-p90", type=positive_duration, metavar="DURATION", help="p90 time to first token, e.g. 500ms"
+    )
+    set_.add_argument(
+        "--itl-p90", type=positive_duration, metavar="DURATION", help="p90 inter-token latency, e.g. 30ms"
+    )
+    set_.add_argument(
+        "--e2e-p90",
+        type=_optional_duration,
+        default=argparse.SUPPRESS,
+        metavar="DURATION",
+        help="p90 end-to-end latency, e.g. 20s; `none` removes it (default: keep; none)",
+    )
     for role in Role:
         for bound in ("min", "max"):
-            set_.add_argument(f"--{bound}-{role}", type=int, metavar="N",
-                              help=f"{bound}imum {role} replicas (default: keep; "
-                                   f"{field_default(SLOTargets, f'{bound}_{role}_replicas')})")  # fmt: skip
+            set_.add_argument(
+                f"--{bound}-{role}",
+                type=int,
+                metavar="N",
+                help=f"{bound}imum {role} replicas (default: keep; "
+                f"{field_default(SLOTargets, f'{bound}_{role}_replicas')})",
+            )
     set_.add_argument("--json", action="store_true", help="print the stored targets as JSON")
     set_.set_defaults(func=run_set)
 
-    show = actions.add_parser("show", help="print stored targets", description=SHOW_HELP, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    show = actions.add_parser(
+        "show",
+        help="print stored targets",
+        description=SHOW_HELP,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(show)
     show.add_argument("--model", help="only this model (an error if it has no targets)")
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
     show.set_defaults(func=run_show)
 
-    delete = actions.add_parser("delete", help="remove a model's targets (the planner stops sizing it)",
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    delete = actions.add_parser(
+        "delete",
+        help="remove a model's targets (the planner stops sizing it)",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(delete)
     delete.add_argument("--model", required=True, help="served model name")
     delete.set_defaults(func=run_delete)
@@ -163,8 +195,14 @@ def run_delete(args: argparse.Namespace) -> int:
 
 def slo_table(all_targets: list[SLOTargets], indent: str = "") -> str:
     rows = [
-        [t.model, fmt_seconds(t.ttft_p90_s), fmt_seconds(t.itl_p90_s), fmt_seconds(t.e2e_p90_s),
-         f"{t.min_prefill_replicas}..{t.max_prefill_replicas}", f"{t.min_decode_replicas}..{t.max_decode_replicas}"]
+        [
+            t.model,
+            fmt_seconds(t.ttft_p90_s),
+            fmt_seconds(t.itl_p90_s),
+            fmt_seconds(t.e2e_p90_s),
+            f"{t.min_prefill_replicas}..{t.max_prefill_replicas}",
+            f"{t.min_decode_replicas}..{t.max_decode_replicas}",
+        ]
         for t in all_targets
-    ]  # fmt: skip
+    ]
     return table(["MODEL", "TTFT_P90", "ITL_P90", "E2E_P90", "PREFILL", "DECODE"], rows, indent)

@@ -62,14 +62,23 @@ that fails ends the command).
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    status = commands.add_parser("status", help="per model: pools, load, live latency vs SLO, planner decision",
-                                 description=DESCRIPTION, epilog=EXAMPLES,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    status = commands.add_parser(
+        "status",
+        help="per model: pools, load, live latency vs SLO, planner decision",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_etcd_arg(status)
     status.add_argument("--model", help="only this model")
     status.add_argument("--watch", action="store_true", help="redraw every --interval until Ctrl-C")
-    status.add_argument("--interval", type=positive_duration, default=2.0, metavar="DURATION",
-                        help="with --watch: time between redraws, e.g. 5s (default: 2s)")  # fmt: skip
+    status.add_argument(
+        "--interval",
+        type=positive_duration,
+        default=2.0,
+        metavar="DURATION",
+        help="with --watch: time between redraws, e.g. 5s (default: 2s)",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.set_defaults(func=run_status)
 
@@ -107,8 +116,10 @@ async def watch(client: aetcd.Client, args: argparse.Namespace) -> int:
                 print_json(status or {"etcd": args.etcd, "time": time.time(), "error": text}, compact=True)
             else:
                 assert text is not None  # rendered, or the error, when not --json
-                header = (f"pdserve status · etcd {args.etcd} · {time.strftime('%H:%M:%S')} · "
-                          f"every {fmt_seconds(args.interval)} (Ctrl-C to stop)")  # fmt: skip
+                header = (
+                    f"pdserve status · etcd {args.etcd} · {time.strftime('%H:%M:%S')} · "
+                    f"every {fmt_seconds(args.interval)} (Ctrl-C to stop)"
+                )
                 print(("\x1b[H\x1b[2J" if is_tty else "") + header + "\n\n" + text + ("" if is_tty else "\n"))
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
@@ -134,9 +145,12 @@ async def read_decisions(client: aetcd.Client) -> dict[str, dict[str, Any]]:
 async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> dict[str, Any]:
     """Everything ``status`` shows, as the JSON it prints; etcd is read once, concurrently."""
     workers, slos, decisions, frontends, stored_knobs = await asyncio.gather(
-        read_workers(client), list_slos(client, ETCD_TIMEOUT_S), read_decisions(client),
-        list_frontend_stats(client, ETCD_TIMEOUT_S), list_knobs(client, ETCD_TIMEOUT_S),
-    )  # fmt: skip
+        read_workers(client),
+        list_slos(client, ETCD_TIMEOUT_S),
+        read_decisions(client),
+        list_frontend_stats(client, ETCD_TIMEOUT_S),
+        list_knobs(client, ETCD_TIMEOUT_S),
+    )
     now = time.time()
     slo_by_model = {t.model: t for t in slos}
     stats_by_model: dict[str, dict[str, tuple[float, ModelStats]]] = {}
@@ -153,15 +167,17 @@ async def collect(client: aetcd.Client, etcd: str, model: str | None = None) -> 
         source = "stored" if knobs is not None else "start-up"
         if knobs is None:
             knobs = deployed_knobs(name, entries, frontends)
-        models.append({
-            "model": name,
-            "slo": msgspec.to_builtins(slo) if slo is not None else None,
-            "pools": {role: pool_status([e for e in entries if e.role == role]) for role in Role},
-            "latency": latency,
-            "checks": checks(slo, latency),
-            "planner": decisions.get(name),
-            "knobs": {"source": source, **msgspec.to_builtins(knobs)},
-        })  # fmt: skip
+        models.append(
+            {
+                "model": name,
+                "slo": msgspec.to_builtins(slo) if slo is not None else None,
+                "pools": {role: pool_status([e for e in entries if e.role == role]) for role in Role},
+                "latency": latency,
+                "checks": checks(slo, latency),
+                "planner": decisions.get(name),
+                "knobs": {"source": source, **msgspec.to_builtins(knobs)},
+            }
+        )
     return {"etcd": etcd, "time": now, "num_frontends": len(frontends), "models": models}
 
 
@@ -240,25 +256,42 @@ def _render_model(m: dict[str, Any], now: float, num_frontends: int) -> str:
         p = pools[role]
         kv = f"{p['kv_usage']:.0%}" if p["kv_usage"] is not None else None
         bounds = f"{slo[f'min_{role}_replicas']}..{slo[f'max_{role}_replicas']}" if slo else None
-        rows.append([role, p["ready"], p["draining"], p["running"], p["waiting"],
-                     p["held_requests"] if role is Role.PREFILL else None,
-                     p["queued_prefill_tokens"] if role is Role.PREFILL else None, kv,
-                     planner.get(f"{role}_replicas"), bounds])  # fmt: skip
+        rows.append(
+            [
+                role,
+                p["ready"],
+                p["draining"],
+                p["running"],
+                p["waiting"],
+                p["held_requests"] if role is Role.PREFILL else None,
+                p["queued_prefill_tokens"] if role is Role.PREFILL else None,
+                kv,
+                planner.get(f"{role}_replicas"),
+                bounds,
+            ]
+        )
     headers = ["POOL", "READY", "DRAINING", "RUNNING", "WAITING", "HELD", "QUEUED_TOK", "KV", "PLANNED", "BOUNDS"]
     lines.append(table(headers, rows, "  "))
     lines.append("")
     if latency is None and num_frontends:
-        lines.append(f"  latency: no requests for this model in the current window of the {num_frontends} "
-                     f"live frontend{'s' if num_frontends > 1 else ''}")  # fmt: skip
+        lines.append(
+            f"  latency: no requests for this model in the current window of the {num_frontends} "
+            f"live frontend{'s' if num_frontends > 1 else ''}"
+        )
     elif latency is None:
         lines.append("  latency: no frontend is running (none has published stats)")
     else:
         target = {key: slo.get(f"{key}_p90_s") if slo else None for key in ("ttft", "itl", "e2e")}
         rows = [
-            [name.upper(), fmt_ms(latency.get(f"{name}_p50_ms")), fmt_ms(latency.get(f"{name}_p90_ms")),
-             fmt_seconds(target[name]), m["checks"][f"{name}_p90"] or "-"]
+            [
+                name.upper(),
+                fmt_ms(latency.get(f"{name}_p50_ms")),
+                fmt_ms(latency.get(f"{name}_p90_ms")),
+                fmt_seconds(target[name]),
+                m["checks"][f"{name}_p90"] or "-",
+            ]
             for name in ("ttft", "itl", "e2e")
-        ]  # fmt: skip
+        ]
         lines.append(table(["LATENCY", "P50", "P90", "TARGET", "CHECK"], rows, "  "))
         frontends = latency["num_frontends"]
         worst = ", percentiles of the worst" if frontends > 1 else ""
@@ -270,8 +303,10 @@ def _render_model(m: dict[str, Any], now: float, num_frontends: int) -> str:
         )
     knobs = dict(m["knobs"])
     source = knobs.pop("source")
-    lines.append(f"  knobs in force ({'stored' if source == 'stored' else 'start-up settings'}): "
-                 + ", ".join(f"{k}={v}" for k, v in knobs.items()))  # fmt: skip
+    lines.append(
+        f"  knobs in force ({'stored' if source == 'stored' else 'start-up settings'}): "
+        + ", ".join(f"{k}={v}" for k, v in knobs.items())
+    )
     lines.append("")
     lines.extend(_render_planner(m["planner"], now))
     return "\n".join(lines)

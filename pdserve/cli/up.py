@@ -74,18 +74,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("--model", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)")
+    up.add_argument(
+        "--model",
+        help="a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file (default: the set-up's SmolLM2-135M-Instruct)",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
     for role in Role:
-        up.add_argument(f"--{role}-tensor-parallel-size", type=int, default=1, metavar="N",
-                        help=f"ranks (processes) each {role} worker splits the model over (default: 1); the "
-                        "model's KV heads must divide over both pools' sizes")  # fmt: skip
-        up.add_argument(f"--{role}-data-parallel-size", type=int, default=1, metavar="N",
-                        help=f"data-parallel attention ranks of each {role} worker, sharing a MoE model's "
-                        "experts (needs --enable-expert-parallel; each rank registers as a worker) (default: 1)")  # fmt: skip
-    up.add_argument("--enable-expert-parallel", action="store_true",
-                    help="spread each MoE layer's experts over the ranks of every worker")
+        up.add_argument(
+            f"--{role}-tensor-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"ranks (processes) each {role} worker splits the model over (default: 1); the "
+            "model's KV heads must divide over both pools' sizes",
+        )
+        up.add_argument(
+            f"--{role}-data-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"data-parallel attention ranks of each {role} worker, sharing a MoE model's "
+            "experts (needs --enable-expert-parallel; each rank registers as a worker) (default: 1)",
+        )
+    up.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="spread each MoE layer's experts over the ranks of every worker",
+    )
     up.add_argument(
         "--etcd",
         default=environment.etcd_url(),
@@ -98,29 +114,52 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="torch CPU threads per worker (default: the CPUs shared evenly among the workers)",
     )
     supervision = up.add_argument_group("supervision")
-    supervision.add_argument("--max-restarts", type=int, default=MAX_RESTARTS, metavar="N",
-                             help="restarts in a row of a child that keeps dying before giving up on it: a worker "
-                                  "then leaves its pool, a dead frontend or registry stops everything "
-                                  f"(default: {MAX_RESTARTS}; 0: never restart)")  # fmt: skip
-    supervision.add_argument("--restart-backoff", type=positive_duration, default=RestartPolicy.min_backoff_s,
-                             metavar="DURATION",
-                             help="wait before the first restart; it doubles with each crash in a row, up to "
-                                  f"{RestartPolicy.max_backoff_s:g}s "
-                                  f"(default: {RestartPolicy.min_backoff_s:g}s)")  # fmt: skip
-    supervision.add_argument("--up-metrics-port", type=port_or_off, default=0, metavar="PORT",
-                             help="Prometheus /metrics of this process: restarts, crashes and give-ups per child "
-                                  "(default: 0, a free port, printed; -1: off)")  # fmt: skip
+    supervision.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        metavar="N",
+        help="restarts in a row of a child that keeps dying before giving up on it: a worker "
+        "then leaves its pool, a dead frontend or registry stops everything "
+        f"(default: {MAX_RESTARTS}; 0: never restart)",
+    )
+    supervision.add_argument(
+        "--restart-backoff",
+        type=positive_duration,
+        default=RestartPolicy.min_backoff_s,
+        metavar="DURATION",
+        help="wait before the first restart; it doubles with each crash in a row, up to "
+        f"{RestartPolicy.max_backoff_s:g}s "
+        f"(default: {RestartPolicy.min_backoff_s:g}s)",
+    )
+    supervision.add_argument(
+        "--up-metrics-port",
+        type=port_or_off,
+        default=0,
+        metavar="PORT",
+        help="Prometheus /metrics of this process: restarts, crashes and give-ups per child "
+        "(default: 0, a free port, printed; -1: off)",
+    )
     add_frontend_args(up)
     add_worker_security_args(up)
     add_etcd_auth_args(up)
     add_engine_args(up)
     scaling = up.add_argument_group("autoscaling")
     scaling.add_argument("--autoscale", action="store_true", help="run the SLO planner over the local workers")
-    scaling.add_argument("--ttft-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms")
-    scaling.add_argument("--itl-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms")
+    scaling.add_argument(
+        "--ttft-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 TTFT target, e.g. 500ms"
+    )
+    scaling.add_argument(
+        "--itl-p90", type=positive_duration, metavar="DURATION", help="autoscale: p90 ITL target, e.g. 30ms"
+    )
     for role in Role:
-        scaling.add_argument(f"--max-{role}", type=int, default=4, metavar="N",
-                             help=f"autoscale: most {role} workers (default: 4; the fewest is 1)")  # fmt: skip
+        scaling.add_argument(
+            f"--max-{role}",
+            type=int,
+            default=4,
+            metavar="N",
+            help=f"autoscale: most {role} workers (default: 4; the fewest is 1)",
+        )
     add_planner_args(scaling)
     up.set_defaults(func=run)
 
@@ -146,10 +185,15 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill == 0 and frontend.router.disaggregation == "always":
         raise ValueError("--disaggregation always needs --prefill >= 1")
     model = resolve_model(args.model)
-    prefill = WorkerConfig(role=Role.PREFILL, model=model, etcd="", num_threads=args.threads_per_worker,
-                           engine=from_options(args, EngineConfig),
-                           parallel=_parallel(args, Role.PREFILL),
-                           **worker_security(args))  # fmt: skip
+    prefill = WorkerConfig(
+        role=Role.PREFILL,
+        model=model,
+        etcd="",
+        num_threads=args.threads_per_worker,
+        engine=from_options(args, EngineConfig),
+        parallel=_parallel(args, Role.PREFILL),
+        **worker_security(args),
+    )
     autoscale = None
     if args.autoscale:
         if args.ttft_p90 is None or args.itl_p90 is None:
@@ -158,18 +202,30 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--autoscale needs --prefill >= 1 (a pool never goes below one worker)")
         from pdserve.discovery.slo import SLOTargets
 
-        slo = SLOTargets(model=prefill.served_model_name, ttft_p90_s=args.ttft_p90, itl_p90_s=args.itl_p90,
-                         max_prefill_replicas=max(args.max_prefill, args.prefill),
-                         max_decode_replicas=max(args.max_decode, args.decode))  # fmt: skip
+        slo = SLOTargets(
+            model=prefill.served_model_name,
+            ttft_p90_s=args.ttft_p90,
+            itl_p90_s=args.itl_p90,
+            max_prefill_replicas=max(args.max_prefill, args.prefill),
+            max_decode_replicas=max(args.max_decode, args.decode),
+        )
         autoscale = Autoscale(slo, *load_planner(args))
     # The same settings in the other pool, but its own number of ranks.
     decode = msgspec.structs.replace(prefill, role=Role.DECODE, parallel=_parallel(args, Role.DECODE))
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.restart_backoff <= RestartPolicy.max_backoff_s:
-        raise ValueError(f"--restart-backoff must be within 0..{RestartPolicy.max_backoff_s:g}s, "
-                         f"got {args.restart_backoff:g}s")  # fmt: skip
+        raise ValueError(
+            f"--restart-backoff must be within 0..{RestartPolicy.max_backoff_s:g}s, got {args.restart_backoff:g}s"
+        )
     restart = RestartPolicy(max_restarts=args.max_restarts, min_backoff_s=args.restart_backoff)
     cluster = ClusterSpec(prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd, restart=restart)
-    return up(UpSpec(cluster, num_prefill=args.prefill, num_decode=args.decode, autoscale=autoscale,
-                     metrics_port=args.up_metrics_port))  # fmt: skip
+    return up(
+        UpSpec(
+            cluster,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            autoscale=autoscale,
+            metrics_port=args.up_metrics_port,
+        )
+    )

@@ -53,12 +53,16 @@ def describe_etcd_error(url: str, error: Exception) -> str:
     text = str(error) or f"no answer within {MAX_CALL_TIMEOUT_S:g} s"
     lowered = text.lower()
     if any(word in lowered for word in _REFUSALS):
-        return (f"etcd at {url} refused the request: {text} (give an etcd user with --etcd-user/--etcd-password "
-                "or $PDSERVE_ETCD_USER/$PDSERVE_ETCD_PASSWORD, or a client certificate with --etcd-cert/--etcd-key, "
-                "whose role grants this; README: Security)")  # fmt: skip
+        return (
+            f"etcd at {url} refused the request: {text} (give an etcd user with --etcd-user/--etcd-password "
+            "or $PDSERVE_ETCD_USER/$PDSERVE_ETCD_PASSWORD, or a client certificate with --etcd-cert/--etcd-key, "
+            "whose role grants this; README: Security)"
+        )
     if any(word in lowered for word in _HANDSHAKE):
-        return (f"etcd at {url}: TLS failed: {text} (check --etcd-cacert, and --etcd-cert/--etcd-key where etcd "
-                "requires client certificates)")  # fmt: skip
+        return (
+            f"etcd at {url}: TLS failed: {text} (check --etcd-cacert, and --etcd-cert/--etcd-key where etcd "
+            "requires client certificates)"
+        )
     return f"etcd at {url} is unreachable: {text}"
 
 

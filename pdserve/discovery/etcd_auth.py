@@ -48,11 +48,19 @@ class EtcdAuth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def client(self, host: str, port: int, *, use_tls: bool, timeout_s: float) -> aetcd.Client:
         """An aetcd client (not yet connected) to ``host:port``, over TLS when ``use_tls``."""
         if not use_tls:
-            return aetcd.Client(host, port, username=self.user, password=self.password, timeout=timeout_s,
-                                options=_CHANNEL_OPTIONS)  # fmt: skip
+            return aetcd.Client(
+                host, port, username=self.user, password=self.password, timeout=timeout_s, options=_CHANNEL_OPTIONS
+            )
         tls = self.tls or ClientTLS()
-        return _TLSClient(host, port, username=self.user, password=self.password, timeout=timeout_s,
-                          credentials=tls.grpc_credentials(), options=_CHANNEL_OPTIONS | dict(tls.grpc_options()))  # fmt: skip
+        return _TLSClient(
+            host,
+            port,
+            username=self.user,
+            password=self.password,
+            timeout=timeout_s,
+            credentials=tls.grpc_credentials(),
+            options=_CHANNEL_OPTIONS | dict(tls.grpc_options()),
+        )
 
 
 class _TLSClient(aetcd.Client):
@@ -67,8 +75,9 @@ class _TLSClient(aetcd.Client):
         async with self._dialing:
             if self._connected.is_set():
                 return
-            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
-                                                   options=list(self._options.items()))  # fmt: skip
+            self.channel = grpc.aio.secure_channel(
+                f"{self._host}:{self._port}", self._credentials, options=list(self._options.items())
+            )
             if self._username is not None:
                 try:
                     reply = await rpc.AuthStub(self.channel).Authenticate(

@@ -162,12 +162,21 @@ class WorkerRegistration(LeasedRecord):
         refresh_s: float = 1.0,
         start_timeout_s: float = 30.0,
     ) -> None:
-        super().__init__(etcd, entry.key, self._entry_value, name=entry.worker_id, ttl_s=ttl_s,
-                         refresh_s=refresh_s, start_timeout_s=start_timeout_s)  # fmt: skip
+        super().__init__(
+            etcd,
+            entry.key,
+            self._entry_value,
+            name=entry.worker_id,
+            ttl_s=ttl_s,
+            refresh_s=refresh_s,
+            start_timeout_s=start_timeout_s,
+        )
         self.entry = entry
         self._load = load
         self._draining = draining
 
     def _entry_value(self) -> bytes:
-        entry = msgspec.structs.replace(self.entry, load=self._load(), draining=self._draining(), updated_at=time.time())
+        entry = msgspec.structs.replace(
+            self.entry, load=self._load(), draining=self._draining(), updated_at=time.time()
+        )
         return encode_entry(entry)

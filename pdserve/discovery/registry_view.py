@@ -37,9 +37,15 @@ class RegistryView:
         self._stale_after_s = stale_after_s
         self._workers_range = WatchedRange.prefix(WORKERS_PREFIX)
         self._knobs_range = WatchedRange.prefix(KNOBS_PREFIX)
-        self._follower = Follower(etcd, [self._workers_range, self._knobs_range], self._on_change,
-                                  name="registry view", logger=logger, probe_s=probe_s,
-                                  start_timeout_s=start_timeout_s)  # fmt: skip
+        self._follower = Follower(
+            etcd,
+            [self._workers_range, self._knobs_range],
+            self._on_change,
+            name="registry view",
+            logger=logger,
+            probe_s=probe_s,
+            start_timeout_s=start_timeout_s,
+        )
         self._workers: dict[str, WorkerEntry] = {}
         self._entries: dict[bytes, WorkerEntry] = {}  # by key, decoded once per value
         self._knobs: dict[str, Knobs] = {}

@@ -13,6 +13,7 @@ import msgspec
 
 from pdserve.discovery.registry import Role
 
+
 class SLOTargets(msgspec.Struct, frozen=True, kw_only=True):
     """Latency targets for one model and the replica bounds the planner must stay within.
 

@@ -163,8 +163,12 @@ class Follower:
             try:
                 async with self._etcd.use() as client:
                     await self._resync(client)
-                    self._outage.answered("%s: etcd at %s answers again; following from revision %d", self.name,
-                                          url, max(r.revision for r in self.ranges))  # fmt: skip
+                    self._outage.answered(
+                        "%s: etcd at %s answers again; following from revision %d",
+                        self.name,
+                        url,
+                        max(r.revision for r in self.ranges),
+                    )
                     await first_failure(
                         self._probe(client), *(r.follow(client, self._changed, self._timeout_s) for r in self.ranges)
                     )
@@ -177,8 +181,12 @@ class Follower:
         revision = await self._read_revision(client)
         for watched in self.ranges:
             if revision < watched.revision:
-                self._logger.warning("%s: etcd is at revision %d, behind the %d seen: it lost its data; "
-                                     "listing afresh", self.name, revision, watched.revision)  # fmt: skip
+                self._logger.warning(
+                    "%s: etcd is at revision %d, behind the %d seen: it lost its data; listing afresh",
+                    self.name,
+                    revision,
+                    watched.revision,
+                )
                 await watched.list(client, self._timeout_s)
                 self._on_change(watched, None)
 

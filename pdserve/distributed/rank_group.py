@@ -44,8 +44,9 @@ class RankStart(msgspec.Struct, frozen=True, kw_only=True):
 class RankGroup:
     """Ranks 1..N-1 of a group, as child processes of rank 0, which owns them."""
 
-    def __init__(self, config: ParallelConfig, entry_module: str, payload: bytes, device: str = "cpu",
-                 host: str = "127.0.0.1") -> None:  # fmt: skip
+    def __init__(
+        self, config: ParallelConfig, entry_module: str, payload: bytes, device: str = "cpu", host: str = "127.0.0.1"
+    ) -> None:
         self.config = config
         self.entry_module = entry_module
         self.payload = payload

@@ -42,9 +42,13 @@ P = TypeVar("P", bound=RankPayload)
 
 
 def run_rank(
-    payload_type: type[P], body: Callable[[P, ParallelState], int], *, logger: logging.Logger,
-    log_level: int = logging.WARNING, log_format: str = RANK_LOG_FORMAT,
-) -> int:  # fmt: skip
+    payload_type: type[P],
+    body: Callable[[P, ParallelState], int],
+    *,
+    logger: logging.Logger,
+    log_level: int = logging.WARNING,
+    log_format: str = RANK_LOG_FORMAT,
+) -> int:
     """Run this child rank's ``body`` in its group; its exit status (see the module's contract)."""
     logging.basicConfig(level=log_level, format=log_format)
     start, parallel = child_start()

@@ -76,8 +76,7 @@ class BlockPool:
         """Take ``num_blocks`` fresh blocks (ref_count 1), evicting cached ones LRU-first."""
         if num_blocks > len(self._free):
             raise RuntimeError(
-                f"asked for {num_blocks} blocks with {len(self._free)} free; "
-                "callers must check num_free_blocks first"
+                f"asked for {num_blocks} blocks with {len(self._free)} free; callers must check num_free_blocks first"
             )
         block_ids = []
         for _ in range(num_blocks):

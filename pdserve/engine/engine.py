@@ -61,7 +61,10 @@ class LLMEngine:
         self.parallel = parallel
         setup = setup_model(model, cfg, parallel)
         self.device, self.model_config, self.backend, self.model = (
-            setup.device, setup.model_config, setup.backend, setup.model
+            setup.device,
+            setup.model_config,
+            setup.backend,
+            setup.model,
         )
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
@@ -84,8 +87,15 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         logger.info(
             "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",
-            mc.architecture, self.device, self.backend.name, spec.values_per_token_per_layer, spec.bytes_per_token,
-            num_blocks, cfg.block_size, num_blocks * cfg.block_size, self.kv_cache.nbytes / 2**20,
+            mc.architecture,
+            self.device,
+            self.backend.name,
+            spec.values_per_token_per_layer,
+            spec.bytes_per_token,
+            num_blocks,
+            cfg.block_size,
+            num_blocks * cfg.block_size,
+            self.kv_cache.nbytes / 2**20,
         )
 
     @property
@@ -234,7 +244,9 @@ class LLMEngine:
         cfg = self.config
         check_step_limits(max_num_seqs, max_num_batched_tokens)
         if max_num_seqs > cfg.max_num_seqs:
-            raise ValueError(f"max_num_seqs must be in [1, {cfg.max_num_seqs}] (the start-up value), got {max_num_seqs}")
+            raise ValueError(
+                f"max_num_seqs must be in [1, {cfg.max_num_seqs}] (the start-up value), got {max_num_seqs}"
+            )
         if max_num_batched_tokens > cfg.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_batched_tokens must be in [max_num_seqs={max_num_seqs}, {cfg.max_num_batched_tokens}] "
@@ -268,9 +280,10 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(
-        self, while_running: AbstractContextManager[object] | None = None,
+        self,
+        while_running: AbstractContextManager[object] | None = None,
         mid_step: AbstractContextManager[object] | None = None,
-    ) -> StepOutput:  # fmt: skip
+    ) -> StepOutput:
         """Schedule, run the model, sample, update.
 
         ``while_running`` is entered around the model run alone (``EngineLoop`` releases its
@@ -286,7 +299,9 @@ class LLMEngine:
         for request in [*sched.awaiting_kv, *(r for r, _ in sched.scheduled)]:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        awaiting = [(r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv]
+        awaiting = [
+            (r.request_id, list(self.kv.block_table(r.request_id)), r.num_cached_tokens) for r in sched.awaiting_kv
+        ]
         if not sched.scheduled:
             with while_running or nullcontext():  # peers' steps may take a while: admissions go on
                 ran = self.runner.idle()
@@ -301,8 +316,10 @@ class LLMEngine:
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         if inputs.sampling_requests:
-            rows = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r))
-                    for r in inputs.sampling_requests]  # fmt: skip
+            rows = [
+                SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r))
+                for r in inputs.sampling_requests
+            ]
             sampled = self.sampler(logits, rows)
             for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._accept_token(request, token, logprobs))
@@ -328,7 +345,9 @@ class LLMEngine:
 
     def _accept_token(self, request: Request, token: int, logprobs: Logprobs | None) -> RequestOutput:
         request.append_output(token, logprobs)
-        reason = "kv_transfer" if request.kv_role is KVRole.PRODUCER else stop_reason(request, token, self.max_model_len)
+        reason = (
+            "kv_transfer" if request.kv_role is KVRole.PRODUCER else stop_reason(request, token, self.max_model_len)
+        )
         if reason is None:
             return request_output(request, [token])
         hold = request.kv_role is KVRole.PRODUCER
@@ -353,4 +372,3 @@ class LLMEngine:
         self.block_pool.check_integrity()
         if not self.has_unfinished() and not self.num_held:
             assert self.block_pool.all_free(), "blocks leaked: nothing runs but blocks are referenced"
-

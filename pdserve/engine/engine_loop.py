@@ -141,15 +141,24 @@ class EngineLoop:
         engine = self.engine
         try:
             if kv_role is KVRole.CONSUMER:
-                admitted = await self._admit(lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids))
+                admitted = await self._admit(
+                    lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids)
+                )
                 if admitted is not None:
                     stream._put(KVAwaited(*admitted))
             else:
                 arrived = time.monotonic()  # the wait for the step under way is part of its queue time
-                await self._call(lambda: engine.add_request(
-                    request_id, prompt, params, kv_role, pin_s=pin_s, generated_token_ids=generated_token_ids,
-                    arrival_time=arrived,
-                ))  # fmt: skip
+                await self._call(
+                    lambda: engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        kv_role,
+                        pin_s=pin_s,
+                        generated_token_ids=generated_token_ids,
+                        arrival_time=arrived,
+                    )
+                )
         except BaseException:
             # Cancelled while queued, the add still runs: the abort queued behind it, on the
             # same thread, ends the request there (a no-op if the add failed).
@@ -233,9 +242,7 @@ class EngineLoop:
         tell the owner."""
         if self._loop is None:
             return
-        finals = [
-            RequestOutput(rid, [], [], finished=True, finish_reason="abort") for rid in list(self._streams)
-        ]
+        finals = [RequestOutput(rid, [], [], finished=True, finish_reason="abort") for rid in list(self._streams)]
         items: list[tuple[str, RequestOutput | KVAwaited]] = [(o.request_id, o) for o in finals]
         self._loop.call_soon_threadsafe(self._dispatch, items)
         if self.on_error is not None:
@@ -258,4 +265,3 @@ async def build_engine(build: Callable[[], LLMEngine]) -> LLMEngine:
         return await asyncio.get_running_loop().run_in_executor(builder, build)
     finally:
         builder.shutdown(wait=True)
-

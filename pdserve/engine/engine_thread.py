@@ -50,9 +50,14 @@ class EngineThread:
     """
 
     def __init__(
-        self, engine: LLMEngine, deliver: Deliver, on_failure: Callable[[BaseException], None],
-        *, idle_wait_s: float, lockstep_idle_s: float,
-    ) -> None:  # fmt: skip
+        self,
+        engine: LLMEngine,
+        deliver: Deliver,
+        on_failure: Callable[[BaseException], None],
+        *,
+        idle_wait_s: float,
+        lockstep_idle_s: float,
+    ) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self.lockstep = engine.parallel.dp_size > 1

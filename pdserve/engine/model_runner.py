@@ -42,9 +42,13 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderModel, kv_cache: KVCache, kv: KVCacheManager | None, device: torch.device,
+        self,
+        model: DecoderModel,
+        kv_cache: KVCache,
+        kv: KVCacheManager | None,
+        device: torch.device,
         parallel: ParallelState = SINGLE_RANK,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``kv`` is rank 0's block tables (None on the other tensor-parallel ranks)."""
         self.model = model
         self.kv_cache = kv_cache
@@ -98,11 +102,17 @@ class ModelRunner:
                 sampling.append(request)
             start += n
         plan = StepPlan(
-            input_ids=input_ids.tobytes(), positions=positions.tobytes(), slot_mapping=slots.tobytes(),
-            block_tables=block_tables.tobytes(), table_width=block_tables.shape[1], seq_lens=seq_lens,
-            query_lens=query_lens, num_decodes=num_decodes,
-            sample_rows=np.asarray(sample_rows, dtype=np.int64).tobytes(), rebalance=self.rebalance_requested,
-        )  # fmt: skip
+            input_ids=input_ids.tobytes(),
+            positions=positions.tobytes(),
+            slot_mapping=slots.tobytes(),
+            block_tables=block_tables.tobytes(),
+            table_width=block_tables.shape[1],
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            num_decodes=num_decodes,
+            sample_rows=np.asarray(sample_rows, dtype=np.int64).tobytes(),
+            rebalance=self.rebalance_requested,
+        )
         return plan, sampling
 
     def inputs(self, plan: StepPlan) -> ModelInputs:
@@ -153,7 +163,9 @@ class ModelRunner:
         self._stepped(rebalance)
         return logits
 
-    def _late_join(self, inputs: ModelInputs, joiners: Callable[[], list[Request]]) -> Callable[[int], LateTokens | None]:
+    def _late_join(
+        self, inputs: ModelInputs, joiners: Callable[[], list[Request]]
+    ) -> Callable[[int], LateTokens | None]:
         def late(index: int) -> LateTokens | None:
             joining = [(request, 1) for request in joiners()]
             if not joining:
@@ -167,8 +179,12 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, inputs.meta = merged.input_ids, merged.positions, merged.meta
             inputs.sample_rows, inputs.sampling_requests, inputs.scheduled = merged.sample_rows, sampling, scheduled
             return LateTokens(
-                input_ids=theirs.input_ids, positions=theirs.positions, meta=theirs.meta, merged_meta=merged.meta,
-                insert_at=at, sample_rows=merged.sample_rows,
+                input_ids=theirs.input_ids,
+                positions=theirs.positions,
+                meta=theirs.meta,
+                merged_meta=merged.meta,
+                insert_at=at,
+                sample_rows=merged.sample_rows,
             )
 
         return late

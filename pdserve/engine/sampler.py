@@ -56,8 +56,7 @@ class SamplingRequest:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
-            raise ValueError("a request with a seed needs a generator: "
-                             "pass make_generator(params.seed)")
+            raise ValueError("a request with a seed needs a generator: pass make_generator(params.seed)")
 
 
 @dataclass
@@ -83,8 +82,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """Sample from `logits` [num_rows, vocab] (any float dtype), row i for requests[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
-            raise ValueError(f"logits must be [num_rows={len(requests)}, vocab], "
-                             f"got {tuple(logits.shape)}")
+            raise ValueError(f"logits must be [num_rows={len(requests)}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
         logits = raw
         if any(_has_penalties(r.params) for r in requests):
@@ -105,8 +103,7 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             token_ids[rows] = _sample(logits[rows], [requests[i] for i in sampled_rows])
 
-        return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_logprobs(raw, token_ids, requests))
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw, token_ids, requests))
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
@@ -124,12 +121,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[SamplingRequest]) -> to
 
     # Rows without penalties get no tokens, so their counts stay zero and they are untouched.
     output_counts = _token_counts(
-        [r.output_token_ids if _has_penalties(r.params) else [] for r in requests], vocab, device)
+        [r.output_token_ids if _has_penalties(r.params) else [] for r in requests], vocab, device
+    )
 
     if any(p.repetition_penalty != 1.0 for p in params):
-        in_prompt = _token_counts(
-            [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests],
-            vocab, device) > 0
+        in_prompt = (
+            _token_counts(
+                [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests], vocab, device
+            )
+            > 0
+        )
         seen = in_prompt | (output_counts > 0)
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -143,8 +144,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[SamplingRequest]) -> to
 
 
 def _has_penalties(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -161,8 +161,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 def _sample(logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
     """Sample one token id per row of the (penalised) float32 `logits` [num_rows, vocab]."""
     params = [r.params for r in requests]
-    temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params],
-                               device=logits.device)
+    temperature = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=logits.device)
     logits = logits / temperature[:, None]
     logits = _apply_top_k_top_p(logits, params)
     logits = _apply_min_p(logits, params)
@@ -187,8 +186,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         mass_before = probs.cumsum(dim=-1) - probs
         # A token stays while the mass before it is short of top_p, so the top token always
         # stays. top_p == 1 becomes inf: rounding can push the cumulative sum past 1.0.
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-                             device=logits.device)
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=logits.device)
         drop |= mass_before >= top_p[:, None]
     drop = torch.empty_like(drop).scatter_(1, order, drop)  # back to token-id order
     return logits.masked_fill(drop, float("-inf"))
@@ -211,8 +209,7 @@ def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
 
 
-def _exponential_race(probs: torch.Tensor,
-                      generators: list[torch.Generator | None]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row of `probs` [num_rows, vocab].
 
     argmax(p / q) with q ~ Exp(1) picks token i with probability p_i (the smallest of
@@ -229,8 +226,7 @@ def _exponential_race(probs: torch.Tensor,
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-              requests: list[SamplingRequest]) -> list[Logprobs | None]:
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: list[SamplingRequest]) -> list[Logprobs | None]:
     """Logprobs of the raw float32 logits [num_rows, vocab] for the rows that asked for them."""
     result: list[Logprobs | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -244,6 +240,5 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
     top_values, top_ids = top_value_rows.tolist(), top_id_rows.tolist()
     for j, i in enumerate(rows):
         n = requests[i].params.logprobs
-        result[i] = Logprobs(token_logprob=chosen[j],
-                             top=list(zip(top_ids[j][:n], top_values[j][:n])))
+        result[i] = Logprobs(token_logprob=chosen[j], top=list(zip(top_ids[j][:n], top_values[j][:n])))
     return result

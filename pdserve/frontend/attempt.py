@@ -20,9 +20,13 @@ from pdserve.v1 import inference_pb2
 # Worker failures worth another try (a second prefill worker, another decode worker); others
 # (a bad request, the deadline) are final.
 RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-}  # fmt: skip
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+}
 
 
 class FlowError(Exception):

@@ -199,6 +199,7 @@ class ModelCatalog:
         if tokenizer is None:
             logger.warning(
                 "no tokenizer at %s (tokenizer.json or a GGUF file): text prompts for %s are refused, completions have no text",
-                path, model,
+                path,
+                model,
             )
         return tokenizer

@@ -137,9 +137,13 @@ class RequestFlow:
         view, router = self.routing.view, self.routing.router
         try:
             decode = await self._choose_decode()
-            choice = router.choose_prefill(view.workers(Role.PREFILL, model), self._known_token_ids(),
-                                           exclude=self._lost_sources, knobs=view.knobs(model),
-                                           decode=decode)  # fmt: skip
+            choice = router.choose_prefill(
+                view.workers(Role.PREFILL, model),
+                self._known_token_ids(),
+                exclude=self._lost_sources,
+                knobs=view.knobs(model),
+                decode=decode,
+            )
         except KVMisfit as exc:  # a deployment that cannot work: said at once, never at transfer time
             raise FlowError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except NoWorker as exc:
@@ -237,9 +241,11 @@ class RequestFlow:
     def _prefill(self, attempt: Attempt) -> PrefillStep:
         """The attempt's prefill, from the prompt and the tokens streamed so far."""
         message = worker_pb2.PrefillRequest(
-            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            request_id=attempt.request_id,
+            prompt_token_ids=self.request.token_ids,
+            sampling=self._sampling(),
             generated_token_ids=self.output.token_ids,
-        )  # fmt: skip
+        )
         return PrefillStep(self.routing, self.request.model.name, message, self._timeout)
 
     # ---- decode --------------------------------------------------------------------------------------
@@ -247,9 +253,12 @@ class RequestFlow:
         """The Decode call opened beside the Prefill call on ``choice``: its kv_source pending."""
         source = worker_pb2.KVSource(worker_id=choice.worker.worker_id, peer_info=choice.worker.nixl, pending=True)
         message = worker_pb2.DecodeRequest(
-            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
-            generated_token_ids=self.output.token_ids, kv_source=source,
-        )  # fmt: skip
+            request_id=attempt.request_id,
+            prompt_token_ids=self.request.token_ids,
+            sampling=self._sampling(),
+            generated_token_ids=self.output.token_ids,
+            kv_source=source,
+        )
         return self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
 
     def _announce_later(self, attempt: Attempt, decode: WorkerEntry, prefilled: Prefilled) -> asyncio.Task[None]:
@@ -274,10 +283,12 @@ class RequestFlow:
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """Stream the decode, on ``early`` (the call opened beside the prefill) when there is one."""
         message = worker_pb2.DecodeRequest(
-            request_id=attempt.request_id, prompt_token_ids=self.request.token_ids, sampling=self._sampling(),
+            request_id=attempt.request_id,
+            prompt_token_ids=self.request.token_ids,
+            sampling=self._sampling(),
             # The prefill worker's token (the last one streamed) comes in kv_source.
             generated_token_ids=self.output.token_ids if prefilled is None else self.output.token_ids[:-1],
-        )  # fmt: skip
+        )
         if prefilled is not None:
             message.kv_source.CopyFrom(prefilled.ready_source())
         refused: list[str] = []

@@ -105,9 +105,9 @@ class Gateway:
             )
         self.num_in_flight += 1  # now: a prompt being tokenized holds its place too
         try:
-            valid = await self.catalog.validate(request, self.routing.view.workers(),
-                                                add_special_tokens=add_special_tokens,
-                                                fill_context=fill_context)  # fmt: skip
+            valid = await self.catalog.validate(
+                request, self.routing.view.workers(), add_special_tokens=add_special_tokens, fill_context=fill_context
+            )
         except UnknownModel as exc:
             self.num_in_flight -= 1
             raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
@@ -137,9 +137,15 @@ class Gateway:
         ok = code == grpc.StatusCode.OK
         e2e_s = b.e2e_ms / 1e3 if ok else time.monotonic() - flow.arrival
         self.window.record(
-            model, time.time() - e2e_s, ttft_s=b.ttft_ms / 1e3, itl_s=gaps or None, e2e_s=e2e_s,
-            prompt_tokens=len(flow.request.token_ids), output_tokens=flow.num_tokens, ok=ok,
-        )  # fmt: skip
+            model,
+            time.time() - e2e_s,
+            ttft_s=b.ttft_ms / 1e3,
+            itl_s=gaps or None,
+            e2e_s=e2e_s,
+            prompt_tokens=len(flow.request.token_ids),
+            output_tokens=flow.num_tokens,
+            ok=ok,
+        )
         if not ok:
             return
         m.ttft_seconds.labels(model).observe(b.ttft_ms / 1e3)

@@ -21,8 +21,10 @@ class KVMisfit(RuntimeError):
 def kv_misfit(prefill: WorkerEntry, decode: WorkerEntry) -> str | None:
     """Why ``prefill``'s KV cannot move to ``decode``, naming the sizes; None when it can."""
     if prefill.num_kv_heads and decode.num_kv_heads and prefill.num_kv_heads != decode.num_kv_heads:
-        return (f"prefill worker {prefill.worker_id} has {prefill.num_kv_heads} KV heads, decode worker "
-                f"{decode.worker_id} {decode.num_kv_heads}")  # fmt: skip
+        return (
+            f"prefill worker {prefill.worker_id} has {prefill.num_kv_heads} KV heads, decode worker "
+            f"{decode.worker_id} {decode.num_kv_heads}"
+        )
     heads = prefill.num_kv_heads or decode.num_kv_heads
     for worker in (prefill, decode):
         if heads and heads % worker.tensor_parallel_size:

@@ -54,9 +54,12 @@ async def serve(config: FrontendConfig) -> None:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
         stats = LeasedRecord(
-            etcd, frontend_key(frontend_id), lambda: gateway.stats(frontend_id).encode(),
-            name=frontend_id, start_timeout_s=5.0,
-        )  # fmt: skip
+            etcd,
+            frontend_key(frontend_id),
+            lambda: gateway.stats(frontend_id).encode(),
+            name=frontend_id,
+            start_timeout_s=5.0,
+        )
         await stats.start()
         if config.metrics_port is not None:
             metrics_port = serve_metrics(gateway.metrics.registry, config.host, config.metrics_port)

@@ -50,8 +50,9 @@ class Prefilled:
         """Where the KV is, and how long its pin has left."""
         pr = self.response
         pin_left = pr.hold_seconds - (time.monotonic() - self.returned_at)
-        return ready_source(self.worker.worker_id, pr.block_ids, pr.first_token_id, pin_left,
-                            peer_info=self.worker.nixl)  # fmt: skip
+        return ready_source(
+            self.worker.worker_id, pr.block_ids, pr.first_token_id, pin_left, peer_info=self.worker.nixl
+        )
 
 
 @dataclass
@@ -88,9 +89,13 @@ class PrefillStep:
                 logger.warning("prefill of %s failed on %s", self.message.request_id, failures[-1])
             if tries == 1:
                 try:
-                    current = router.choose_prefill(view.workers(Role.PREFILL, self.model), self._token_ids(),
-                                                    exclude=[*avoid, choice.worker.worker_id],
-                                                    knobs=view.knobs(self.model), decode=decode)  # fmt: skip
+                    current = router.choose_prefill(
+                        view.workers(Role.PREFILL, self.model),
+                        self._token_ids(),
+                        exclude=[*avoid, choice.worker.worker_id],
+                        knobs=view.knobs(self.model),
+                        decode=decode,
+                    )
                 except (NoWorker, KVMisfit):
                     current = None
                 if current is None and router.config.disaggregation == "conditional":

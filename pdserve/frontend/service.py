@@ -33,7 +33,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     vocab_size=m.vocab_size,
                     prefill_workers=m.num_prefill,
                     decode_workers=m.num_decode,
-                )  # fmt: skip
+                )
                 for m in self.gateway.models().values()
             ]
         )

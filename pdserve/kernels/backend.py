@@ -150,14 +150,18 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def write_kv(
-        self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+    def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] into layer_cache [num_blocks, 2, Hkv, block_size, D]."""
 
     def rope_write_kv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        layer_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """Rotate q and k (GPT-NeoX pairs), store k and v (``write_kv``); returns the rotated q.
 
@@ -198,9 +202,7 @@ class Backend(ABC):
         """Group (token, expert) pairs by expert."""
 
     @abstractmethod
-    def expert_mlp(
-        self, tokens: DispatchedTokens, w13: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
+    def expert_mlp(self, tokens: DispatchedTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """Per-expert SwiGLU: rows of expert e get ``(silu(x W1ᵀ) * x W3ᵀ) W2ᵀ``.
 
         w13 [E, 2 * I, hidden] stacks W1 (gate) over W3 (up); w2 [E, hidden, I]. Returns

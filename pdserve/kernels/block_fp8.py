@@ -47,9 +47,7 @@ class BlockFP8Weight:
         block_size = parts[0].block_size
         if any(p.block_size != block_size for p in parts) or any(p.shape[0] % block_size[0] for p in parts[:-1]):
             return None
-        return BlockFP8Weight(
-            torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts]), block_size
-        )
+        return BlockFP8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale_inv for p in parts]), block_size)
 
 
 def expected_scale_shape(shape: Sequence[int], block_size: tuple[int, int]) -> tuple[int, int]:

@@ -65,11 +65,28 @@ def _quantize_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
-    num_rows, num_out, num_in, num_groups, block_out, group,
-    stride_xq, stride_xs, stride_w, stride_ws, stride_o,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    num_out,
+    num_in,
+    num_groups,
+    block_out,
+    group,
+    stride_xq,
+    stride_xs,
+    stride_w,
+    stride_ws,
+    stride_o,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,8 +100,12 @@ def _gemm_kernel(
     for g in range(0, num_groups):
         ks = g * group + offs
         k_mask = (offs < group) & (ks < num_in)
-        a = tl.load(xq_ptr + rows64[:, None] * stride_xq + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptr + cols64[None, :] * stride_w + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a = tl.load(
+            xq_ptr + rows64[:, None] * stride_xq + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        b = tl.load(
+            w_ptr + cols64[None, :] * stride_w + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        )
         # [M, N]: this group's FP8 products, summed in float32 (exact products; in the
         # interpreter through float32 operands, which hold every FP8 value exactly).
         partial = dot(a, b, IEEE)
@@ -105,9 +126,17 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     scale = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
     if num_rows:
         _quantize_kernel[(num_rows, num_groups)](
-            x, xq, scale, x.stride(0), xq.stride(0), scale.stride(0), num_cols, group, FP8_MAX,
+            x,
+            xq,
+            scale,
+            x.stride(0),
+            xq.stride(0),
+            scale.stride(0),
+            num_cols,
+            group,
+            FP8_MAX,
             BLOCK_K=triton.next_power_of_2(group),
-        )  # fmt: skip
+        )
     return xq, scale
 
 
@@ -126,10 +155,27 @@ def block_fp8_linear(x: torch.Tensor, weight: BlockFP8Weight, bias: torch.Tensor
     grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(num_out, block_n))
     if rows.shape[0]:
         _gemm_kernel[grid](
-            xq, x_scale, weight.weight, weight.scale_inv, bias if bias is not None else out, out,
-            rows.shape[0], num_out, num_in, x_scale.shape[1], block_out, group,
-            xq.stride(0), x_scale.stride(0), weight.weight.stride(0), weight.scale_inv.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, IEEE=INTERPRETED,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=max(32, dot_block(group)),  # FP8 MMA: K >= 32
-        )  # fmt: skip
+            xq,
+            x_scale,
+            weight.weight,
+            weight.scale_inv,
+            bias if bias is not None else out,
+            out,
+            rows.shape[0],
+            num_out,
+            num_in,
+            x_scale.shape[1],
+            block_out,
+            group,
+            xq.stride(0),
+            x_scale.stride(0),
+            weight.weight.stride(0),
+            weight.scale_inv.stride(0),
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            IEEE=INTERPRETED,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=max(32, dot_block(group)),  # FP8 MMA: K >= 32
+        )
     return out.reshape(*x.shape[:-1], num_out)

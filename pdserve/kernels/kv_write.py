@@ -17,11 +17,23 @@ from pdserve.kernels.common import cast
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ckv, stride_ch, stride_cs,
-    num_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ckv,
+    stride_ch,
+    stride_cs,
+    num_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -40,7 +52,14 @@ def _write_kv_kernel(
 
 @triton.jit
 def _write_latent_kernel(
-    lat_ptr, cache_ptr, slot_ptr, stride_lt, stride_cb, stride_cs, width, block_size,
+    lat_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_lt,
+    stride_cb,
+    stride_cs,
+    width,
+    block_size,
     BLOCK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -64,11 +83,23 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens:
         _write_kv_kernel[(num_tokens,)](
-            k, v, layer_cache, slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            layer_cache.stride(0), layer_cache.stride(1), layer_cache.stride(2), layer_cache.stride(3),
-            num_heads, head_dim, layer_cache.shape[3],
-            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            k,
+            v,
+            layer_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            layer_cache.stride(0),
+            layer_cache.stride(1),
+            layer_cache.stride(2),
+            layer_cache.stride(3),
+            num_heads,
+            head_dim,
+            layer_cache.shape[3],
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
         )
 
 
@@ -80,7 +111,13 @@ def write_latent(layer_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: 
     num_tokens, width = latent.shape
     if num_tokens:
         _write_latent_kernel[(num_tokens,)](
-            latent, layer_cache, slot_mapping, latent.stride(0),
-            layer_cache.stride(0), layer_cache.stride(1), width, layer_cache.shape[1],
+            latent,
+            layer_cache,
+            slot_mapping,
+            latent.stride(0),
+            layer_cache.stride(0),
+            layer_cache.stride(1),
+            width,
+            layer_cache.shape[1],
             BLOCK=triton.next_power_of_2(width),
         )

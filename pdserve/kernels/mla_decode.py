@@ -23,12 +23,37 @@ from pdserve.kernels.paged_decode import LOG2E, merge_splits, split_plan
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
-    stride_ps, stride_ph, stride_pl_s, stride_pl_h,
-    scale_log2, num_heads, latent_dim, v_dim, block_size, tokens_per_split,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    stride_pl_s,
+    stride_pl_h,
+    scale_log2,
+    num_heads,
+    latent_dim,
+    v_dim,
+    block_size,
+    tokens_per_split,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
@@ -78,8 +103,15 @@ def _mla_decode_split_kernel(
 
 
 def mla_decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    max_seq_len: int, scale: float, v_dim: int, out: torch.Tensor, num_splits: int | None = None,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    v_dim: int,
+    out: torch.Tensor,
+    num_splits: int | None = None,
 ) -> None:
     """One-token absorbed MLA of q [S, H, L] over latents [num_blocks, block_size, L]; writes ``out`` [S, H, v_dim]."""
     num_seqs, num_heads, latent_dim = q.shape
@@ -102,13 +134,37 @@ def mla_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     grid = (num_seqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_split_kernel[grid](
-        q, layer_cache, block_tables, seq_lens, out, part_out, part_lse,
-        q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        scale * LOG2E, num_heads, latent_dim, v_dim, layer_cache.shape[1], tokens_per_split,
-        DIRECT=direct, IEEE=ieee_dot(q.dtype), HAS_ROPE=latent_dim > v_dim,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_V=dot_block(v_dim), BLOCK_R=dot_block(latent_dim - v_dim),
+        q,
+        layer_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        layer_cache.stride(0),
+        layer_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scale * LOG2E,
+        num_heads,
+        latent_dim,
+        v_dim,
+        layer_cache.shape[1],
+        tokens_per_split,
+        DIRECT=direct,
+        IEEE=ieee_dot(q.dtype),
+        HAS_ROPE=latent_dim > v_dim,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_V=dot_block(v_dim),
+        BLOCK_R=dot_block(latent_dim - v_dim),
     )
     if not direct:
         merge_splits(part_out, part_lse, seq_lens, out, tokens_per_split)

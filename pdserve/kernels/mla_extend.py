@@ -18,11 +18,30 @@ from pdserve.kernels.paged_decode import LOG2E
 
 @triton.jit
 def _mla_extend_kernel(
-    q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, starts_ptr, out_ptr,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
-    first_seq, scale_log2, latent_dim, v_dim, block_size,
-    IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    starts_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    first_seq,
+    scale_log2,
+    latent_dim,
+    v_dim,
+    block_size,
+    IEEE: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     seq = (first_seq + tl.program_id(0)).to(tl.int64)
     q_start = tl.load(starts_ptr + seq)
@@ -69,14 +88,23 @@ def _mla_extend_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + head * stride_oh + vdims[None, :],
-            cast(out, out_ptr.dtype.element_ty), mask=row_mask[:, None] & v_mask[None, :],
+            cast(out, out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & v_mask[None, :],
         )
 
 
 def mla_extend_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor, first_seq: int, num_seqs: int, max_query_len: int,
-    scale: float, v_dim: int, out: torch.Tensor,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    first_seq: int,
+    num_seqs: int,
+    max_query_len: int,
+    scale: float,
+    v_dim: int,
+    out: torch.Tensor,
 ) -> None:
     """Causal absorbed MLA for sequences ``first_seq .. first_seq + num_seqs - 1``.
 
@@ -93,10 +121,28 @@ def mla_extend_attention(
     block_m = min(32, dot_block(max_query_len))
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _mla_extend_kernel[grid](
-        q, layer_cache, block_tables, seq_lens, query_start_loc, out,
-        q.stride(0), q.stride(1), layer_cache.stride(0), layer_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        first_seq, scale * LOG2E, latent_dim, v_dim, layer_cache.shape[1],
-        IEEE=ieee_dot(q.dtype), HAS_ROPE=latent_dim > v_dim,
-        BLOCK_M=block_m, BLOCK_N=32, BLOCK_V=dot_block(v_dim), BLOCK_R=dot_block(latent_dim - v_dim),
+        q,
+        layer_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        q.stride(0),
+        q.stride(1),
+        layer_cache.stride(0),
+        layer_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        first_seq,
+        scale * LOG2E,
+        latent_dim,
+        v_dim,
+        layer_cache.shape[1],
+        IEEE=ieee_dot(q.dtype),
+        HAS_ROPE=latent_dim > v_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        BLOCK_V=dot_block(v_dim),
+        BLOCK_R=dot_block(latent_dim - v_dim),
     )

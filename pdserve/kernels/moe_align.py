@@ -46,9 +46,18 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, weights_ptr, counts_ptr, offsets_ptr, token_index_ptr, sorted_weights_ptr, pair_rows_ptr,
-    num_pairs, num_experts, top_k,
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    ids_ptr,
+    weights_ptr,
+    counts_ptr,
+    offsets_ptr,
+    token_index_ptr,
+    sorted_weights_ptr,
+    pair_rows_ptr,
+    num_pairs,
+    num_experts,
+    top_k,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     expert = tl.program_id(0)
     e_idx = tl.arange(0, BLOCK_E)
@@ -71,7 +80,15 @@ def _scatter_kernel(
 
 @triton.jit
 def _gather_rows_kernel(
-    src_ptr, index_ptr, dst_ptr, stride_src, stride_dst, num_rows, width, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr,
+    index_ptr,
+    dst_ptr,
+    stride_src,
+    stride_dst,
+    num_rows,
+    width,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -97,7 +114,9 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     return out
 
 
-def dispatch(hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> TritonDispatchedTokens:
+def dispatch(
+    hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int
+) -> TritonDispatchedTokens:
     """Group (token, expert) pairs of ``expert_ids`` [T, top_k] by expert, stably."""
     num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
@@ -111,8 +130,18 @@ def dispatch(hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     block = min(1024, triton.next_power_of_2(max(1, num_pairs)))
     _count_kernel[(num_experts,)](ids, counts, num_pairs, BLOCK=block)
     _scatter_kernel[(num_experts,)](
-        ids, weights.reshape(-1).contiguous().float(), counts, offsets, token_index, sorted_weights, pair_rows,
-        num_pairs, num_experts, top_k, BLOCK=block, BLOCK_E=triton.next_power_of_2(num_experts),
+        ids,
+        weights.reshape(-1).contiguous().float(),
+        counts,
+        offsets,
+        token_index,
+        sorted_weights,
+        pair_rows,
+        num_pairs,
+        num_experts,
+        top_k,
+        BLOCK=block,
+        BLOCK_E=triton.next_power_of_2(num_experts),
     )
     return TritonDispatchedTokens(
         hidden=gather_rows(hidden, token_index),

@@ -18,7 +18,15 @@ from pdserve.kernels.moe_align import TritonDispatchedTokens
 
 @triton.jit
 def _combine_kernel(
-    x_ptr, weights_ptr, pair_rows_ptr, out_ptr, stride_x, stride_o, width, top_k, BLOCK: tl.constexpr,
+    x_ptr,
+    weights_ptr,
+    pair_rows_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    width,
+    top_k,
+    BLOCK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -53,13 +61,28 @@ def combine(
             out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
         if num_tokens:
             _combine_kernel[(num_tokens, triton.cdiv(width, block))](
-                x, tokens.weights, pair_rows, out, x.stride(0), out.stride(0), width, top_k, BLOCK=block,
+                x,
+                tokens.weights,
+                pair_rows,
+                out,
+                x.stride(0),
+                out.stride(0),
+                width,
+                top_k,
+                BLOCK=block,
             )
         return out
     acc = torch.zeros(num_tokens, width, dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _scatter_add_kernel[(x.shape[0], triton.cdiv(width, block))](
-            x, tokens.weights, tokens.token_index, acc, x.stride(0), acc.stride(0), width, BLOCK=block,
+            x,
+            tokens.weights,
+            tokens.token_index,
+            acc,
+            x.stride(0),
+            acc.stride(0),
+            width,
+            BLOCK=block,
         )
     if out is None:
         return acc.to(x.dtype)

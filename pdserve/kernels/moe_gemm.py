@@ -40,9 +40,22 @@ def _find_tile(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.cons
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, offsets_ptr, out_ptr,
-    stride_x, stride_we, stride_wn, stride_o, num_experts, hidden, inter,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    offsets_ptr,
+    out_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_o,
+    num_experts,
+    hidden,
+    inter,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     expert, row0, row_end = _find_tile(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
@@ -56,7 +69,9 @@ def _gate_up_kernel(
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < hidden
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
             w_mask = k_mask[:, None] & col_mask[None, :]
             w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)  # [K, N]
             w_up = tl.load(w_base + (inter + cols[None, :]) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
@@ -66,14 +81,31 @@ def _gate_up_kernel(
         gate = cast(acc_gate, dtype).to(tl.float32)
         up = cast(acc_up, dtype).to(tl.float32)
         act = cast(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast(act * up, dtype), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_o + cols[None, :],
+            cast(act * up, dtype),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
 
 
 @triton.jit
 def _down_kernel(
-    x_ptr, w_ptr, offsets_ptr, out_ptr,
-    stride_x, stride_we, stride_wn, stride_o, num_experts, inter, hidden,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    offsets_ptr,
+    out_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_o,
+    num_experts,
+    inter,
+    hidden,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     expert, row0, row_end = _find_tile(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert < num_experts:
@@ -86,10 +118,18 @@ def _down_kernel(
         for k0 in range(0, inter, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < inter
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            w = tl.load(
+                w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+            )
             acc += dot(x, w, IEEE)
-        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], cast(acc, out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_o + cols[None, :],
+            cast(acc, out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
 
 
 def _tiles(rows: int) -> tuple[int, int, int]:
@@ -123,13 +163,39 @@ def expert_mlp(
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     ieee = ieee_dot(x.dtype)
     _gate_up_kernel[(max_tiles, triton.cdiv(inter, block_n))](
-        x, w13, tokens.expert_offsets, act, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        num_experts, hidden, inter,
-        IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e,
+        x,
+        w13,
+        tokens.expert_offsets,
+        act,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        num_experts,
+        hidden,
+        inter,
+        IEEE=ieee,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_E=block_e,
     )
     _down_kernel[(max_tiles, triton.cdiv(hidden, block_n))](
-        act, w2, tokens.expert_offsets, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        num_experts, inter, hidden,
-        IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e,
+        act,
+        w2,
+        tokens.expert_offsets,
+        out,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        num_experts,
+        inter,
+        hidden,
+        IEEE=ieee,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_E=block_e,
     )
     return out

@@ -24,11 +24,25 @@ _GROUP_SCORES = {"max": 0, "top2_sum": 1}
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_lt,
-    num_experts, group_size, num_groups, scaling,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, TOP2_SUM: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_lt,
+    num_experts,
+    group_size,
+    num_groups,
+    scaling,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,
+    TOP2_SUM: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_GS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     g_idx = tl.arange(0, BLOCK_G)[:, None]
@@ -83,7 +97,9 @@ def _route_kernel(
 
 
 def route(
-    router_logits: torch.Tensor, config: MoERouting, correction_bias: torch.Tensor | None,
+    router_logits: torch.Tensor,
+    config: MoERouting,
+    correction_bias: torch.Tensor | None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick experts for logits [T, E]: returns (weights [T, top_k] float32, expert ids [T, top_k] int64).
@@ -109,11 +125,24 @@ def route(
     if num_tokens:
         bias = correction_bias if correction_bias is not None else logits  # unused when None
         _route_kernel[(num_tokens,)](
-            logits, bias, weights, ids, logits.stride(0),
-            num_experts, group_size, num_groups, config.scaling_factor,
-            SIGMOID=config.scoring == "sigmoid", HAS_BIAS=correction_bias is not None, GROUPED=grouped,
-            TOP2_SUM=config.group_score == "top2_sum", TOPK_GROUPS=config.topk_groups, TOP_K=config.top_k,
-            RENORMALIZE=config.renormalize, BLOCK_G=triton.next_power_of_2(num_groups),
-            BLOCK_GS=triton.next_power_of_2(group_size), BLOCK_K=triton.next_power_of_2(config.top_k),
+            logits,
+            bias,
+            weights,
+            ids,
+            logits.stride(0),
+            num_experts,
+            group_size,
+            num_groups,
+            config.scaling_factor,
+            SIGMOID=config.scoring == "sigmoid",
+            HAS_BIAS=correction_bias is not None,
+            GROUPED=grouped,
+            TOP2_SUM=config.group_score == "top2_sum",
+            TOPK_GROUPS=config.topk_groups,
+            TOP_K=config.top_k,
+            RENORMALIZE=config.renormalize,
+            BLOCK_G=triton.next_power_of_2(num_groups),
+            BLOCK_GS=triton.next_power_of_2(group_size),
+            BLOCK_K=triton.next_power_of_2(config.top_k),
         )
     return weights, ids

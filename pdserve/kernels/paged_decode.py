@@ -25,12 +25,39 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_bt, stride_ot, stride_oh, stride_ps, stride_ph, stride_pl_s, stride_pl_h,
-    scale_log2, group, head_dim, block_size, tokens_per_split,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    stride_pl_s,
+    stride_pl_h,
+    scale_log2,
+    group,
+    head_dim,
+    block_size,
+    tokens_per_split,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head_blocks = tl.cdiv(group, BLOCK_H)
@@ -47,7 +74,8 @@ def _decode_split_kernel(
         dim_mask = dims < head_dim
         q = tl.load(
             q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-            mask=head_mask[:, None] & dim_mask[None, :], other=0.0,
+            mask=head_mask[:, None] & dim_mask[None, :],
+            other=0.0,
         )  # [BLOCK_H, BLOCK_D]
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -60,8 +88,12 @@ def _decode_split_kernel(
             page = tl.load(tables_ptr + seq * stride_bt + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
             slot = (pos % block_size).to(tl.int64)
             kv_mask = pos_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_base + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0
+            )
             s = dot(q, tl.trans(k), IEEE)
             s = tl.where(pos_mask[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -84,10 +116,20 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    stride_ps, stride_ph, stride_pl_s, stride_pl_h, stride_ot, stride_oh,
-    v_dim, tokens_per_split,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_ps,
+    stride_ph,
+    stride_pl_s,
+    stride_pl_h,
+    stride_ot,
+    stride_oh,
+    v_dim,
+    tokens_per_split,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -101,10 +143,13 @@ def _merge_splits_kernel(
     dims = tl.arange(0, BLOCK_D)
     part = tl.load(
         part_out_ptr + seq * stride_ps + head * stride_ph + splits[:, None] * v_dim + dims[None, :],
-        mask=valid[:, None] & (dims[None, :] < v_dim), other=0.0,
+        mask=valid[:, None] & (dims[None, :] < v_dim),
+        other=0.0,
     )  # [BLOCK_SPLITS, BLOCK_D]
     out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, cast(out, out_ptr.dtype.element_ty), mask=dims < v_dim)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + dims, cast(out, out_ptr.dtype.element_ty), mask=dims < v_dim
+    )
 
 
 def split_plan(num_programs: int, max_seq_len: int, block_n: int, num_splits: int | None) -> tuple[int, int]:
@@ -129,16 +174,32 @@ def merge_splits(part_out, part_lse, seq_lens, out, tokens_per_split: int) -> No
     """Combine partial outputs [S, H, splits, Dv] (fp32) and base-2 LSEs [S, H, splits] into ``out`` [S, H, Dv]."""
     num_seqs, num_heads, num_splits, v_dim = part_out.shape
     _merge_splits_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, seq_lens, out,
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), v_dim, tokens_per_split,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(v_dim),
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        v_dim,
+        tokens_per_split,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(v_dim),
     )
 
 
 def paged_decode_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    max_seq_len: int, scale: float, out: torch.Tensor, num_splits: int | None = None,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int | None = None,
 ) -> None:
     """One-token attention of q [S, H, D] over paged K/V; writes ``out`` [S, H, D].
 
@@ -168,14 +229,39 @@ def paged_decode_attention(
     k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
     grid = (num_seqs, num_kv_heads * triton.cdiv(group, block_h), num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        scale * LOG2E, group, head_dim, layer_cache.shape[3], tokens_per_split,
-        DIRECT=direct, IEEE=ieee_dot(q.dtype),
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=dot_block(head_dim),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scale * LOG2E,
+        group,
+        head_dim,
+        layer_cache.shape[3],
+        tokens_per_split,
+        DIRECT=direct,
+        IEEE=ieee_dot(q.dtype),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=dot_block(head_dim),
     )
     if not direct:
         merge_splits(part_out, part_lse, seq_lens, out, tokens_per_split)

@@ -24,11 +24,33 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, starts_ptr, out_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_bt, stride_ot, stride_oh,
-    first_seq, scale_log2, group, head_dim, block_size,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    starts_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    first_seq,
+    scale_log2,
+    group,
+    head_dim,
+    block_size,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = (first_seq + tl.program_id(0)).to(tl.int64)
     q_start = tl.load(starts_ptr + seq)
@@ -46,7 +68,8 @@ def _extend_kernel(
         tokens = (q_start + rows).to(tl.int64)
         q = tl.load(
             q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
-            mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+            mask=row_mask[:, None] & dim_mask[None, :],
+            other=0.0,
         )  # [BLOCK_M, BLOCK_D]
         # Causal limit of each row; padded rows reuse the last real row's, so every row
         # sees key 0 and no row's running max stays -inf (which would make NaNs).
@@ -63,8 +86,12 @@ def _extend_kernel(
             page = tl.load(tables_ptr + seq * stride_bt + pos // block_size, mask=pos_mask, other=0).to(tl.int64)
             slot = (pos % block_size).to(tl.int64)
             kv_mask = pos_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_base + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_base + page[:, None] * stride_kb + slot[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0
+            )
             s = dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
             s = tl.where(pos[None, :] <= limit[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -76,14 +103,22 @@ def _extend_kernel(
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
-            cast(out, out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
+            cast(out, out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & dim_mask[None, :],
         )
 
 
 def paged_extend_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor, first_seq: int, num_seqs: int, max_query_len: int,
-    scale: float, out: torch.Tensor,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    first_seq: int,
+    num_seqs: int,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Causal attention for sequences ``first_seq .. first_seq + num_seqs - 1``.
 
@@ -104,10 +139,31 @@ def paged_extend_attention(
     k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _extend_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        first_seq, scale * LOG2E, num_heads // num_kv_heads, head_dim, layer_cache.shape[3],
-        IEEE=ieee_dot(q.dtype), BLOCK_M=block_m, BLOCK_N=32, BLOCK_D=dot_block(head_dim),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        first_seq,
+        scale * LOG2E,
+        num_heads // num_kv_heads,
+        head_dim,
+        layer_cache.shape[3],
+        IEEE=ieee_dot(q.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        BLOCK_D=dot_block(head_dim),
     )

@@ -17,10 +17,19 @@ from pdserve.kernels.common import cast
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_res, stride_out, stride_res_out,
-    width, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    width,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -39,8 +48,12 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = x + residual`` (or ``x``); returns ``(rms_norm(r) * weight, r)`` over the last dim.
 
@@ -61,14 +74,25 @@ def rms_norm(
         res2 = residual.reshape(-1, width)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-        res_out = residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        res_out = (
+            residual_out if residual_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        )
         res_out2 = res_out.view(-1, width)
     num_rows = x2.shape[0]
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
-            x2, res2, weight.contiguous(), out2, res_out2,
-            x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
-            width, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width),
+            x2,
+            res2,
+            weight.contiguous(),
+            out2,
+            res_out2,
+            x2.stride(0),
+            res2.stride(0),
+            out2.stride(0),
+            res_out2.stride(0),
+            width,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(width),
         )
     return out, res_out

@@ -17,10 +17,21 @@ from pdserve.kernels.common import cast
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, pos_ptr, cs_ptr, out_ptr,
-    stride_xt, stride_xh, stride_xd, stride_cs, stride_ot, stride_oh,
-    num_heads, half,
-    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    pos_ptr,
+    cs_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_cs,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    half,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -55,10 +66,20 @@ def rotary(
     cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
-            x, positions, cos_sin, out,
-            x.stride(0), x.stride(1), x.stride(2), cos_sin.stride(0), out.stride(0), out.stride(1),
-            num_heads, dim // 2,
-            INTERLEAVED=interleaved, BLOCK_H=triton.next_power_of_2(num_heads),
+            x,
+            positions,
+            cos_sin,
+            out,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            cos_sin.stride(0),
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            dim // 2,
+            INTERLEAVED=interleaved,
+            BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_HALF=triton.next_power_of_2(dim // 2),
         )
     return out

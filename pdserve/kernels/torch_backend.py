@@ -22,7 +22,11 @@ DecodeAttention = Callable[[torch.Tensor], torch.Tensor]
 
 
 def attend_cached(
-    q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, gather_kv: GatherKV,
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    gather_kv: GatherKV,
     decode: DecodeAttention,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new tokens over its cached context.

@@ -56,14 +56,27 @@ class TritonBackend(Backend):
         nd = meta.num_decodes
         if nd:
             paged_decode_attention(
-                q[:nd], layer_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.seq_lens_list[:nd]), scale, out[:nd],
+                q[:nd],
+                layer_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                max(meta.seq_lens_list[:nd]),
+                scale,
+                out[:nd],
             )
         num_extends = meta.num_seqs - nd
         if num_extends:
             paged_extend_attention(
-                q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_extends, max(meta.query_lens_list[nd:]), scale, out,
+                q,
+                layer_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                nd,
+                num_extends,
+                max(meta.query_lens_list[nd:]),
+                scale,
+                out,
             )
         return out
 
@@ -72,14 +85,29 @@ class TritonBackend(Backend):
         nd = meta.num_decodes
         if nd:
             mla_decode_attention(
-                q[:nd], layer_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.seq_lens_list[:nd]), scale, v_dim, out[:nd],
+                q[:nd],
+                layer_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                max(meta.seq_lens_list[:nd]),
+                scale,
+                v_dim,
+                out[:nd],
             )
         num_extends = meta.num_seqs - nd
         if num_extends:
             mla_extend_attention(
-                q, layer_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_extends, max(meta.query_lens_list[nd:]), scale, v_dim, out,
+                q,
+                layer_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                nd,
+                num_extends,
+                max(meta.query_lens_list[nd:]),
+                scale,
+                v_dim,
+                out,
             )
         return out
 

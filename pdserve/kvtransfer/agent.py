@@ -110,8 +110,10 @@ class KVAgent:
             logger.warning(
                 "%s: the KV cache is not on huge pages, so other processes pull its blocks at about half the "
                 "speed: %s. Enable them with `echo madvise > %s` (as root, on the host).",
-                self.name, self.kv_cache.small_pages_reason, THP_SETTING,
-            )  # fmt: skip
+                self.name,
+                self.kv_cache.small_pages_reason,
+                THP_SETTING,
+            )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nixl-{self.name}")
         self._info = await self.call(self._start_on_thread)
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())

@@ -120,9 +120,7 @@ def coalesce(remote_ids: np.ndarray, local_ids: np.ndarray) -> list[tuple[int, i
     step = (np.diff(remote_ids) != 1) | (np.diff(local_ids) != 1)
     starts = np.concatenate(([0], np.nonzero(step)[0] + 1))
     lengths = np.diff(np.concatenate((starts, [len(remote_ids)])))
-    return [
-        (int(remote_ids[s]), int(local_ids[s]), int(n)) for s, n in zip(starts.tolist(), lengths.tolist())
-    ]
+    return [(int(remote_ids[s]), int(local_ids[s]), int(n)) for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
 # Rows are explicit (address, length, device) triples: NIXL's compressed strided rows reject

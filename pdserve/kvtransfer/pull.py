@@ -93,9 +93,14 @@ class KVPuller:
         names = [peers] if isinstance(peers, str) else list(peers)
         handles: list[tuple[Any, str]] = []
         stats = TransferStats(
-            request_id=request_id, num_blocks=0, num_bytes=0, num_descriptors=0,
-            num_transfers=0, setup_seconds=0.0, seconds=0.0,
-        )  # fmt: skip
+            request_id=request_id,
+            num_blocks=0,
+            num_bytes=0,
+            num_descriptors=0,
+            num_transfers=0,
+            setup_seconds=0.0,
+            seconds=0.0,
+        )
         failure: str | None = None
         try:
             infos = self._group(names)

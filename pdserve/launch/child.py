@@ -66,10 +66,15 @@ class Child:
         """
         await self._reap()
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve", *self.argv,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            sys.executable,
+            "-m",
+            "pdserve",
+            *self.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, PARENT_PID: str(os.getpid())},  # a killed `up` takes its children with it
-        )  # fmt: skip
+        )
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[str] = loop.create_future()
         self.reader = loop.create_task(self._read(self.process, ready), name=f"output of {self.name}")
@@ -134,8 +139,9 @@ class Child:
                 async with asyncio.timeout(self.stop_timeout_s):
                     await process.wait()
             except TimeoutError:
-                logger.warning("%s did not stop in %.0fs: dumping its stacks, then killing it", self.name,
-                               self.stop_timeout_s)  # fmt: skip
+                logger.warning(
+                    "%s did not stop in %.0fs: dumping its stacks, then killing it", self.name, self.stop_timeout_s
+                )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, DUMP_SIGNAL)
                 with contextlib.suppress(TimeoutError):

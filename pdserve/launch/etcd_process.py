@@ -96,8 +96,15 @@ class EtcdProcess:
     name = "etcd"
     role = "registry"
 
-    def __init__(self, state_dir: Path, *, binary: Path | None = None, tls: ClusterTLS | None = None,
-                 start_timeout_s: float = 30.0, stop_timeout_s: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        binary: Path | None = None,
+        tls: ClusterTLS | None = None,
+        start_timeout_s: float = 30.0,
+        stop_timeout_s: float = 10.0,
+    ) -> None:
         self.binary = binary if binary is not None else find_etcd()
         self.tls = tls
         self.state_dir = state_dir
@@ -144,20 +151,33 @@ class EtcdProcess:
     async def _start_once(self) -> None:
         peer = f"http://127.0.0.1:{self._peer_port}"
         args = [
-            "--name=pdserve", f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={self.url}", f"--advertise-client-urls={self.url}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=pdserve={peer}",
+            "--name=pdserve",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=pdserve={peer}",
             "--log-level=warn",
-        ]  # fmt: skip
+        ]
         if self.tls is not None:
-            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
-                     f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
+            args += [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         start = self.log_file.stat().st_size if self.log_file.exists() else 0
         with self.log_file.open("ab") as log:  # the child keeps its own descriptor
             self.process = await asyncio.create_subprocess_exec(
-                str(self.binary), *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True, preexec_fn=_die_with_parent(),
-            )  # fmt: skip
+                str(self.binary),
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
         try:
             async with asyncio.timeout(self.start_timeout_s):
                 while not await asyncio.to_thread(self._is_healthy):
@@ -169,8 +189,9 @@ class EtcdProcess:
                     await asyncio.sleep(0.05)
         except TimeoutError:
             await self.stop()
-            raise EtcdFailed(f"etcd was not healthy within {self.start_timeout_s:g} s; its last output:\n"
-                             f"{self._log_tail(start)}") from None  # fmt: skip
+            raise EtcdFailed(
+                f"etcd was not healthy within {self.start_timeout_s:g} s; its last output:\n{self._log_tail(start)}"
+            ) from None
         except BaseException:
             await self.stop()
             raise

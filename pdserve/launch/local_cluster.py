@@ -65,8 +65,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if (self.prefill.role, self.decode.role) != (Role.PREFILL, Role.DECODE):
-            raise ValueError(f"the prefill and decode configurations have the roles {self.prefill.role!r} "
-                             f"and {self.decode.role!r}")  # fmt: skip
+            raise ValueError(
+                f"the prefill and decode configurations have the roles {self.prefill.role!r} and {self.decode.role!r}"
+            )
 
 
 class LocalCluster:
@@ -135,7 +136,11 @@ class LocalCluster:
 
     def exited(self) -> list[Child]:
         """Children that are dead now: died and not (yet) restarted, or given up on."""
-        children = [*self.workers[Role.PREFILL], *self.workers[Role.DECODE], *([self.frontend] if self.frontend else [])]
+        children = [
+            *self.workers[Role.PREFILL],
+            *self.workers[Role.DECODE],
+            *([self.frontend] if self.frontend else []),
+        ]
         given_up = [c for c in self.gave_up if isinstance(c, Child)]
         return [c for c in children if not c.is_alive] + given_up
 
@@ -181,8 +186,9 @@ class LocalCluster:
         return self._state_dir / f"{name}.json"
 
     def _child(self, name: str, role: str, argv: list[str]) -> Child:
-        return Child(name, role, argv, start_timeout_s=self.spec.start_timeout_s,
-                     stop_timeout_s=self.spec.stop_timeout_s)  # fmt: skip
+        return Child(
+            name, role, argv, start_timeout_s=self.spec.start_timeout_s, stop_timeout_s=self.spec.stop_timeout_s
+        )
 
     async def _start_worker(self, role: Role) -> None:
         self._count += 1

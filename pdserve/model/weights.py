@@ -158,7 +158,9 @@ class Checkpoint:
                     f"{name} of shape {list(entry.shape)} in blocks of {list(self.weight_block_size)}"
                 )
             if not scale.dtype.is_floating_point or scale.dtype == FP8_DTYPE:
-                raise CheckpointError(f"{scale.file}: scale tensor {scale_name} has dtype {scale.dtype}; expected float32")
+                raise CheckpointError(
+                    f"{scale.file}: scale tensor {scale_name} has dtype {scale.dtype}; expected float32"
+                )
 
     def _mapping(self, file: Path) -> torch.Tensor:
         if file not in self._maps:
@@ -203,9 +205,7 @@ class Checkpoint:
             hint = f" (the index puts it in {where})" if where else ""
             raise CheckpointError(f"{self.path}: missing tensor {name}{hint}")
         if entry.shape != tuple(shape):
-            raise CheckpointError(
-                f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)}"
-            )
+            raise CheckpointError(f"{entry.file}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)}")
         raw = self._mapping(entry.file)[entry.start : entry.end]
         if entry.start % raw.new_empty((), dtype=entry.dtype).element_size():
             raw = raw.clone()  # a misaligned tensor cannot be viewed in place

@@ -89,16 +89,30 @@ class WorkerMetrics:
         labels = {"role": role, "worker": worker_id, "model": model}
         names = list(labels)
         r = self.registry
-        self.queue_seconds = Histogram("pdserve_queue_seconds", "Time a request waited in the engine queue",
-                                       names, buckets=LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
-        self.prefill_seconds = Histogram("pdserve_prefill_seconds", "Prompt computation, first token included",
-                                         names, buckets=LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
-        self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV pull",
-                                             names, buckets=LATENCY_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.queue_seconds = Histogram(
+            "pdserve_queue_seconds",
+            "Time a request waited in the engine queue",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.prefill_seconds = Histogram(
+            "pdserve_prefill_seconds",
+            "Prompt computation, first token included",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "One request's KV pull", names, buckets=LATENCY_BUCKETS, registry=r
+        ).labels(**labels)
         self.resume_seconds = Histogram(
-            "pdserve_kv_resume_seconds", "Decode role: a pulled request's KV landed -> its next token (joining the step under way, or waiting for the next)",
-            names, buckets=LATENCY_BUCKETS, registry=r,
-        ).labels(**labels)  # fmt: skip
+            "pdserve_kv_resume_seconds",
+            "Decode role: a pulled request's KV landed -> its next token (joining the step under way, or waiting for the next)",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**labels)
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pulled", names, registry=r).labels(
             **labels
         )
@@ -138,18 +152,38 @@ class FrontendMetrics:
     def __init__(self, in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft_seconds = Histogram("pdserve_ttft_seconds", "Time to first token", ["model"],
-                                      buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl_seconds = Histogram("pdserve_itl_seconds", "Inter-token latency, one sample per gap "
-                                     "(pdserve status and the planner judge ITL per request: its mean gap)", ["model"],
-                                     buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e_seconds = Histogram("pdserve_e2e_seconds", "Request latency, arrival to last token", ["model"],
-                                     buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft_seconds = Histogram(
+            "pdserve_ttft_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl_seconds = Histogram(
+            "pdserve_itl_seconds",
+            "Inter-token latency, one sample per gap "
+            "(pdserve status and the planner judge ITL per request: its mean gap)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "pdserve_e2e_seconds",
+            "Request latency, arrival to last token",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("pdserve_requests", "Requests ended, by gRPC status", ["model", "code"], registry=r)
-        self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker after a stream broke "
-                                  "(one per move)", ["model"], registry=r)  # fmt: skip
-        self.kv_transfer_share = Histogram("pdserve_kv_transfer_ttft_share", "KV transfer time over TTFT",
-                                           ["model"], buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0), registry=r)  # fmt: skip
+        self.migrations = Counter(
+            "pdserve_migrations",
+            "Requests moved to another decode worker after a stream broke (one per move)",
+            ["model"],
+            registry=r,
+        )
+        self.kv_transfer_share = Histogram(
+            "pdserve_kv_transfer_ttft_share",
+            "KV transfer time over TTFT",
+            ["model"],
+            buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0),
+            registry=r,
+        )
         queue = Gauge("pdserve_queue_length", "Requests in flight at the frontend", registry=r)
         queue.set_function(in_flight)
 
@@ -161,11 +195,13 @@ class SupervisorMetrics:
         self.registry = CollectorRegistry()
         labels = ["child", "role"]
         r = self.registry
-        self._crashes = Counter("pdserve_child_crashes", "Children that died on their own, or failed to restart",
-                                labels, registry=r)  # fmt: skip
+        self._crashes = Counter(
+            "pdserve_child_crashes", "Children that died on their own, or failed to restart", labels, registry=r
+        )
         self._restarts = Counter("pdserve_child_restarts", "Restarts of a child that died", labels, registry=r)
-        self._gave_up = Counter("pdserve_child_gave_up", "Children given up on after too many restarts in a row",
-                                labels, registry=r)  # fmt: skip
+        self._gave_up = Counter(
+            "pdserve_child_gave_up", "Children given up on after too many restarts in a row", labels, registry=r
+        )
 
     def crashed(self, child: str, role: str) -> None:
         self._crashes.labels(child, role).inc()

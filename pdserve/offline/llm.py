@@ -58,10 +58,12 @@ class LLM:
     ) -> None:
         config = EngineConfig(dtype=dtype, **engine_args)
         parallel_config = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-            enable_expert_parallel=enable_expert_parallel, num_redundant_experts=num_redundant_experts,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            num_redundant_experts=num_redundant_experts,
             eplb_interval_steps=eplb_interval_steps,
-        )  # fmt: skip
+        )
         self._group = start_group(
             parallel_config, "pdserve.offline.rank_main", rank_program(model, config), config.device
         )
@@ -118,9 +120,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
-                )
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts")
         if self._group is not None and self._group.dead_ranks():
             raise RankFailed(f"ranks {self._group.dead_ranks()} of this LLM's group have exited; make a new LLM")
         parallel = self.engine.parallel

@@ -57,8 +57,21 @@ def etcd_url(spec: DeploymentSpec, default: str | None) -> str:
 def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
     """``pdserve prefill|decode`` arguments shared by every pod of the pool."""
     pool: PoolSpec = getattr(spec, role)
-    argv = [role, "--model", spec.model.path, "--model-name", spec.model.served_name, "--etcd", etcd,
-            "--host", "0.0.0.0", "--port", str(WORKER_PORT), "--metrics-port", str(METRICS_PORT)]  # fmt: skip
+    argv = [
+        role,
+        "--model",
+        spec.model.path,
+        "--model-name",
+        spec.model.served_name,
+        "--etcd",
+        etcd,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     # Parallelism options only where they differ from one rank: a single-GPU pool's command
     # line then runs on every worker build.
     if pool.tensor_parallel_size != 1:
@@ -77,8 +90,19 @@ def pod_worker_args() -> list[str]:
 
 def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
     fe, router = spec.frontend, spec.router
-    argv = ["frontend", "--etcd", etcd, "--host", "0.0.0.0", "--port", str(fe.grpc_port),
-            "--http-port", str(fe.http_port), "--metrics-port", str(METRICS_PORT)]  # fmt: skip
+    argv = [
+        "frontend",
+        "--etcd",
+        etcd,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(fe.grpc_port),
+        "--http-port",
+        str(fe.http_port),
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     if router.disaggregation is not None:
         argv += ["--disaggregation", router.disaggregation]
     if router.local_prefill_threshold_tokens is not None:
@@ -93,8 +117,19 @@ def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
 
 
 def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> list[str]:
-    argv = ["planner", "--etcd", etcd, "--connector", "kubernetes", "--namespace", namespace,
-            "--deployment", f"{spec.model.served_name}={name}", "--profile", f"{PROFILE_DIR}/profile.json"]  # fmt: skip
+    argv = [
+        "planner",
+        "--etcd",
+        etcd,
+        "--connector",
+        "kubernetes",
+        "--namespace",
+        namespace,
+        "--deployment",
+        f"{spec.model.served_name}={name}",
+        "--profile",
+        f"{PROFILE_DIR}/profile.json",
+    ]
     if spec.planner.interval:
         argv += ["--planner-interval", spec.planner.interval]
     return argv

@@ -61,11 +61,17 @@ def metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
         "name": name,
         "namespace": owner.namespace,
         "labels": labels(owner, component),
-        "ownerReferences": [{
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name, "uid": owner.uid,
-            "controller": True, "blockOwnerDeletion": True,
-        }],
-    }  # fmt: skip
+        "ownerReferences": [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": owner.name,
+                "uid": owner.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
 
 
 def config_files(spec: DeploymentSpec, owner: Owner, etcd: str) -> dict[str, str]:
@@ -78,8 +84,12 @@ def config_files(spec: DeploymentSpec, owner: Owner, etcd: str) -> dict[str, str
 
 
 def config_map(owner: Owner, files: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(owner, child_name(owner, "config"), "config"),
-            "data": files}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, child_name(owner, "config"), "config"),
+        "data": files,
+    }
 
 
 # Server-side apply merges port lists by (port, protocol) and types quantities as strings; an
@@ -94,15 +104,21 @@ def _service_port(name: str, port: int) -> dict[str, Any]:
 
 def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
     """``limits: {nvidia.com/gpu: 8}`` as ``"8"``: a quantity is a string in the API's schema."""
-    return {key: {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
-            for key, value in resources.items()}  # fmt: skip
+    return {
+        key: {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
+        for key, value in resources.items()
+    }
 
 
 def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[dict], list[dict]]:
-    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": child_name(owner, "config")}},
-               {"name": "cache", "emptyDir": {}}]  # fmt: skip
-    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": cmd.CONFIG_DIR, "readOnly": True},
-              {"name": "cache", "mountPath": "/home/pdserve/.cache"}]  # fmt: skip
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": child_name(owner, "config")}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": cmd.CONFIG_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": "/home/pdserve/.cache"},
+    ]
     source = spec.model.volume
     if component in POOLS and source is not None:
         volume: dict[str, Any] = {"name": "model"}
@@ -141,8 +157,11 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
         "volumeMounts": mounts,
         "ports": [_port("metrics", cmd.METRICS_PORT)],
     }
-    pod: dict[str, Any] = {"containers": [container], "volumes": volumes,
-                           "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}}  # fmt: skip
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+    }
     if component in POOLS:
         pool: PoolSpec = getattr(spec, component)
         container["args"] = argv + cmd.pod_worker_args()
@@ -199,8 +218,11 @@ def leader_worker_set(spec: DeploymentSpec, owner: Owner, role: str, files: dict
 def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any]:
     """The frontend's Service (the public API); a headless one per pool (metrics scraping)."""
     if component == "frontend":
-        ports = [_service_port("grpc", spec.frontend.grpc_port), _service_port("http", spec.frontend.http_port),
-                 _service_port("metrics", cmd.METRICS_PORT)]  # fmt: skip
+        ports = [
+            _service_port("grpc", spec.frontend.grpc_port),
+            _service_port("http", spec.frontend.http_port),
+            _service_port("metrics", cmd.METRICS_PORT),
+        ]
         body: dict[str, Any] = {"type": spec.frontend.service_type, "ports": ports}
         name = owner.name
     else:

@@ -127,9 +127,14 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     credential = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization") or ""
     scheme, _space, token = credential.partition(" ") if " " in credential else (None, "", credential)
     return kopf.ConnectionInfo(
-        server=c.host, ca_path=c.ssl_ca_cert, insecure=not c.verify_ssl, scheme=scheme, token=token or None,
-        certificate_path=c.cert_file, private_key_path=c.key_file,
-    )  # fmt: skip
+        server=c.host,
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        scheme=scheme,
+        token=token or None,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+    )
 
 
 @kopf.on.startup()

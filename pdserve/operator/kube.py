@@ -76,10 +76,13 @@ class Kube:
     ) -> dict[str, Any]:
         """One call; the decoded JSON reply. ApiException on an error status."""
         request = self.api.param_serialize(
-            method, path, query_params=list((query or {}).items()),
+            method,
+            path,
+            query_params=list((query or {}).items()),
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body, auth_settings=["BearerToken"],
-        )  # fmt: skip
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         response = self.api.call_api(*request, _request_timeout=CALL_TIMEOUT_S)
         data = response.read()
         if not 200 <= response.status < 300:
@@ -103,13 +106,19 @@ class Kube:
         """Server-side apply ``obj`` (created when missing), taking over the fields it sets."""
         meta = obj["metadata"]
         path = object_path(obj["kind"], meta.get("namespace"), meta["name"])
-        return self.request("PATCH", path, body=obj, query={"fieldManager": FIELD_MANAGER, "force": "true"},
-                            content_type="application/apply-patch+yaml")  # fmt: skip
+        return self.request(
+            "PATCH",
+            path,
+            body=obj,
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
 
     def patch_status(self, path: str, status: dict[str, Any]) -> dict[str, Any]:
         """Replace the fields of ``status`` named in it (a JSON merge patch of the status subresource)."""
-        return self.request("PATCH", f"{path}/status", body={"status": status},
-                            content_type="application/merge-patch+json")  # fmt: skip
+        return self.request(
+            "PATCH", f"{path}/status", body={"status": status}, content_type="application/merge-patch+json"
+        )
 
     def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("PATCH", path, body=body, content_type="application/merge-patch+json")

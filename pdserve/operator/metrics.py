@@ -12,9 +12,21 @@ class OperatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.reconciles = Counter("pdserve_operator_reconciles", "Reconciles of a PDServeDeployment, by outcome",
-                                  ["outcome"], registry=self.registry)  # fmt: skip
-        self.errors = Counter("pdserve_operator_reconcile_errors", "Reconciles that failed, by error type",
-                              ["error"], registry=self.registry)  # fmt: skip
-        self.duration = Histogram("pdserve_operator_reconcile_seconds", "Duration of one reconcile",
-                                  buckets=LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
+        self.reconciles = Counter(
+            "pdserve_operator_reconciles",
+            "Reconciles of a PDServeDeployment, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "pdserve_operator_reconcile_errors",
+            "Reconciles that failed, by error type",
+            ["error"],
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "pdserve_operator_reconcile_seconds",
+            "Duration of one reconcile",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )

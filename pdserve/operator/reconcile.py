@@ -96,13 +96,15 @@ async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, A
     for kind in kinds:
         for obj in await asyncio.to_thread(kube.list, object_path(kind, namespace), selector):
             if (kind, obj["metadata"]["name"]) not in keep:
-                logger.info("%s/%s: deleting %s %s, no longer in the spec", namespace, name, kind,
-                            obj["metadata"]["name"])  # fmt: skip
+                logger.info(
+                    "%s/%s: deleting %s %s, no longer in the spec", namespace, name, kind, obj["metadata"]["name"]
+                )
                 await asyncio.to_thread(kube.delete, object_path(kind, namespace, obj["metadata"]["name"]))
 
 
-async def _observe(kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch.Desired, generation: int,
-                   body: dict[str, Any]) -> Observed:  # fmt: skip
+async def _observe(
+    kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch.Desired, generation: int, body: dict[str, Any]
+) -> Observed:
     wanted: dict[str, int] = {}
     ready: dict[str, int] = {}
     updated: dict[str, int] = {}
@@ -122,24 +124,35 @@ async def _observe(kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch
     for role in desired.needs_lws:
         pool = getattr(spec, role)
         wanted[role] = pool.replicas
-        problems.append(("LeaderWorkerSetRequired",
-                         f"spec.{role}: a group of {pool.ranks} ranks spans more than one node "
-                         f"({pool.gpus_per_node} GPUs each); install LeaderWorkerSet (leaderworkerset.x-k8s.io) "
-                         f"to run it"))  # fmt: skip
+        problems.append(
+            (
+                "LeaderWorkerSetRequired",
+                f"spec.{role}: a group of {pool.ranks} ranks spans more than one node "
+                f"({pool.gpus_per_node} GPUs each); install LeaderWorkerSet (leaderworkerset.x-k8s.io) "
+                f"to run it",
+            )
+        )
     for role in ("prefill", "decode"):
         pool = getattr(spec, role)
         if pool.multi_node:
-            problems.append(("MultiNodeGroupUnsupported",
-                             f"spec.{role}: a group of {pool.ranks} ranks spans nodes ({pool.gpus_per_node} GPUs "
-                             f"each), but a worker's ranks run as processes of its one pod; use at most "
-                             f"{pool.gpus_per_node} ranks a group"))  # fmt: skip
+            problems.append(
+                (
+                    "MultiNodeGroupUnsupported",
+                    f"spec.{role}: a group of {pool.ranks} ranks spans nodes ({pool.gpus_per_node} GPUs "
+                    f"each), but a worker's ranks run as processes of its one pod; use at most "
+                    f"{pool.gpus_per_node} ranks a group",
+                )
+            )
         elif pool.tensor_parallel_size > 1 and pool.data_parallel_size > 1:
-            problems.append(("MultiRankUnsupported",
-                             f"spec.{role}: tensorParallelSize {pool.tensor_parallel_size} x dataParallelSize "
-                             f"{pool.data_parallel_size}: tensor parallelism inside data-parallel ranks is not "
-                             f"supported yet, so these pods cannot start; use one or the other"))  # fmt: skip
-    return Observed(generation=generation, desired=wanted, ready=ready, updated=updated, stale=stale,
-                    problems=problems)  # fmt: skip
+            problems.append(
+                (
+                    "MultiRankUnsupported",
+                    f"spec.{role}: tensorParallelSize {pool.tensor_parallel_size} x dataParallelSize "
+                    f"{pool.data_parallel_size}: tensor parallelism inside data-parallel ranks is not "
+                    f"supported yet, so these pods cannot start; use one or the other",
+                )
+            )
+    return Observed(generation=generation, desired=wanted, ready=ready, updated=updated, stale=stale, problems=problems)
 
 
 async def resync_all(kube: Kube, namespace: str | None) -> list[tuple[str, str]]:

@@ -31,11 +31,15 @@ def slo_targets(spec: DeploymentSpec) -> SLOTargets | None:
         return None
     try:
         return SLOTargets(
-            model=spec.model.served_name, ttft_p90_s=parse_duration(slo.ttft_p90), itl_p90_s=parse_duration(slo.itl_p90),
+            model=spec.model.served_name,
+            ttft_p90_s=parse_duration(slo.ttft_p90),
+            itl_p90_s=parse_duration(slo.itl_p90),
             e2e_p90_s=parse_duration(slo.e2e_p90) if slo.e2e_p90 else None,
-            min_prefill_replicas=slo.min_prefill_replicas, max_prefill_replicas=slo.max_prefill_replicas,
-            min_decode_replicas=slo.min_decode_replicas, max_decode_replicas=slo.max_decode_replicas,
-        )  # fmt: skip
+            min_prefill_replicas=slo.min_prefill_replicas,
+            max_prefill_replicas=slo.max_prefill_replicas,
+            min_decode_replicas=slo.min_decode_replicas,
+            max_decode_replicas=slo.max_decode_replicas,
+        )
     except ValueError as error:
         raise ValueError(f"spec.slo: {error}") from None
 

@@ -178,22 +178,29 @@ def check_spec(spec: DeploymentSpec) -> None:
         if pool.replicas < 0:
             raise SpecError(f"spec.{role}.replicas must be >= 0, got {pool.replicas}")
         if pool.data_parallel_size > 1 and not pool.enable_expert_parallel:
-            raise SpecError(f"spec.{role}.dataParallelSize {pool.data_parallel_size} is data-parallel attention for "
-                            "MoE models: it needs enableExpertParallel: true")  # fmt: skip
+            raise SpecError(
+                f"spec.{role}.dataParallelSize {pool.data_parallel_size} is data-parallel attention for "
+                "MoE models: it needs enableExpertParallel: true"
+            )
         _check_options(pool.engine_args, f"spec.{role}.engineArgs")
     _check_options(spec.frontend.args, "spec.frontend.args")
     slo = spec.slo
     for role in ("prefill", "decode"):
         low, high = getattr(slo, f"min_{role}_replicas"), getattr(slo, f"max_{role}_replicas")
         if not 1 <= low <= high:
-            raise SpecError(f"spec.slo: min{role.title()}Replicas ({low}) must be in [1, max{role.title()}Replicas "
-                            f"({high})]")  # fmt: skip
+            raise SpecError(
+                f"spec.slo: min{role.title()}Replicas ({low}) must be in [1, max{role.title()}Replicas ({high})]"
+            )
     if spec.planner.enabled and not spec.planner.profile_config_map:
-        raise SpecError("spec.planner.profileConfigMap is required when spec.planner.enabled is true: "
-                        "a ConfigMap with the engine profile (`pdserve profile` writes one) under key profile.json")  # fmt: skip
+        raise SpecError(
+            "spec.planner.profileConfigMap is required when spec.planner.enabled is true: "
+            "a ConfigMap with the engine profile (`pdserve profile` writes one) under key profile.json"
+        )
     if len(spec.etcd.endpoints) > 1:
-        raise SpecError("spec.etcd.endpoints: pdserve connects to one etcd endpoint (a Service in front of "
-                        f"the cluster); got {len(spec.etcd.endpoints)}")  # fmt: skip
+        raise SpecError(
+            "spec.etcd.endpoints: pdserve connects to one etcd endpoint (a Service in front of "
+            f"the cluster); got {len(spec.etcd.endpoints)}"
+        )
 
 
 def _check_options(values: dict[str, Any], where: str) -> None:

@@ -49,11 +49,23 @@ def build_status(observed: Observed, previous: dict[str, Any] | None, now: str) 
 
     unavailable = [c for c in (*POOLS, "frontend") if observed.desired.get(c, 0) > 0 and observed.ready.get(c, 0) < 1]
     if unavailable:
-        available = condition("Available", False, "ComponentsUnavailable",
-                              f"no ready replica yet: {', '.join(unavailable)}", old_conditions, now)  # fmt: skip
+        available = condition(
+            "Available",
+            False,
+            "ComponentsUnavailable",
+            f"no ready replica yet: {', '.join(unavailable)}",
+            old_conditions,
+            now,
+        )
     else:
-        available = condition("Available", True, "MinimumReplicasAvailable",
-                              "the frontend and every pool with replicas have a ready replica", old_conditions, now)  # fmt: skip
+        available = condition(
+            "Available",
+            True,
+            "MinimumReplicasAvailable",
+            "the frontend and every pool with replicas have a ready replica",
+            old_conditions,
+            now,
+        )
 
     moving = []
     for component, desired in observed.desired.items():
@@ -63,8 +75,9 @@ def build_status(observed: Observed, previous: dict[str, Any] | None, now: str) 
     if moving:
         progressing = condition("Progressing", True, "RollingOut", "; ".join(moving), old_conditions, now)
     else:
-        progressing = condition("Progressing", False, "Settled", "every component runs its desired replicas",
-                                old_conditions, now)  # fmt: skip
+        progressing = condition(
+            "Progressing", False, "Settled", "every component runs its desired replicas", old_conditions, now
+        )
 
     problems = list(observed.problems)
     if observed.registry_error is not None:

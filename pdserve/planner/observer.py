@@ -66,8 +66,9 @@ def observe(
     )
 
 
-def _merge(stats: list[ModelStats], p50_field: str, p90_field: str, *, scale: float = 1.0,
-           mean: str | None = None) -> Summary | None:  # fmt: skip
+def _merge(
+    stats: list[ModelStats], p50_field: str, p90_field: str, *, scale: float = 1.0, mean: str | None = None
+) -> Summary | None:
     """One Summary from the frontends' p50/p90 (and mean) fields, each value times ``scale``."""
     rows = []
     for s in stats:

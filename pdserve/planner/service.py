@@ -60,8 +60,14 @@ class PlannerService:
         self._connector_for = connector_for
         self._etcd = EtcdConnection(etcd_url, MAX_CALL_TIMEOUT_S, etcd_auth)
         self._slos = WatchedRange.prefix(SLO_PREFIX)
-        self._slo_follower = Follower(self._etcd, [self._slos], lambda *_: None, name="planner's SLO targets",
-                                      logger=logger, start_timeout_s=MAX_CALL_TIMEOUT_S)  # fmt: skip
+        self._slo_follower = Follower(
+            self._etcd,
+            [self._slos],
+            lambda *_: None,
+            name="planner's SLO targets",
+            logger=logger,
+            start_timeout_s=MAX_CALL_TIMEOUT_S,
+        )
         self._is_following = False
         self._planners: dict[str, Planner] = {}
         self._outage = Outage(logger)
@@ -104,8 +110,9 @@ class PlannerService:
                     list_knobs(client, MAX_CALL_TIMEOUT_S),
                 )
         except UNAVAILABLE as exc:
-            self._outage.failed(exc, "planner: etcd at %s unreachable, skipping intervals until it answers",
-                                self._etcd.url)  # fmt: skip
+            self._outage.failed(
+                exc, "planner: etcd at %s unreachable, skipping intervals until it answers", self._etcd.url
+            )
             return []
         self._outage.answered()
         slos = decode_slos(self._slos.kvs.values())
@@ -123,18 +130,35 @@ class PlannerService:
                 if sizes is None:  # unknown: what is registered now, within the bounds
                     ready = [w for w in workers if w.model == slo.model and not w.draining]
                     sizes = (
-                        min(max(sum(w.role is Role.PREFILL for w in ready), slo.min_prefill_replicas),
-                            slo.max_prefill_replicas),
-                        min(max(sum(w.role is Role.DECODE for w in ready), slo.min_decode_replicas),
-                            slo.max_decode_replicas),
-                    )  # fmt: skip
+                        min(
+                            max(sum(w.role is Role.PREFILL for w in ready), slo.min_prefill_replicas),
+                            slo.max_prefill_replicas,
+                        ),
+                        min(
+                            max(sum(w.role is Role.DECODE for w in ready), slo.min_decode_replicas),
+                            slo.max_decode_replicas,
+                        ),
+                    )
                 prefill, decode = sizes
                 deployed = deployed_knobs(slo.model, workers, frontends)
-                planner = Planner(slo, self.profile, self.config, prefill_replicas=prefill, decode_replicas=decode,
-                                  knobs=deployed, knobs_now=stored_knobs.get(slo.model), knob_limits=deployed)  # fmt: skip
+                planner = Planner(
+                    slo,
+                    self.profile,
+                    self.config,
+                    prefill_replicas=prefill,
+                    decode_replicas=decode,
+                    knobs=deployed,
+                    knobs_now=stored_knobs.get(slo.model),
+                    knob_limits=deployed,
+                )
                 self._planners[slo.model] = planner
-                logger.info("planning %s: %d prefill + %d decode replicas now; knobs %s", slo.model, prefill, decode,
-                            planner.knobs)  # fmt: skip
+                logger.info(
+                    "planning %s: %d prefill + %d decode replicas now; knobs %s",
+                    slo.model,
+                    prefill,
+                    decode,
+                    planner.knobs,
+                )
             planner.set_slo(slo)
             before = (planner.prefill_replicas, planner.decode_replicas, planner.knobs)
             obs = observe(slo.model, frontends, workers, planner.knobs, now=now, interval_s=self.config.interval_s)
@@ -149,9 +173,7 @@ class PlannerService:
             del self._planners[model]
         return decisions
 
-    async def _apply(
-        self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]
-    ) -> bool:
+    async def _apply(self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]) -> bool:
         """Resize and retune where the decision differs from ``before``; False if that failed."""
         prefill, decode, knobs = before
         try:

@@ -52,8 +52,10 @@ class AdminPolicy:
         if self._key is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} needs an mTLS client certificate")
         if not sent or not isinstance(sent[0], str) or not sent[0].startswith(_BEARER):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"{what} needs the admin key (authorization: Bearer KEY) or an mTLS client certificate")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{what} needs the admin key (authorization: Bearer KEY) or an mTLS client certificate",
+            )
         assert self._key is not None
         if not hmac.compare_digest(sent[0][len(_BEARER) :].encode(), self._key):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{what}: wrong admin key")

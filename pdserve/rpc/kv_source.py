@@ -17,6 +17,9 @@ def ready_source(
     """The KV of ``worker_id``'s pinned ``block_ids``, to be pulled while ``pin_left_s`` lasts
     (less the margin), and the first token sampled after it."""
     return worker_pb2.KVSource(
-        worker_id=worker_id, peer_info=peer_info, block_ids=block_ids, first_token_id=first_token_id,
+        worker_id=worker_id,
+        peer_info=peer_info,
+        block_ids=block_ids,
+        first_token_id=first_token_id,
         pull_within_s=max(pin_left_s - PULL_MARGIN_S, 0.0),
-    )  # fmt: skip
+    )

@@ -8,9 +8,18 @@ from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
 
 _OPTIONAL_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
-)  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "min_tokens",
+)
 
 
 def sampling_params(options: inference_pb2.SamplingOptions) -> SamplingParams:

@@ -19,9 +19,7 @@ DRAINING = worker_pb2.Refusal.REASON_DRAINING
 KV_SOURCE_FAILED = worker_pb2.Refusal.REASON_KV_SOURCE_FAILED
 
 
-async def refuse(
-    context: grpc.aio.ServicerContext, reason: worker_pb2.Refusal.Reason, details: str
-) -> None:
+async def refuse(context: grpc.aio.ServicerContext, reason: worker_pb2.Refusal.Reason, details: str) -> None:
     """End the call (this raises) with UNAVAILABLE, ``details`` for people and ``reason`` for programs."""
     refusal = worker_pb2.Refusal(reason=reason).SerializeToString()
     await context.abort(grpc.StatusCode.UNAVAILABLE, details, trailing_metadata=((REFUSAL_KEY, refusal),))

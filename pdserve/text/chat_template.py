@@ -55,8 +55,10 @@ def load_chat_template(model_path: str | Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-    raise ValueError(f"{directory / TOKENIZER_CONFIG_FILE}: chat_template is neither a string nor a list "
-                     "of named templates with a 'default'")  # fmt: skip
+    raise ValueError(
+        f"{directory / TOKENIZER_CONFIG_FILE}: chat_template is neither a string nor a list "
+        "of named templates with a 'default'"
+    )
 
 
 def load_special_tokens(model_path: str | Path) -> dict[str, str]:
@@ -109,8 +111,9 @@ def _compile(template: str) -> jinja2.Template:
     return environment.from_string(template)
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False
+) -> str:
     # Jinja2's own tojson escapes HTML characters and non-ASCII text; chat prompts want them as they are.
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 

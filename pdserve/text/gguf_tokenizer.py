@@ -33,6 +33,8 @@ class GGUFTokenizer(NamedTuple):
     backend: tokenizers.Tokenizer
     bos_token_id: int | None
     eos_token_id: int | None
+
+
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _SPLIT_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _SPLIT_TAIL
@@ -88,10 +90,13 @@ def gguf_tokenizer(file: GGUFFile) -> GGUFTokenizer:
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
-    backend.add_tokens([
-        tokenizers.AddedToken(tokens[i], special=token_types[i] == _CONTROL, normalized=False)
-        for i in range(len(tokens)) if token_types[i] in (_CONTROL, _USER_DEFINED)
-    ])  # fmt: skip
+    backend.add_tokens(
+        [
+            tokenizers.AddedToken(tokens[i], special=token_types[i] == _CONTROL, normalized=False)
+            for i in range(len(tokens))
+            if token_types[i] in (_CONTROL, _USER_DEFINED)
+        ]
+    )
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     for key, value in (("bos", bos), ("eos", eos)):
@@ -118,7 +123,12 @@ def gguf_special_tokens(path: str | Path) -> dict[str, str]:
         meta = file.metadata
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     found = {}
-    for variable, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+    for variable, key in (
+        ("bos_token", "bos"),
+        ("eos_token", "eos"),
+        ("unk_token", "unknown"),
+        ("pad_token", "padding"),
+    ):
         index = meta.get(f"tokenizer.ggml.{key}_token_id")
         if index is not None and 0 <= index < len(tokens):
             found[variable] = tokens[index]

@@ -55,42 +55,70 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                 "max_tokens", "an int >= 1", self.max_tokens)
-        _require(_is_real(self.temperature) and self.temperature >= 0,
-                 "temperature", ">= 0 (0 means greedy)", self.temperature)
-        _require(_is_real(self.top_p) and 0 < self.top_p <= 1,
-                 "top_p", "in (0, 1]", self.top_p)
-        _require(_is_int(self.top_k) and self.top_k >= -1,
-                 "top_k", "-1 or 0 (disabled) or an int >= 1", self.top_k)
-        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1,
-                 "min_p", "in [0, 1]", self.min_p)
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1", self.max_tokens)
+        _require(
+            _is_real(self.temperature) and self.temperature >= 0,
+            "temperature",
+            ">= 0 (0 means greedy)",
+            self.temperature,
+        )
+        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (disabled) or an int >= 1", self.top_k)
+        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         # torch.Generator.manual_seed takes at most 64 bits.
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
-                 "seed", "None or an int in [0, 2**64)", self.seed)
+        _require(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+            "seed",
+            "None or an int in [0, 2**64)",
+            self.seed,
+        )
         if isinstance(self.stop, str):
             # A frozen struct cannot normalise the value, so ask for the list instead.
-            raise ValueError(f"stop must be a list of strings, got the bare string "
-                             f"{self.stop!r}; pass [{self.stop!r}]")
-        _require(self.stop is None or (isinstance(self.stop, list)
-                                       and all(isinstance(s, str) and s for s in self.stop)),
-                 "stop", "None or a list of non-empty strings", self.stop)
-        _require(self.stop_token_ids is None
-                 or (isinstance(self.stop_token_ids, list)
-                     and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
-                 "stop_token_ids", "None or a list of ints >= 0", self.stop_token_ids)
+            raise ValueError(f"stop must be a list of strings, got the bare string {self.stop!r}; pass [{self.stop!r}]")
+        _require(
+            self.stop is None or (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop)),
+            "stop",
+            "None or a list of non-empty strings",
+            self.stop,
+        )
+        _require(
+            self.stop_token_ids is None
+            or (isinstance(self.stop_token_ids, list) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
+            "stop_token_ids",
+            "None or a list of ints >= 0",
+            self.stop_token_ids,
+        )
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-                 "min_tokens", f"an int in [0, max_tokens = {self.max_tokens}]", self.min_tokens)
-        _require(self.logprobs is None
-                 or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
-        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
-                 "repetition_penalty", "> 0 (1 disables it)", self.repetition_penalty)
-        _require(_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-                 "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _require(_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-                 "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _require(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"an int in [0, max_tokens = {self.max_tokens}]",
+            self.min_tokens,
+        )
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"None or an int in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
+        _require(
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "> 0 (1 disables it)",
+            self.repetition_penalty,
+        )
+        _require(
+            _is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "in [-2, 2]",
+            self.presence_penalty,
+        )
+        _require(
+            _is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "in [-2, 2]",
+            self.frequency_penalty,
+        )
 
     @property
     def is_greedy(self) -> bool:

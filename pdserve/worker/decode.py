@@ -111,9 +111,12 @@ class DecodeService(WorkerServicer):
         role = KVRole.CONSUMER if source is not None else KVRole.LOCAL
         try:
             stream = await engine_loop.add(
-                request_id, list(request.prompt_token_ids), params, role,
+                request_id,
+                list(request.prompt_token_ids),
+                params,
+                role,
                 generated_token_ids=list(request.generated_token_ids),
-            )  # fmt: skip
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineStopped as exc:  # its worker is failing: another decode worker may take it
@@ -153,8 +156,11 @@ class DecodeService(WorkerServicer):
     ) -> worker_pb2.KVReadyResponse:
         """A pending Decode call's KV is ready: hand it to the call (or keep it for the call)."""
         source = request.kv_source
-        for name, value in (("request_id", request.request_id), ("kv_source.worker_id", source.worker_id),
-                            ("kv_source.block_ids", source.block_ids)):  # fmt: skip
+        for name, value in (
+            ("request_id", request.request_id),
+            ("kv_source.worker_id", source.worker_id),
+            ("kv_source.block_ids", source.block_ids),
+        ):
             if not value:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"KVReady needs {name}")
         return worker_pb2.KVReadyResponse(accepted=self.mailbox.deliver(request.request_id, source))
@@ -171,8 +177,9 @@ class DecodeService(WorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except TimeoutError:
-            await refuse(context, KV_SOURCE_FAILED,
-                         f"{request_id}: no KVReady from {pending.worker_id} within {timeout_s:.0f} s")  # fmt: skip
+            await refuse(
+                context, KV_SOURCE_FAILED, f"{request_id}: no KVReady from {pending.worker_id} within {timeout_s:.0f} s"
+            )
         source = worker_pb2.KVSource()
         source.CopyFrom(ready)
         source.peer_info = pending.peer_info
@@ -184,8 +191,10 @@ class DecodeService(WorkerServicer):
         the stream to another decode worker."""
         engine_loop = self.runtime.engine_loop
         if output.finished and output.finish_reason == "abort" and engine_loop.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode of {output.request_id} on "
-                                f"{self.runtime.worker_id} stopped: {engine_loop.error}")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode of {output.request_id} on {self.runtime.worker_id} stopped: {engine_loop.error}",
+            )
 
     async def _peer(  # type: ignore[return]  # context.abort raises
         self, source: worker_pb2.KVSource, context: grpc.aio.ServicerContext
@@ -233,19 +242,24 @@ class DecodeService(WorkerServicer):
         block_size = self.runtime.engine.kv_cache_spec.block_size
         try:
             stats = await self.puller.pull(
-                request_id, peers, list(source.block_ids), item.block_ids,
+                request_id,
+                peers,
+                list(source.block_ids),
+                item.block_ids,
                 num_cached_blocks=item.num_cached_tokens // block_size,
                 deadline_s=min(remaining, self.puller.deadline_s),
-            )  # fmt: skip
+            )
         except TransferFailed as exc:
             self.runtime.engine_loop.abort(request_id)
             # Typed, so the frontend prefills again elsewhere and keeps this worker for the decode.
             await refuse(context, KV_SOURCE_FAILED, f"KV pull from {source.worker_id} failed: {exc.reason}")
         await self.runtime.engine_loop.kv_received(request_id, source.first_token_id)
         started = worker_pb2.DecodeStarted(
-            num_cached_tokens=item.num_cached_tokens, queue_ms=queue_s * 1e3,
-            kv_transfer_ms=stats.seconds * 1e3, kv_transfer_bytes=stats.num_bytes,
-        )  # fmt: skip
+            num_cached_tokens=item.num_cached_tokens,
+            queue_ms=queue_s * 1e3,
+            kv_transfer_ms=stats.seconds * 1e3,
+            kv_transfer_bytes=stats.num_bytes,
+        )
         return started, stats, None
 
     @staticmethod

@@ -44,7 +44,9 @@ class PrefillService(WorkerServicer):
             on_sent = functools.partial(self.group_sent.rank_sent, 0)
         self.sent = SentReporter(runtime.agent, on_sent, is_wanted=lambda: engine_loop.load.held_requests > 0)
         cluster = runtime.config.cluster_tls
-        self.announcer = KVAnnouncer(runtime.worker_id, runtime.config.hold_s, None if cluster is None else cluster.client)
+        self.announcer = KVAnnouncer(
+            runtime.worker_id, runtime.config.hold_s, None if cluster is None else cluster.client
+        )
         engine_loop.on_produced = self.announcer.produced
 
     async def start(self) -> None:
@@ -65,9 +67,13 @@ class PrefillService(WorkerServicer):
         try:
             params = sampling_params(request.sampling)
             stream = await engine_loop.add(
-                request_id, list(request.prompt_token_ids), params, KVRole.PRODUCER,
-                pin_s=self.runtime.config.hold_s, generated_token_ids=list(request.generated_token_ids),
-            )  # fmt: skip
+                request_id,
+                list(request.prompt_token_ids),
+                params,
+                KVRole.PRODUCER,
+                pin_s=self.runtime.config.hold_s,
+                generated_token_ids=list(request.generated_token_ids),
+            )
         except ValueError as exc:
             self.announcer.forget(request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -91,8 +91,9 @@ class WorkerRuntime:
         self.worker_id = config.id
         self.engine_loop = EngineLoop(engine)
         parallel = engine.parallel
-        self.layout = KVLayout.from_spec(engine.kv_cache_spec, model=config.served_model_name,
-                                         tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)  # fmt: skip
+        self.layout = KVLayout.from_spec(
+            engine.kv_cache_spec, model=config.served_model_name, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank
+        )
         self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
         self.rank_peers: list[PeerInfo] = []  # ranks 1..N-1's agents, published with this one's
         self.failure: str | None = None  # why the worker cannot serve any more, if it cannot
@@ -135,8 +136,12 @@ class WorkerRuntime:
         await self.registration.start()
         logger.info("%s serving %s at %s", self.worker_id, self.config.served_model_name, self.endpoint)
         if self.admin.is_open:
-            logger.warning("%s: its Drain RPC is open to anyone who reaches %s: give the cluster certificates "
-                           "or an admin key to protect it", self.worker_id, self.endpoint)  # fmt: skip
+            logger.warning(
+                "%s: its Drain RPC is open to anyone who reaches %s: give the cluster certificates "
+                "or an admin key to protect it",
+                self.worker_id,
+                self.endpoint,
+            )
 
     def _entry(self) -> WorkerEntry:
         engine = self.engine
@@ -183,8 +188,13 @@ class WorkerRuntime:
             tokens = min(knobs.prefill_chunk_size, tokens)
         seqs = min(seqs, tokens)  # every running request must fit one step's budget
         await self.engine_loop.retune(seqs, tokens)
-        logger.info("%s: scheduler limits now %d sequences, %d tokens a step%s", self.worker_id, seqs, tokens,
-                    "" if knobs is not None else " (start-up settings)")  # fmt: skip
+        logger.info(
+            "%s: scheduler limits now %d sequences, %d tokens a step%s",
+            self.worker_id,
+            seqs,
+            tokens,
+            "" if knobs is not None else " (start-up settings)",
+        )
 
     def fail(self, reason: str) -> None:
         """The worker cannot serve (a rank or its engine is gone): leave the registry and exit

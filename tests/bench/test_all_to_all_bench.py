@@ -15,10 +15,25 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_smoke_run_over_two_ranks_reports_each_exchange():
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "bench.all_to_all", "--smoke", "--json", "--repeats", "3"],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "bench.all_to_all",
+            "--smoke",
+            "--json",
+            "--repeats",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["world_size"] == 2

@@ -18,10 +18,25 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_short_chaos_soak_hangs_nothing_leaks_nothing_and_explains_every_failure():
     run = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "--duration", "60", "--fault-interval", "6",
-         "--concurrency", "4", "--seed", "1", "--json"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.chaos",
+            "--duration",
+            "60",
+            "--fault-interval",
+            "6",
+            "--concurrency",
+            "4",
+            "--seed",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout)
     assert report["sent"] > 0 and report["completed"] > 0

@@ -19,8 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench.cpu_attention", "--layers", "2", "--reps", "1", "--cache-gib", "0.1", *args],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.slow

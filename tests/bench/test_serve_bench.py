@@ -21,8 +21,14 @@ def _stream(index: int, messages: list[tuple[float, int]]) -> RequestResult:
     for at, num_tokens in messages:
         result.on_message(at, num_tokens)
     result.ended_at, result.e2e_ms = messages[-1][0], messages[-1][0] * 1e3
-    result.breakdown = {"disaggregated": False, "queue_ms": 0.0, "prefill_ms": 1.0, "ttft_ms": 1.0,
-                        "kv_transfer_ms": 0.0, "kv_transfer_bytes": 0}  # fmt: skip
+    result.breakdown = {
+        "disaggregated": False,
+        "queue_ms": 0.0,
+        "prefill_ms": 1.0,
+        "ttft_ms": 1.0,
+        "kv_transfer_ms": 0.0,
+        "kv_transfer_bytes": 0,
+    }
     return result
 
 
@@ -52,8 +58,16 @@ def test_goodput_needs_both_slos_and_judges_a_request_by_its_p90_or_mean_itl():
 
 
 def test_the_workload_is_seeded_within_its_ranges_and_shares_prefixes():
-    spec = WorkloadSpec(num_requests=200, num_warmup=3, prompt_len=(40, 60), output_len=(5, 9),
-                        shared_prefix_fraction=0.5, prefix_len=32, num_prefixes=2, seed=3)  # fmt: skip
+    spec = WorkloadSpec(
+        num_requests=200,
+        num_warmup=3,
+        prompt_len=(40, 60),
+        output_len=(5, 9),
+        shared_prefix_fraction=0.5,
+        prefix_len=32,
+        num_prefixes=2,
+        seed=3,
+    )
     warmup, requests = make_requests(spec, vocab_size=1000)
     assert (warmup, requests) == make_requests(spec, vocab_size=1000)
     assert all(40 <= len(r.prompt) <= 60 and 5 <= r.max_tokens <= 9 for r in requests)
@@ -69,12 +83,40 @@ def test_the_workload_is_seeded_within_its_ranges_and_shares_prefixes():
 def test_compare_run_reports_both_deployments_side_by_side(checkpoints):
     path, _ = checkpoints("llama")
     result = subprocess.run(
-        [sys.executable, "-m", "bench.serve", "--model", str(path), "--compare", "--concurrency", "2",
-         "--num-requests", "4", "--warmup", "2", "--prompt-len", "8:40", "--output-len", "3:6",
-         "--shared-prefix-fraction", "0.5", "--prefix-len", "16", "--ttft-slo", "30s", "--itl-slo", "10s",
-         "--max-num-seqs", "8", "--json"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.serve",
+            "--model",
+            str(path),
+            "--compare",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--warmup",
+            "2",
+            "--prompt-len",
+            "8:40",
+            "--output-len",
+            "3:6",
+            "--shared-prefix-fraction",
+            "0.5",
+            "--prefix-len",
+            "16",
+            "--ttft-slo",
+            "30s",
+            "--itl-slo",
+            "10s",
+            "--max-num-seqs",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)  # exactly one JSON object on stdout
     assert report["served_model"]["vocab_size"] == 320 and report["load"]["num_requests"] == 4

@@ -32,8 +32,13 @@ def test_an_option_for_a_field_the_struct_lacks_is_refused_when_it_is_added():
 
 
 def test_a_config_file_reads_back_the_struct_it_was_written_from(tmp_path: Path):
-    config = WorkerConfig(role="prefill", model="/m", etcd="http://e:2379", hold_s=5.0,
-                          engine=EngineConfig(max_num_seqs=8, kernels="torch", enable_prefix_caching=False))  # fmt: skip
+    config = WorkerConfig(
+        role="prefill",
+        model="/m",
+        etcd="http://e:2379",
+        hold_s=5.0,
+        engine=EngineConfig(max_num_seqs=8, kernels="torch", enable_prefix_caching=False),
+    )
     path = tmp_path / "worker.json"
     path.write_bytes(msgspec.json.encode(config))
     assert read_config(str(path), WorkerConfig) == config
@@ -42,15 +47,19 @@ def test_a_config_file_reads_back_the_struct_it_was_written_from(tmp_path: Path)
 @pytest.mark.parametrize(
     ("content", "error"),
     [
-        (b'{"role": "prefill", "model": "/m", "etcd": "e", "engine": {"max_num_seqs": "many"}}',
-         "Expected `int`, got `str` - at `$.engine.max_num_seqs`"),
-        (b'{"role": "prefill", "model": "/m", "etcd": "e", "engine": {"max_num_seqs": 0}}',
-         "max_num_seqs must be >= 1, got 0 - at `$.engine`"),
+        (
+            b'{"role": "prefill", "model": "/m", "etcd": "e", "engine": {"max_num_seqs": "many"}}',
+            "Expected `int`, got `str` - at `$.engine.max_num_seqs`",
+        ),
+        (
+            b'{"role": "prefill", "model": "/m", "etcd": "e", "engine": {"max_num_seqs": 0}}',
+            "max_num_seqs must be >= 1, got 0 - at `$.engine`",
+        ),
         (b'{"role": "prefill", "model": "/m", "etcd": "e", "lease_ttl": 3}', "unknown field `lease_ttl`"),
         (b'{"role": "prefill", "model": "/m"}', "missing required field `etcd`"),
         (b"{not json", "malformed"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_config_file_is_refused_naming_the_file_and_the_field(tmp_path: Path, content: bytes, error: str):
     path = tmp_path / "worker.json"
     path.write_bytes(content)
@@ -74,15 +83,18 @@ def test_the_kv_cache_dtype_option_sets_the_engine_field():
         parser.parse_args(["--kv-cache-dtype", "int8"])
 
 
-@pytest.mark.parametrize("argv, dest", [
-    (["decode", "--model", "/m", "--lease-ttl", "{}"], "WorkerConfig.lease_ttl_s"),
-    (["prefill", "--model", "/m", "--hold", "{}"], "WorkerConfig.hold_s"),
-    (["frontend", "--request-timeout", "{}"], "FrontendConfig.request_timeout_s"),
-    (["up", "--restart-backoff", "{}"], "restart_backoff"),
-    (["status", "--interval", "{}"], "interval"),
-    (["drain", "w-1", "--timeout", "{}"], "timeout"),
-    (["slo", "set", "--model", "m", "--ttft-p90", "{}"], "ttft_p90"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, dest",
+    [
+        (["decode", "--model", "/m", "--lease-ttl", "{}"], "WorkerConfig.lease_ttl_s"),
+        (["prefill", "--model", "/m", "--hold", "{}"], "WorkerConfig.hold_s"),
+        (["frontend", "--request-timeout", "{}"], "FrontendConfig.request_timeout_s"),
+        (["up", "--restart-backoff", "{}"], "restart_backoff"),
+        (["status", "--interval", "{}"], "interval"),
+        (["drain", "w-1", "--timeout", "{}"], "timeout"),
+        (["slo", "set", "--model", "m", "--ttft-p90", "{}"], "ttft_p90"),
+    ],
+)
 def test_every_duration_option_reads_one_grammar(argv: list[str], dest: str) -> None:
     from pdserve.cli import build_parser
 
@@ -98,4 +110,9 @@ def test_generate_takes_its_sampling_defaults_from_sampling_params() -> None:
     args = build_parser("generate").parse_args(["generate", "--target", "127.0.0.1:1", "--prompt", "hi"])
     default = SamplingParams()
     assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p) == (
-        default.max_tokens, default.temperature, default.top_p, default.top_k, default.min_p)  # fmt: skip
+        default.max_tokens,
+        default.temperature,
+        default.top_p,
+        default.top_k,
+        default.min_p,
+    )

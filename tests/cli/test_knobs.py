@@ -24,15 +24,25 @@ def _cleanup(etcd_url: str, model: str) -> None:
 
 
 def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_url: str, model: str) -> None:
-    decode = msgspec.structs.replace(make_entry(model, f"d-{model}", "decode"), max_num_seqs=32,
-                                     max_num_batched_tokens=512)  # fmt: skip
+    decode = msgspec.structs.replace(
+        make_entry(model, f"d-{model}", "decode"), max_num_seqs=32, max_num_batched_tokens=512
+    )
     prefill = msgspec.structs.replace(make_entry(model, f"p-{model}", "prefill"), max_num_batched_tokens=1024)
 
     async def scenario():
         async with registered(etcd_url, decode, prefill):
             before = await pdserve_async("knobs", "show", "--model", model, "--json", etcd=etcd_url)
-            stored = await pdserve_async("knobs", "set", "--model", model, "--decode-max-num-seqs", "64",
-                                         "--local-prefill-threshold", "128", etcd=etcd_url)  # fmt: skip
+            stored = await pdserve_async(
+                "knobs",
+                "set",
+                "--model",
+                model,
+                "--decode-max-num-seqs",
+                "64",
+                "--local-prefill-threshold",
+                "128",
+                etcd=etcd_url,
+            )
             after = await pdserve_async("knobs", "show", "--model", model, "--json", etcd=etcd_url)
             table = await pdserve_async("knobs", "show", etcd=etcd_url)
             reset = await pdserve_async("knobs", "reset", "--model", model, etcd=etcd_url)
@@ -45,10 +55,13 @@ def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_
         _cleanup(etcd_url, model)
     assert before.returncode == 0, before.stderr
     assert json.loads(before.stdout) == {
-        "model": model, "source": "start-up", "decode_max_num_seqs": 32, "decode_max_num_batched_tokens": 512,
+        "model": model,
+        "source": "start-up",
+        "decode_max_num_seqs": 32,
+        "decode_max_num_batched_tokens": 512,
         "prefill_chunk_size": 1024,
         "local_prefill_threshold_tokens": LOCAL_PREFILL_THRESHOLD_TOKENS,  # no frontend reports one: the default
-    }  # fmt: skip
+    }
     assert stored.returncode == 0, stored.stderr
     assert "decode_max_num_seqs 64 is capped at 32 on decode workers" in stored.stdout
     shown = json.loads(after.stdout)
@@ -62,9 +75,20 @@ def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_
 def test_bad_values_and_empty_sets_are_refused_naming_the_field(etcd_url: str, model: str) -> None:
     bad = pdserve("knobs", "set", "--model", model, "--decode-max-num-seqs", "0", etcd=etcd_url)
     assert bad.returncode == 2 and "decode_max_num_seqs must be >= 1" in bad.stderr
-    budget = pdserve("knobs", "set", "--model", model, "--decode-max-num-seqs", "64",
-                     "--decode-max-num-batched-tokens", "8", etcd=etcd_url)  # fmt: skip
-    assert budget.returncode == 2 and "decode_max_num_batched_tokens (8) must be >= decode_max_num_seqs" in budget.stderr
+    budget = pdserve(
+        "knobs",
+        "set",
+        "--model",
+        model,
+        "--decode-max-num-seqs",
+        "64",
+        "--decode-max-num-batched-tokens",
+        "8",
+        etcd=etcd_url,
+    )
+    assert (
+        budget.returncode == 2 and "decode_max_num_batched_tokens (8) must be >= decode_max_num_seqs" in budget.stderr
+    )
     empty = pdserve("knobs", "set", "--model", model, etcd=etcd_url)
     assert empty.returncode == 2 and "nothing to set" in empty.stderr
     missing = pdserve("knobs", "reset", "--model", model, etcd=etcd_url)

@@ -44,10 +44,19 @@ async def pdserve_async(*args: str, etcd: str) -> subprocess.CompletedProcess:
 
 def make_entry(model: str, worker_id: str, role: str, endpoint: str = "127.0.0.1:50051") -> WorkerEntry:
     return WorkerEntry(
-        worker_id=worker_id, role=role, model=model, model_path="/models/tiny", endpoint=endpoint, nixl=b"\x00nixl",
-        block_size=16, num_kv_blocks=100, max_model_len=2048, vocab_size=320, max_num_seqs=64,
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        model_path="/models/tiny",
+        endpoint=endpoint,
+        nixl=b"\x00nixl",
+        block_size=16,
+        num_kv_blocks=100,
+        max_model_len=2048,
+        vocab_size=320,
+        max_num_seqs=64,
         started_at=time.time() - 75,
-    )  # fmt: skip
+    )
 
 
 @asynccontextmanager
@@ -83,8 +92,16 @@ def test_slo_set_then_show_round_trips(etcd_url: str, model: str) -> None:
     # Flags not given keep their stored values.
     changed = pdserve("slo", "set", "--model", model, "--max-decode", "16", "--e2e-p90", "20s", "--json", etcd=etcd_url)
     assert changed.returncode == 0, changed.stderr
-    expected = {"model": model, "ttft_p90_s": 0.5, "itl_p90_s": 0.03, "e2e_p90_s": 20.0, "min_prefill_replicas": 1,
-                "max_prefill_replicas": 8, "min_decode_replicas": 1, "max_decode_replicas": 16}  # fmt: skip
+    expected = {
+        "model": model,
+        "ttft_p90_s": 0.5,
+        "itl_p90_s": 0.03,
+        "e2e_p90_s": 20.0,
+        "min_prefill_replicas": 1,
+        "max_prefill_replicas": 8,
+        "min_decode_replicas": 1,
+        "max_decode_replicas": 16,
+    }
     assert json.loads(changed.stdout) == expected
 
     one = pdserve("slo", "show", "--model", model, "--json", etcd=etcd_url)
@@ -114,8 +131,21 @@ def test_slo_set_refuses_bad_input_with_a_clear_line(etcd_url: str, model: str) 
     assert incomplete.returncode == 2
     assert f"model {model!r} has no targets yet: --ttft-p90 required" in incomplete.stderr
 
-    bounds = pdserve("slo", "set", "--model", model, "--ttft-p90", "1s", "--itl-p90", "30ms", "--min-decode", "4",
-                     "--max-decode", "2", etcd=etcd_url)  # fmt: skip
+    bounds = pdserve(
+        "slo",
+        "set",
+        "--model",
+        model,
+        "--ttft-p90",
+        "1s",
+        "--itl-p90",
+        "30ms",
+        "--min-decode",
+        "4",
+        "--max-decode",
+        "2",
+        etcd=etcd_url,
+    )
     assert bounds.returncode == 2 and "max_decode_replicas (2) must be >= min_decode_replicas (4)" in bounds.stderr
     assert pdserve("slo", "show", "--model", model, etcd=etcd_url).returncode == 1  # nothing was stored
 
@@ -173,16 +203,29 @@ def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etc
     window = RollingWindow(60.0)
     now = time.time()
     for i in range(20):  # TTFT 100..290 ms (p50 190 ms, p90 270 ms); ITL 40 ms (p90 over a 30 ms target)
-        window.record(model, now - 5, ttft_s=0.1 + i / 100, itl_s=[0.04] * 9, e2e_s=1.0, prompt_tokens=100,
-                      output_tokens=10)  # fmt: skip
+        window.record(
+            model, now - 5, ttft_s=0.1 + i / 100, itl_s=[0.04] * 9, e2e_s=1.0, prompt_tokens=100, output_tokens=10
+        )
     # The planner's published Decision, as JSON (status reads it field by field).
-    decision = msgspec.json.encode({
-        "model": model, "time": now - 12, "prefill_replicas": 1, "decode_replicas": 3,
-        "knobs": {"decode_max_num_seqs": 64, "decode_max_num_batched_tokens": 2048, "prefill_chunk_size": 2048,
-                  "local_prefill_threshold_tokens": 0},
-        "reasons": ["predicted ITL p90 41ms > target 30ms at 2.0 req/s peak, 1.5 mean: decode 2→3"], "rate": 1.5,
-        "peak_rate": 2.0, "predicted_ttft_p90_s": 0.2, "predicted_itl_p90_s": 0.025,
-    })  # fmt: skip
+    decision = msgspec.json.encode(
+        {
+            "model": model,
+            "time": now - 12,
+            "prefill_replicas": 1,
+            "decode_replicas": 3,
+            "knobs": {
+                "decode_max_num_seqs": 64,
+                "decode_max_num_batched_tokens": 2048,
+                "prefill_chunk_size": 2048,
+                "local_prefill_threshold_tokens": 0,
+            },
+            "reasons": ["predicted ITL p90 41ms > target 30ms at 2.0 req/s peak, 1.5 mean: decode 2→3"],
+            "rate": 1.5,
+            "peak_rate": 2.0,
+            "predicted_ttft_p90_s": 0.2,
+            "predicted_itl_p90_s": 0.025,
+        }
+    )
     prefill = make_entry(model, f"prefill-{model[-8:]}", "prefill")
     decodes = [make_entry(model, f"decode-{i}-{model[-8:]}", "decode") for i in range(2)]
     load = EngineLoad(running=5, waiting=1, kv_blocks_used=50, kv_blocks_total=100)
@@ -291,10 +334,29 @@ def test_drain_stops_a_real_decode_worker(etcd_url: str, model: str, checkpoints
     worker_id = f"decode-{model[-8:]}"
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ETCD"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "decode", "--model", str(path), "--model-name", model, "--etcd", etcd_url,
-         "--worker-id", worker_id, "--num-threads", "1", "--kv-cache-memory", "16M"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "decode",
+            "--model",
+            str(path),
+            "--model-name",
+            model,
+            "--etcd",
+            etcd_url,
+            "--worker-id",
+            worker_id,
+            "--num-threads",
+            "1",
+            "--kv-cache-memory",
+            "16M",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
 
         async def wait_registered() -> None:

@@ -29,8 +29,13 @@ from tests.utils.certs import CertificateAuthority
 def pdserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m pdserve ARGS``, with no $PDSERVE_ETCD* inherited, and ``env`` added."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_ETCD")}
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=60,
-                          env={**base, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
 
 
 def tls_options(etcd: SecureEtcd, common_name: str | None = None) -> list[str]:
@@ -41,7 +46,9 @@ def tls_options(etcd: SecureEtcd, common_name: str | None = None) -> list[str]:
 def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, model):
     operator = [*tls_options(secure_etcd), "--etcd-user", "operator"]
     password = {"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD}
-    stored = pdserve("slo", "set", "--model", model, "--ttft-p90", "400ms", "--itl-p90", "20ms", *operator, env=password)
+    stored = pdserve(
+        "slo", "set", "--model", model, "--ttft-p90", "400ms", "--itl-p90", "20ms", *operator, env=password
+    )
     assert stored.returncode == 0, stored.stderr
     shown = pdserve("slo", "show", "--model", model, "--json", *operator, env=password)
     assert shown.returncode == 0 and model in shown.stdout, shown.stderr
@@ -50,9 +57,14 @@ def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, mode
     status = pdserve("status", "--model", model, "--json", *operator, env=password)
     assert status.returncode == 0 and model in status.stdout, status.stderr
     # The certificate and the user may come from the environment too.
-    by_env = {"PDSERVE_ETCD": secure_etcd.url, "PDSERVE_ETCD_CACERT": secure_etcd.ca.ca,
-              "PDSERVE_ETCD_CERT": secure_etcd.client.cert, "PDSERVE_ETCD_KEY": secure_etcd.client.key,
-              "PDSERVE_ETCD_USER": "operator", **password}  # fmt: skip
+    by_env = {
+        "PDSERVE_ETCD": secure_etcd.url,
+        "PDSERVE_ETCD_CACERT": secure_etcd.ca.ca,
+        "PDSERVE_ETCD_CERT": secure_etcd.client.cert,
+        "PDSERVE_ETCD_KEY": secure_etcd.client.key,
+        "PDSERVE_ETCD_USER": "operator",
+        **password,
+    }
     drained = pdserve("drain", "no-such-worker", env=by_env)
     assert drained.returncode == 1 and "no worker 'no-such-worker' in the registry" in drained.stderr, drained.stderr
 
@@ -65,8 +77,9 @@ def test_without_credentials_the_commands_fail_naming_what_is_missing(secure_etc
     assert "--etcd-user" in no_user.stderr
     wrong = pdserve(*slo, *tls_options(secure_etcd), "--etcd-user", "operator", env={"PDSERVE_ETCD_PASSWORD": "no"})
     assert wrong.returncode == 1 and "authentication failed" in wrong.stderr, wrong.stderr
-    no_tls = pdserve(*slo, "--etcd", secure_etcd.url, "--etcd-user", "operator",
-                     env={"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD})  # fmt: skip
+    no_tls = pdserve(
+        *slo, "--etcd", secure_etcd.url, "--etcd-user", "operator", env={"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD}
+    )
     assert no_tls.returncode == 1 and "TLS failed" in no_tls.stderr and "--etcd-cacert" in no_tls.stderr
     # A worker's certificate is known to etcd, but its role grants no SLO writes.
     as_worker = pdserve(*slo, *tls_options(secure_etcd, "pdserve-worker"))
@@ -83,10 +96,29 @@ def test_a_worker_with_an_admin_key_drains_only_for_it(etcd_url, model, checkpoi
     worker_id = f"decode-{model[-8:]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "decode", "--model", str(path), "--model-name", model, "--etcd", etcd_url,
-         "--worker-id", worker_id, "--num-threads", "1", "--kv-cache-memory", "16M"],
-        env={**env, "PDSERVE_ADMIN_KEY": "drain-key"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "decode",
+            "--model",
+            str(path),
+            "--model-name",
+            model,
+            "--etcd",
+            etcd_url,
+            "--worker-id",
+            worker_id,
+            "--num-threads",
+            "1",
+            "--kv-cache-memory",
+            "16M",
+        ],
+        env={**env, "PDSERVE_ADMIN_KEY": "drain-key"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         run_scenario(wait_registered(etcd_url, worker_id, process))
         drain = ["drain", worker_id, "--etcd", etcd_url, "--wait", "--timeout", "30s"]
@@ -130,9 +162,21 @@ def test_the_security_options_fill_the_configs_with_absolute_paths(tmp_path, mon
     assert worker.cluster_tls == member and worker.admin_key == "k"
     assert worker.etcd_auth == EtcdAuth(tls=ClientTLS(ca=ca.ca), user="u", password="p")
     api = ca.server_tls("api")
-    frontend = frontend_config(build_parser().parse_args(
-        ["frontend", "--tls-cert", "c-api.pem", "--tls-key", "c-api-key.pem", "--tls-client-ca", "c-ca.pem", *cluster]
-    ), "http://e")  # fmt: skip
+    frontend = frontend_config(
+        build_parser().parse_args(
+            [
+                "frontend",
+                "--tls-cert",
+                "c-api.pem",
+                "--tls-key",
+                "c-api-key.pem",
+                "--tls-client-ca",
+                "c-ca.pem",
+                *cluster,
+            ]
+        ),
+        "http://e",
+    )
     assert frontend.tls == ServerTLS(cert=api.cert, key=api.key, client_ca=ca.ca) and frontend.cluster_tls == member
 
 

@@ -34,8 +34,9 @@ def _parse(*argv: str):
 
 def _pdserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_ETCD"}
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_a_worker_given_no_options_has_the_structs_defaults():
@@ -46,19 +47,69 @@ def test_a_worker_given_no_options_has_the_structs_defaults():
 
 def test_every_worker_option_sets_its_field():
     args = _parse(
-        "prefill", "--model", "/m", "--etcd", "http://e", "--model-name", "llama", "--host", "0.0.0.0",
-        "--port", "7001", "--advertise-host", "node-1", "--worker-id", "p-1", "--lease-ttl", "3s",
-        "--drain-timeout", "500ms", "--hold", "10s", "--num-threads", "2", "--metrics-port", "-1",
-        "--dtype", "bfloat16", "--kernels", "torch", "--kv-cache-memory", "1G", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "512", "--max-model-len", "256", "--no-prefix-caching",
-    )  # fmt: skip
+        "prefill",
+        "--model",
+        "/m",
+        "--etcd",
+        "http://e",
+        "--model-name",
+        "llama",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "7001",
+        "--advertise-host",
+        "node-1",
+        "--worker-id",
+        "p-1",
+        "--lease-ttl",
+        "3s",
+        "--drain-timeout",
+        "500ms",
+        "--hold",
+        "10s",
+        "--num-threads",
+        "2",
+        "--metrics-port",
+        "-1",
+        "--dtype",
+        "bfloat16",
+        "--kernels",
+        "torch",
+        "--kv-cache-memory",
+        "1G",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-model-len",
+        "256",
+        "--no-prefix-caching",
+    )
     assert worker_config(args) == WorkerConfig(
-        role="prefill", model="/m", etcd="http://e", model_name="llama", host="0.0.0.0", port=7001,
-        advertise_host="node-1", worker_id="p-1", lease_ttl_s=3.0, drain_timeout_s=0.5, hold_s=10.0, num_threads=2,
+        role="prefill",
+        model="/m",
+        etcd="http://e",
+        model_name="llama",
+        host="0.0.0.0",
+        port=7001,
+        advertise_host="node-1",
+        worker_id="p-1",
+        lease_ttl_s=3.0,
+        drain_timeout_s=0.5,
+        hold_s=10.0,
+        num_threads=2,
         metrics_port=None,
-        engine=EngineConfig(dtype="bfloat16", kernels="torch", kv_cache_memory=2**30, max_num_seqs=8,
-                            max_num_batched_tokens=512, max_model_len=256, enable_prefix_caching=False),
-    )  # fmt: skip
+        engine=EngineConfig(
+            dtype="bfloat16",
+            kernels="torch",
+            kv_cache_memory=2**30,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            max_model_len=256,
+            enable_prefix_caching=False,
+        ),
+    )
 
 
 def test_tensor_parallel_size_sets_the_workers_parallel_config():
@@ -73,15 +124,39 @@ def test_tensor_parallel_size_sets_the_workers_parallel_config():
 def test_every_frontend_option_sets_its_field_and_the_thresholds_former_name_still_works():
     assert frontend_config(_parse("frontend"), "http://e") == FrontendConfig(etcd="http://e")
     args = _parse(
-        "frontend", "--host", "0.0.0.0", "--port", "0", "--disaggregation", "always",
-        "--local-prefill-threshold", "16", "--prefill-saturation-tokens", "100", "--max-queued-requests", "7",
-        "--request-timeout", "30s", "--tokenizer", "/t", "--metrics-port", "9100", "--stats-window", "2s",
-    )  # fmt: skip
+        "frontend",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--disaggregation",
+        "always",
+        "--local-prefill-threshold",
+        "16",
+        "--prefill-saturation-tokens",
+        "100",
+        "--max-queued-requests",
+        "7",
+        "--request-timeout",
+        "30s",
+        "--tokenizer",
+        "/t",
+        "--metrics-port",
+        "9100",
+        "--stats-window",
+        "2s",
+    )
     assert frontend_config(args, "http://e") == FrontendConfig(
-        etcd="http://e", host="0.0.0.0", port=0, max_queued_requests=7, request_timeout_s=30.0, tokenizer="/t",
-        metrics_port=9100, stats_window_s=2.0,
+        etcd="http://e",
+        host="0.0.0.0",
+        port=0,
+        max_queued_requests=7,
+        request_timeout_s=30.0,
+        tokenizer="/t",
+        metrics_port=9100,
+        stats_window_s=2.0,
         router=RouterConfig(disaggregation="always", local_prefill_threshold_tokens=16, prefill_saturation_tokens=100),
-    )  # fmt: skip
+    )
     former = frontend_config(_parse("frontend", "--local-prefill-tokens", "24"), "http://e")
     assert former.router.local_prefill_threshold_tokens == 24
 
@@ -113,7 +188,9 @@ def _write(path: Path, config: msgspec.Struct) -> str:
 def test_a_config_file_comes_alone_and_for_its_own_role(tmp_path: Path):
     config = _write(tmp_path / "prefill.json", WorkerConfig(role="prefill", model=str(tmp_path), etcd="http://e"))
     wrong_role = _pdserve("decode", "--config", config)
-    assert wrong_role.returncode == 2 and "configures a prefill worker; run it with `pdserve prefill`" in wrong_role.stderr
+    assert (
+        wrong_role.returncode == 2 and "configures a prefill worker; run it with `pdserve prefill`" in wrong_role.stderr
+    )
     beside = _pdserve("prefill", "--config", config, "--max-num-seqs", "8", "--etcd", "http://other")
     assert beside.returncode == 2
     assert f"--config {config} is the whole configuration: set max_num_seqs, etcd in it" in beside.stderr
@@ -123,8 +200,16 @@ def test_a_config_file_comes_alone_and_for_its_own_role(tmp_path: Path):
 
 def test_a_bad_config_file_fails_naming_the_field_before_anything_starts(tmp_path: Path):
     bad = tmp_path / "worker.json"
-    bad.write_text(json.dumps({"role": "prefill", "model": str(tmp_path), "etcd": "http://e",
-                               "engine": {"max_num_batched_tokens": "lots"}}))  # fmt: skip
+    bad.write_text(
+        json.dumps(
+            {
+                "role": "prefill",
+                "model": str(tmp_path),
+                "etcd": "http://e",
+                "engine": {"max_num_batched_tokens": "lots"},
+            }
+        )
+    )
     result = _pdserve("prefill", "--config", str(bad))
     assert result.returncode == 2
     assert "`$.engine.max_num_batched_tokens`" in result.stderr and "Traceback" not in result.stderr
@@ -134,9 +219,15 @@ def test_a_frontend_started_from_a_config_file_serves_with_it(tmp_path: Path, et
     # The router's threshold is what the frontend publishes in etcd: proof the file's settings arrived.
     threshold = 40 + uuid.uuid4().int % 1000
     router = RouterConfig(local_prefill_threshold_tokens=threshold)
-    config = _write(tmp_path / "frontend.json", FrontendConfig(etcd=etcd_url, port=0, http_port=0, metrics_port=None, router=router))
-    process = subprocess.Popen([sys.executable, "-m", "pdserve", "frontend", "--config", config],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    config = _write(
+        tmp_path / "frontend.json", FrontendConfig(etcd=etcd_url, port=0, http_port=0, metrics_port=None, router=router)
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "frontend", "--config", config],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert process.stdout is not None
         lines = []

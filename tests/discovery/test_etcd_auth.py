@@ -111,11 +111,21 @@ def test_a_connection_idle_past_its_token_signs_in_again(tmp_path):
     # fails, and the connection's next use dials and signs in afresh.
     ca = CertificateAuthority(tmp_path, "etcd")
     cert, probe = ca.issue("etcd", ips=("127.0.0.1",)), ca.issue("root")
-    server = EtcdServer(tmp_path, EtcdTLS(cert=cert.cert, key=cert.key, ca=ca.ca, probe_cert=probe.cert,
-                                          probe_key=probe.key), extra_args=("--auth-token-ttl=1",)).start()  # fmt: skip
+    server = EtcdServer(
+        tmp_path,
+        EtcdTLS(cert=cert.cert, key=cert.key, ca=ca.ca, probe_cert=probe.cert, probe_key=probe.key),
+        extra_args=("--auth-token-ttl=1",),
+    ).start()
     try:
-        run_scenario(enable_auth(server.url.removeprefix("https://"), ClientTLS(ca=ca.ca, cert=probe.cert,
-                                 key=probe.key), "root-pw", {"operator": ("pw", "pdserve-operator")}), 30)  # fmt: skip
+        run_scenario(
+            enable_auth(
+                server.url.removeprefix("https://"),
+                ClientTLS(ca=ca.ca, cert=probe.cert, key=probe.key),
+                "root-pw",
+                {"operator": ("pw", "pdserve-operator")},
+            ),
+            30,
+        )
 
         async def main() -> list[str]:
             etcd = EtcdConnection(server.url, auth=EtcdAuth(tls=ca.client_tls("x"), user="operator", password="pw"))

@@ -60,16 +60,26 @@ def test_a_bad_stored_value_is_an_error_naming_the_key_and_is_skipped_in_lists(e
 
 def test_deployed_knobs_are_the_tightest_start_up_budgets_of_each_pool() -> None:
     def worker(worker_id: str, role: str, seqs: int, tokens: int):
-        return msgspec.structs.replace(make_entry("m", worker_id, role), max_num_seqs=seqs, max_num_batched_tokens=tokens)
+        return msgspec.structs.replace(
+            make_entry("m", worker_id, role), max_num_seqs=seqs, max_num_batched_tokens=tokens
+        )
 
-    workers = [worker("d1", "decode", 32, 1024), worker("d2", "decode", 16, 2048), worker("p1", "prefill", 64, 4096),
-               worker("other", "decode", 1, 1)]  # fmt: skip
+    workers = [
+        worker("d1", "decode", 32, 1024),
+        worker("d2", "decode", 16, 2048),
+        worker("p1", "prefill", 64, 4096),
+        worker("other", "decode", 1, 1),
+    ]
     workers[-1] = msgspec.structs.replace(workers[-1], model="another")
-    frontends = [FrontendStats(frontend_id="a", updated_at=0.0, local_prefill_tokens=128),
-                 FrontendStats(frontend_id="b", updated_at=0.0, local_prefill_tokens=None)]  # fmt: skip
+    frontends = [
+        FrontendStats(frontend_id="a", updated_at=0.0, local_prefill_tokens=128),
+        FrontendStats(frontend_id="b", updated_at=0.0, local_prefill_tokens=None),
+    ]
     assert deployed_knobs("m", workers, frontends) == Knobs(
-        decode_max_num_seqs=16, decode_max_num_batched_tokens=1024, prefill_chunk_size=4096,
+        decode_max_num_seqs=16,
+        decode_max_num_batched_tokens=1024,
+        prefill_chunk_size=4096,
         local_prefill_threshold_tokens=128,
-    )  # fmt: skip
+    )
     assert deployed_knobs("m", workers, frontends[1:]).local_prefill_threshold_tokens == 0  # none conditional
     assert deployed_knobs("nobody", workers, []) == Knobs()

@@ -49,8 +49,10 @@ def test_a_registered_worker_is_routable_within_milliseconds(etcd_url: str) -> N
         return delays
 
     delays = run_scenario(body())
-    print(f"registered -> in the view: median {statistics.median(delays) * 1000:.1f} ms, "
-          f"max {max(delays) * 1000:.1f} ms over {len(delays)}")  # fmt: skip
+    print(
+        f"registered -> in the view: median {statistics.median(delays) * 1000:.1f} ms, "
+        f"max {max(delays) * 1000:.1f} ms over {len(delays)}"
+    )
     assert max(delays) < APPEAR_BOUND_S
 
 
@@ -72,8 +74,7 @@ def test_a_follower_resumes_after_an_etcd_restart_or_lists_afresh_after_data_los
         etcd = EtcdConnection(etcd_server.url, 1.0)
         watched = WatchedRange.prefix("/t/")
         recorder = _Recorder()
-        follower = Follower(etcd, [watched], recorder, name="test", logger=logging.getLogger(__name__),
-                            probe_s=0.2)  # fmt: skip
+        follower = Follower(etcd, [watched], recorder, name="test", logger=logging.getLogger(__name__), probe_s=0.2)
         client = await connect(etcd_server.url)
         for i in range(30):  # a revision well past where a wiped etcd starts again
             await client.put(b"/other", str(i).encode())

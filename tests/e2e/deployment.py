@@ -114,15 +114,34 @@ class Deployment:
         self.etcd = etcd
         self.etcd_auth = etcd_auth
         self.model_name = model_name
-        worker = WorkerConfig(role="prefill", model=model, etcd=etcd, model_name=model_name, lease_ttl_s=3.0,
-                              num_threads=1, **(worker_fields or {}))  # fmt: skip
-        frontend = FrontendConfig(etcd=etcd, port=0, http_port=0, api_keys=list(api_keys),
-                                  router=RouterConfig(disaggregation=disaggregation), **(frontend_fields or {}))  # fmt: skip
-        self.cluster = LocalCluster(ClusterSpec(
-            prefill=msgspec.structs.replace(worker, **(prefill_fields or {})),
-            decode=msgspec.structs.replace(worker, role="decode", **(decode_fields or {})),
-            frontend=frontend, etcd=etcd, start_timeout_s=120, stop_timeout_s=30, restart=restart,
-        ))  # fmt: skip
+        worker = WorkerConfig(
+            role="prefill",
+            model=model,
+            etcd=etcd,
+            model_name=model_name,
+            lease_ttl_s=3.0,
+            num_threads=1,
+            **(worker_fields or {}),
+        )
+        frontend = FrontendConfig(
+            etcd=etcd,
+            port=0,
+            http_port=0,
+            api_keys=list(api_keys),
+            router=RouterConfig(disaggregation=disaggregation),
+            **(frontend_fields or {}),
+        )
+        self.cluster = LocalCluster(
+            ClusterSpec(
+                prefill=msgspec.structs.replace(worker, **(prefill_fields or {})),
+                decode=msgspec.structs.replace(worker, role="decode", **(decode_fields or {})),
+                frontend=frontend,
+                etcd=etcd,
+                start_timeout_s=120,
+                stop_timeout_s=30,
+                restart=restart,
+            )
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -133,8 +152,9 @@ class Deployment:
         if client_tls is None:
             self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         else:
-            self.channel = grpc.secure_channel(f"127.0.0.1:{self.port}", client_tls.grpc_credentials(),
-                                               options=client_tls.grpc_options())  # fmt: skip
+            self.channel = grpc.secure_channel(
+                f"127.0.0.1:{self.port}", client_tls.grpc_credentials(), options=client_tls.grpc_options()
+            )
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
 
     def run(self, coro: Any, timeout: float = 60) -> Any:
@@ -182,8 +202,11 @@ class Deployment:
                     m = self.worker_metrics(entry)
                 except OSError:
                     continue
-                found[entry.worker_id] = (m["pdserve_kv_blocks_used"], m["pdserve_held_requests"],
-                                          m["pdserve_running_requests"])  # fmt: skip
+                found[entry.worker_id] = (
+                    m["pdserve_kv_blocks_used"],
+                    m["pdserve_held_requests"],
+                    m["pdserve_running_requests"],
+                )
             return found
 
         deadline = time.monotonic() + timeout
@@ -254,8 +277,9 @@ class Frontend:
     def __init__(self, etcd: str, *args: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "frontend", "--etcd", etcd, "--port", "0", "--http-port", "0", *args],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.process.stdout is not None
         for line in self.process.stdout:
             if "listening on" in line:
@@ -279,8 +303,13 @@ class UpProcess:
     nobody reads would block ``up`` once full) and kept, so that a failure can show it all."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.lines: list[str] = []
         self._is_up = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 from pdserve.v1 import inference_pb2
 
 _ANY_NUMBER = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True))
-_JUNK = st.one_of(st.none(), st.booleans(), _ANY_NUMBER, st.text(max_size=20), st.lists(st.integers(), max_size=3),
-                  st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))  # fmt: skip
+_JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    _ANY_NUMBER,
+    st.text(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
 
 
 def _maybe(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -44,19 +50,38 @@ def _sampling_fields(model: str, vocab: int) -> dict[str, st.SearchStrategy[Any]
 
 
 def completion_bodies(model: str, vocab: int) -> st.SearchStrategy[Any]:
-    prompt = _maybe(st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), _token_ids(vocab),
-                              st.lists(_token_ids(vocab), max_size=3)))  # fmt: skip
+    prompt = _maybe(
+        st.one_of(
+            st.text(max_size=40),
+            st.lists(st.text(max_size=10), max_size=3),
+            _token_ids(vocab),
+            st.lists(_token_ids(vocab), max_size=3),
+        )
+    )
     fields = {**_sampling_fields(model, vocab), "echo": _maybe(st.booleans()), "logprobs": _maybe(st.integers(-1, 3))}
     return st.one_of(st.fixed_dictionaries({"prompt": prompt}, optional=fields), _JUNK)
 
 
 def chat_bodies(model: str, vocab: int) -> st.SearchStrategy[Any]:
-    content = _maybe(st.one_of(st.text(max_size=40), st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": _maybe(st.text(max_size=10))}), max_size=2)))  # fmt: skip
-    message = _maybe(st.fixed_dictionaries({"role": _maybe(st.sampled_from(["system", "user", "assistant"])),
-                                            "content": content}))  # fmt: skip
-    fields = {**_sampling_fields(model, vocab), "logprobs": _maybe(st.booleans()),
-              "max_completion_tokens": _maybe(st.integers(-1, 12))}  # fmt: skip
+    content = _maybe(
+        st.one_of(
+            st.text(max_size=40),
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "image_url"]), "text": _maybe(st.text(max_size=10))}
+                ),
+                max_size=2,
+            ),
+        )
+    )
+    message = _maybe(
+        st.fixed_dictionaries({"role": _maybe(st.sampled_from(["system", "user", "assistant"])), "content": content})
+    )
+    fields = {
+        **_sampling_fields(model, vocab),
+        "logprobs": _maybe(st.booleans()),
+        "max_completion_tokens": _maybe(st.integers(-1, 12)),
+    }
     # max_tokens always: a chat without it may generate to the end of the context window.
     fields.pop("max_tokens")
     required = {"messages": _maybe(st.lists(message, max_size=4)), "max_tokens": st.integers(1, 12)}
@@ -80,8 +105,12 @@ def generate_requests(model: str, vocab: int) -> st.SearchStrategy[inference_pb2
         repetition_penalty=st.floats(allow_nan=True, allow_infinity=True),
     )
     token_ids = st.lists(st.one_of(st.integers(0, vocab - 1), int32), max_size=12)
-    prompt = st.one_of(st.builds(lambda t: {"text": t}, st.text(max_size=40)),
-                       st.builds(lambda ids: {"token_ids": inference_pb2.TokenIds(ids=ids)}, token_ids),
-                       st.just({}))  # fmt: skip
+    prompt = st.one_of(
+        st.builds(lambda t: {"text": t}, st.text(max_size=40)),
+        st.builds(lambda ids: {"token_ids": inference_pb2.TokenIds(ids=ids)}, token_ids),
+        st.just({}),
+    )
     model_name = st.sampled_from([model, "", "no-such-model"])
-    return st.builds(lambda m, p, s: inference_pb2.GenerateRequest(model=m, sampling=s, **p), model_name, prompt, sampling)
+    return st.builds(
+        lambda m, p, s: inference_pb2.GenerateRequest(model=m, sampling=s, **p), model_name, prompt, sampling
+    )

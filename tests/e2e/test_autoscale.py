@@ -20,9 +20,13 @@ pytestmark = pytest.mark.slow
 
 # Fast enough for a test: decide every second, cool down over a few, forget bursts quickly.
 PLANNER_CONFIG = {
-    "warmup_intervals": 1, "up_cooldown_intervals": 1, "down_cooldown_intervals": 3, "startup_s": 5, "drain_s": 5,
+    "warmup_intervals": 1,
+    "up_cooldown_intervals": 1,
+    "down_cooldown_intervals": 3,
+    "startup_s": 5,
+    "drain_s": 5,
     "forecast": {"burst_memory_s": 4, "burst_max_s": 4, "burst_bin_s": 1},
-}  # fmt: skip
+}
 
 
 def _decode_sizes(lines: list[str]) -> list[int]:
@@ -34,9 +38,10 @@ def _burst(port: int, model: str, seconds: float) -> None:
 
     def one(i: int) -> None:
         request = inference_pb2.GenerateRequest(
-            model=model, token_ids=inference_pb2.TokenIds(ids=[3 + i % 50, 4, 5, 6]),
+            model=model,
+            token_ids=inference_pb2.TokenIds(ids=[3 + i % 50, 4, 5, 6]),
             sampling=inference_pb2.SamplingOptions(max_tokens=48, ignore_eos=True),
-        )  # fmt: skip
+        )
         list(stub.Generate(request, timeout=60))
 
     end = time.monotonic() + seconds
@@ -50,27 +55,75 @@ def test_up_autoscale_grows_the_decode_pool_under_a_burst_and_shrinks_it_after(c
     path, _ = checkpoints("llama")
     profile = tmp_path / "profile.json"
     subprocess.run(
-        [sys.executable, "-m", "pdserve", "profile", "--model", str(path), "--out", str(profile), "--num-threads", "1",
-         "--prompt-lengths", "16,64", "--batch-sizes", "1,4", "--context-lengths", "32", "--repeats", "1"],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "profile",
+            "--model",
+            str(path),
+            "--out",
+            str(profile),
+            "--num-threads",
+            "1",
+            "--prompt-lengths",
+            "16,64",
+            "--batch-sizes",
+            "1,4",
+            "--context-lengths",
+            "32",
+            "--repeats",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     config = tmp_path / "planner.json"
     config.write_text(json.dumps(PLANNER_CONFIG))
     # An ITL target a burst on one decode worker breaks (its steps take 5-6 ms here): 16 streams
     # wait for its 4 slots.
     up = UpProcess(
-        "--log-level", "INFO", "up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
-        "--threads-per-worker", "1", "--max-num-seqs", "4", "--autoscale", "--profile", str(profile),
-        "--planner-config", str(config), "--ttft-p90", "2s", "--itl-p90", "4ms", "--max-decode", "3",
-        "--planner-interval", "1s", "--stats-window", "2s",
-    )  # fmt: skip
+        "--log-level",
+        "INFO",
+        "up",
+        "--model",
+        str(path),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--max-num-seqs",
+        "4",
+        "--autoscale",
+        "--profile",
+        str(profile),
+        "--planner-config",
+        str(config),
+        "--ttft-p90",
+        "2s",
+        "--itl-p90",
+        "4ms",
+        "--max-decode",
+        "3",
+        "--planner-interval",
+        "1s",
+        "--stats-window",
+        "2s",
+    )
     lines = up.lines
     try:
         _, port = up.wait_up()
         _burst(port, path.name, seconds=8)
         # The planner decides during the burst; the new worker may still be loading after it.
         deadline = time.monotonic() + 60
-        while max(_decode_sizes(lines), default=1) < 2 and "decode 1→2" in "".join(lines) and time.monotonic() < deadline:
+        while (
+            max(_decode_sizes(lines), default=1) < 2 and "decode 1→2" in "".join(lines) and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
         grown = max(_decode_sizes(lines), default=1)
         assert grown >= 2, f"the decode pool did not grow under the burst:\n{''.join(lines)}"

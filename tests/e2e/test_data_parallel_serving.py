@@ -30,8 +30,16 @@ STREAM_TOKENS = 120
 @pytest.fixture(scope="module")
 def groups(checkpoints, etcd_url):
     path, hf_model = checkpoints("deepseek_v3")
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=MODEL, disaggregation="always",
-                            prefill_fields=DP2_EP, decode_fields=DP2_EP)  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=MODEL,
+        disaggregation="always",
+        prefill_fields=DP2_EP,
+        decode_fields=DP2_EP,
+    )
     yield deployment, hf_model
     deployment.close()
 
@@ -55,9 +63,9 @@ def test_greedy_tokens_equal_transformers_with_kv_moved_on_every_rank(groups):
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (9, 17, 33, 24, 40, 12, 28, 5)]
     with ThreadPoolExecutor(len(prompts)) as pool:  # at once: the router spreads them over the ranks
-        results = list(pool.map(
-            lambda p: deployment.generate(p, max_tokens=8, temperature=0, ignore_eos=True), prompts
-        ))  # fmt: skip
+        results = list(
+            pool.map(lambda p: deployment.generate(p, max_tokens=8, temperature=0, ignore_eos=True), prompts)
+        )
     compared = 0
     for prompt, result in zip(prompts, results):
         reference, num_clear = reference_greedy(hf_model, prompt, 8)
@@ -75,20 +83,32 @@ def test_greedy_tokens_equal_transformers_with_kv_moved_on_every_rank(groups):
 
 def test_a_dead_rank_takes_its_whole_group_down(checkpoints, etcd_url):
     path, _ = checkpoints("deepseek_v3")
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-rank-dies",
-                            disaggregation="always", prefill_fields=DP2_EP, decode_fields=DP2_EP)  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=f"{MODEL}-rank-dies",
+        disaggregation="always",
+        prefill_fields=DP2_EP,
+        decode_fields=DP2_EP,
+    )
     try:
         worker = deployment.worker("decode")
         (rank,) = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
         assert deployment.generate(list(range(3, 30)), max_tokens=4, temperature=0, ignore_eos=True)["token_ids"]
         os.kill(rank, signal.SIGKILL)
-        deployment.wait_registered(lambda ws: sorted(w.role for w in ws) == ["prefill", "prefill"], 30,
-                                   "both decode ranks gone from the registry")  # fmt: skip
+        deployment.wait_registered(
+            lambda ws: sorted(w.role for w in ws) == ["prefill", "prefill"],
+            30,
+            "both decode ranks gone from the registry",
+        )
         assert deployment.run(worker.process.wait(), timeout=60) == 1  # rank 0 failed, for a restart
         deployment.wait_registered(
-            lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws), 10,
+            lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
+            10,
             "the prefill ranks whole",
-        )  # fmt: skip
+        )
     finally:
         deployment.close()
 
@@ -108,10 +128,13 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
             # group's other rank (still registered for a moment) and then on again.
             assert 1 <= final.breakdown.migrations <= 2
         deployment.wait_registered(
-            lambda ws: sorted(w.role for w in ws) == ["decode", "decode", "prefill"]
-            and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
-            30, "the decode group back, both ranks, and no block held anywhere",
-        )  # fmt: skip
+            lambda ws: (
+                sorted(w.role for w in ws) == ["decode", "decode", "prefill"]
+                and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws)
+            ),
+            30,
+            "the decode group back, both ranks, and no block held anywhere",
+        )
     finally:
         deployment.close()
 
@@ -144,9 +167,16 @@ def _restarting_group(checkpoints, etcd_url: str, name: str, decode_fields: dict
     """(transformers' model, a deployment of 1 prefill and 1 DP 2 + EP decode worker whose
     supervisor restarts what dies, the decode group's rank-1 process id)."""
     path, hf_model = checkpoints("deepseek_v3")
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"{MODEL}-{name}",
-                            disaggregation="always", decode_fields=decode_fields,
-                            restart=RestartPolicy(min_backoff_s=0.2))  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=f"{MODEL}-{name}",
+        disaggregation="always",
+        decode_fields=decode_fields,
+        restart=RestartPolicy(min_backoff_s=0.2),
+    )
     try:
         (rank,) = rank_children([deployment.worker("decode").process.pid], "pdserve.worker.data_parallel")
     except BaseException:
@@ -169,9 +199,10 @@ def _streams_across_a_kill(deployment: Deployment, prompts: list[list[int]], pid
 
     def one(i: int) -> None:
         request = inference_pb2.GenerateRequest(
-            model=deployment.model_name, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+            model=deployment.model_name,
+            token_ids=inference_pb2.TokenIds(ids=prompts[i]),
             sampling=inference_pb2.SamplingOptions(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True),
-        )  # fmt: skip
+        )
         tokens, final = [], None
         for n, response in enumerate(deployment.stub.Generate(request, timeout=120), start=1):
             tokens += response.token_ids

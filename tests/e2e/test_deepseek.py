@@ -20,13 +20,14 @@ def test_deepseek_v3_greedy_tokens_over_disaggregation_equal_the_offline_engine(
     expected = LLM(str(path)).generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     reference, clear = reference_greedy(hf_model, prompts[0], 10)
     assert clear >= 5 and expected[0].token_ids[:clear] == reference[:clear]
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-deepseek-v3",
-                            disaggregation="always")  # fmt: skip
+    deployment = Deployment(
+        str(path), etcd_url, prefill=1, decode=1, model_name="e2e-deepseek-v3", disaggregation="always"
+    )
     try:
         with ThreadPoolExecutor(32) as pool:
-            results = list(pool.map(
-                lambda p: deployment.generate(p, max_tokens=10, temperature=0, ignore_eos=True), prompts
-            ))  # fmt: skip
+            results = list(
+                pool.map(lambda p: deployment.generate(p, max_tokens=10, temperature=0, ignore_eos=True), prompts)
+            )
         for prompt, result, want in zip(prompts, results, expected):
             assert result["token_ids"] == want.token_ids, prompt
             b = result["final"].breakdown
@@ -34,7 +35,8 @@ def test_deepseek_v3_greedy_tokens_over_disaggregation_equal_the_offline_engine(
         assert sum(r["final"].usage.cached_prompt_tokens for r in results) > 0
         deployment.wait_registered(
             lambda ws: len(ws) == 2 and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
-            10, "every block free",
-        )  # fmt: skip
+            10,
+            "every block free",
+        )
     finally:
         deployment.close()

@@ -51,17 +51,52 @@ def _through_the_openai_sdk(base_url: str) -> dict[str, object]:
 
 def test_up_serves_the_default_model_as_transformers_runs_it(tmp_path, smollm2_reference):
     path = default_model()
-    up = UpProcess("up", "--port", "0", "--http-port", "0", "--api-key", KEY, "--disaggregation", "always",
-                   "--threads-per-worker", "1", "--max-num-seqs", "4", "--max-model-len", "512",
-                   "--kv-cache-memory", "64MiB", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    up = UpProcess(
+        "up",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--api-key",
+        KEY,
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "64MiB",
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     try:
         line, port = up.wait_up(timeout=300)
         result = subprocess.run(
-            [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--prompt", PROMPT,
-             "--model-name", DEFAULT_MODEL_NAME, "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
-             "--ignore-eos", "--json"],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "PDSERVE_API_KEY": KEY},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "generate",
+                "--target",
+                f"127.0.0.1:{port}",
+                "--prompt",
+                PROMPT,
+                "--model-name",
+                DEFAULT_MODEL_NAME,
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PDSERVE_API_KEY": KEY},
+        )
         assert result.returncode == 0, result.stderr + up.output
         served = json.loads(result.stdout)
         sdk = _through_the_openai_sdk(re.search(r"OpenAI API on (\S+/v1)", line).group(1))
@@ -89,20 +124,29 @@ def test_up_serves_the_default_model_as_transformers_runs_it(tmp_path, smollm2_r
 @pytest.mark.parametrize("command", [["up", "--port", "0"], ["generate", "--prompt", "Hi"], ["decode", "--etcd", "x"]])
 def test_a_missing_default_model_says_how_to_get_it(tmp_path, command):
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "pdserve", *command], capture_output=True, text=True, timeout=60,
-                            env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", *command], capture_output=True, text=True, timeout=60, env=env
+    )
     assert result.returncode == 2, result.stderr
     assert f"the default model ({DEFAULT_MODEL_NAME}) is not at {tmp_path}" in result.stderr
     assert "scripts/setup.sh" in result.stderr
 
 
 def test_bad_gguf_files_are_one_clear_line(tmp_path):
-    missing = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "x.gguf"), "--port", "0"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path / "x.gguf"), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and f"GGUF file not found: {tmp_path / 'x.gguf'}" in missing.stderr
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(default_model().read_bytes()[:5000])
-    result = subprocess.run([sys.executable, "-m", "pdserve", "generate", "--model", str(cut), "--prompt", "Hi"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve", "generate", "--model", str(cut), "--prompt", "Hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{cut}: truncated: " in result.stderr and "at offset " in result.stderr

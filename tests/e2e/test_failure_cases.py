@@ -53,8 +53,16 @@ def cluster(checkpoints, tmp_path_factory):
     # A fixed id and address, as a pod that restarts keeps them; a lease that outlives the restart.
     prefill = {"worker_id": "prefill-fixed", "port": _free_port(), "lease_ttl_s": 60.0, "hold_s": HOLD_S}
     decode = {"lease_ttl_s": 10.0, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
-    deployment = Deployment(str(path), etcd.url, prefill=1, decode=2, model_name=MODEL, disaggregation="always",
-                            prefill_fields=prefill, decode_fields=decode)  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd.url,
+        prefill=1,
+        decode=2,
+        model_name=MODEL,
+        disaggregation="always",
+        prefill_fields=prefill,
+        decode_fields=decode,
+    )
     yield deployment, reference, etcd
     deployment.close()
     etcd.close()
@@ -67,8 +75,16 @@ def small_decode_cluster(checkpoints, tmp_path_factory):
     bytes_per_block = LLM(str(path)).engine.kv_cache_spec.bytes_per_block
     etcd = EtcdServer(tmp_path_factory.mktemp("etcd-small")).start()
     decode = {"engine": EngineConfig(kv_cache_memory=DECODE_KV_BLOCKS * bytes_per_block)}
-    deployment = Deployment(str(path), etcd.url, prefill=1, decode=1, model_name=MODEL, disaggregation="always",
-                            prefill_fields={"hold_s": HOLD_S}, decode_fields=decode)  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd.url,
+        prefill=1,
+        decode=1,
+        model_name=MODEL,
+        disaggregation="always",
+        prefill_fields={"hold_s": HOLD_S},
+        decode_fields=decode,
+    )
     yield deployment
     deployment.close()
     etcd.close()

@@ -26,8 +26,7 @@ DEADLINE_S = 30.0
 @pytest.fixture(scope="module")
 def cluster(checkpoints, etcd_url, tmp_path_factory):
     path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), 4096)
-    deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL,
-                            disaggregation="always")  # fmt: skip
+    deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL, disaggregation="always")
     yield deployment, path
     deployment.close()
 
@@ -79,9 +78,10 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
 
     def one(i: int) -> None:
         request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=[2 + i, 3, 4, 5]),
+            model=MODEL,
+            token_ids=inference_pb2.TokenIds(ids=[2 + i, 3, 4, 5]),
             sampling=inference_pb2.SamplingOptions(max_tokens=600, ignore_eos=True, seed=i),
-        )  # fmt: skip
+        )
         tokens, final = [], None
         try:
             for n, response in enumerate(deployment.stub.Generate(request, timeout=DEADLINE_S)):
@@ -104,7 +104,7 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
     waiting = worker_pb2_grpc.WorkerStub(decode_channel).Decode(
         worker_pb2.DecodeRequest(request_id="waiting-1", prompt_token_ids=prompt, sampling=sampling, kv_source=pending),
         timeout=DEADLINE_S,
-    )  # fmt: skip
+    )
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
@@ -119,9 +119,15 @@ def test_sigterm_drains_a_decode_worker_in_flight_streams_finish(cluster):
     time.sleep(0.5)  # a drain that counted only the engine's requests would be over by now
     assert decode.process.returncode is None
     with grpc.insecure_channel(prefill_entry.endpoint) as channel:
-        worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
-            request_id="waiting-1", prompt_token_ids=prompt, sampling=sampling, kv_consumer=decode_entry.endpoint,
-        ), timeout=DEADLINE_S)  # fmt: skip
+        worker_pb2_grpc.WorkerStub(channel).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="waiting-1",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                kv_consumer=decode_entry.endpoint,
+            ),
+            timeout=DEADLINE_S,
+        )
     streamed = list(waiting)
     decode_channel.close()
     assert sum(len(r.token_ids) for r in streamed) == 4 and streamed[-1].final.finish_reason == "length"

@@ -26,8 +26,16 @@ def test_fp8_kv_over_disaggregation_moves_a_quarter_of_the_bytes_and_equals_offl
     want = LLM(str(path), kv_cache_dtype="fp8_e4m3").generate(
         [PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     )[0]
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-fp8-kv", disaggregation="always",
-                            prefill_fields={"engine": FP8}, decode_fields={"engine": FP8})  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name="e2e-fp8-kv",
+        disaggregation="always",
+        prefill_fields={"engine": FP8},
+        decode_fields={"engine": FP8},
+    )
     try:
         result = deployment.generate(PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
         assert result["token_ids"] == want.token_ids
@@ -43,13 +51,21 @@ def test_fp8_kv_over_disaggregation_moves_a_quarter_of_the_bytes_and_equals_offl
 
 def test_a_cache_dtype_mismatch_is_refused_before_anything_moves(checkpoints, etcd_url):
     path, _ = checkpoints("llama")
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name="e2e-fp8-mismatch",
-                            disaggregation="always", prefill_fields={"engine": FP8})  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name="e2e-fp8-mismatch",
+        disaggregation="always",
+        prefill_fields={"engine": FP8},
+    )
     try:
         request = inference_pb2.GenerateRequest(
-            model="e2e-fp8-mismatch", token_ids=inference_pb2.TokenIds(ids=PROMPT),
+            model="e2e-fp8-mismatch",
+            token_ids=inference_pb2.TokenIds(ids=PROMPT),
             sampling=inference_pb2.SamplingOptions(max_tokens=4, temperature=0),
-        )  # fmt: skip
+        )
         with pytest.raises(grpc.RpcError) as error:
             list(deployment.stub.Generate(request, timeout=60))
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -39,8 +39,16 @@ def cluster(checkpoints, etcd_url, tmp_path_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         metrics_port = sock.getsockname()[1]
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=2, model_name=MODEL, disaggregation="always",
-                            frontend_fields={"metrics_port": metrics_port}, restart=RestartPolicy())  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=2,
+        model_name=MODEL,
+        disaggregation="always",
+        frontend_fields={"metrics_port": metrics_port},
+        restart=RestartPolicy(),
+    )
     yield deployment, path, metrics_port
     deployment.close()
 
@@ -48,8 +56,13 @@ def cluster(checkpoints, etcd_url, tmp_path_factory):
 def _params(i: int) -> dict[str, Any]:
     if i < NUM_GREEDY:
         return {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    return {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": SEEDS[i - NUM_GREEDY],
-            "ignore_eos": True}  # fmt: skip
+    return {
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": SEEDS[i - NUM_GREEDY],
+        "ignore_eos": True,
+    }
 
 
 def test_sigkill_of_a_decode_worker_mid_stream_loses_no_request_and_no_token(cluster):
@@ -64,9 +77,10 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_no_request_and_no_token(clu
 
     def one(i: int) -> None:
         request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+            model=MODEL,
+            token_ids=inference_pb2.TokenIds(ids=prompts[i]),
             sampling=inference_pb2.SamplingOptions(**_params(i)),
-        )  # fmt: skip
+        )
         tokens: list[int] = []
         final = None
         try:
@@ -105,11 +119,14 @@ def test_sigkill_of_a_decode_worker_mid_stream_loses_no_request_and_no_token(clu
     # The dead worker leaves routing (its lease expires) and comes back under a new id: two live
     # decode workers again within 60 s, every pool whole: nothing running, nothing pinned.
     deployment.wait_registered(
-        lambda ws: sum(w.role == "decode" for w in ws) == 2
-        and not any(w.worker_id.endswith(victim_id_suffix) for w in ws)
-        and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 and w.load.running == 0 for w in ws),
-        60, "two live decode workers again (the killed one restarted), all idle and whole",
-    )  # fmt: skip
+        lambda ws: (
+            sum(w.role == "decode" for w in ws) == 2
+            and not any(w.worker_id.endswith(victim_id_suffix) for w in ws)
+            and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 and w.load.running == 0 for w in ws)
+        ),
+        60,
+        "two live decode workers again (the killed one restarted), all idle and whole",
+    )
     time.sleep(1.0)  # the frontend's view of the registry catches up
     again = deployment.generate(prompts[0], timeout=DEADLINE_S, **_params(0))
     assert again["token_ids"] == expected[0].token_ids and again["final"].breakdown.migrations == 0

@@ -53,8 +53,9 @@ def served(checkpoints, etcd_url, tmp_path_factory):
     # A longer context than the checkpoint's (same weights), so that a request can outlast a client.
     config = json.loads((source / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG_CONTEXT}))
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=MODEL, disaggregation="always",
-                            api_keys=(KEY,))  # fmt: skip
+    deployment = Deployment(
+        str(path), etcd_url, prefill=1, decode=1, model_name=MODEL, disaggregation="always", api_keys=(KEY,)
+    )
     yield deployment, path
     deployment.close()
 
@@ -80,8 +81,16 @@ def test_sdk_completions_and_chat_greedy_text_equals_the_offline_engine(served):
         Tokenizer.from_pretrained(path).encode(prompt)
     )
     assert got.model_extra["pdserve"]["choices"][0]["disaggregated"] is True
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True},
-                                            stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
 
@@ -92,8 +101,9 @@ def test_sdk_completions_and_chat_greedy_text_equals_the_offline_engine(served):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True}, **GREEDY)
     assert chat.choices[0].message.content == want.text and chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(ids)
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
-                                            extra_body={"ignore_eos": True}, **GREEDY)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, extra_body={"ignore_eos": True}, **GREEDY
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
@@ -116,30 +126,50 @@ def test_logprobs_equal_the_offline_engine_in_both_shapes_streamed_or_not(served
         assert tokens == want_tokens
         assert logprobs == pytest.approx([w.token_logprob for w in want.logprobs], abs=1e-4)
         # Tokens of one text (a lone byte's "\ufffd") share a key, as in OpenAI's own shape.
-        want_tops = [{tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in reversed(w.top)}
-                     for w in want.logprobs]  # fmt: skip
+        want_tops = [
+            {tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in reversed(w.top)} for w in want.logprobs
+        ]
         assert len(tops) == len(want_tops)
         for top, want_top in zip(tops, want_tops):
             assert top == pytest.approx(want_top, abs=1e-4)
 
-    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2,
-              "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kwargs = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
     got = client.completions.create(**kwargs).choices[0].logprobs
     check(got.tokens, got.token_logprobs, got.top_logprobs)
     assert got.text_offset == [sum(map(len, want_tokens[:i])) for i in range(len(want_tokens))]
     chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs) if c.choices]
-    check([t for c in chunks if c for t in c.tokens], [v for c in chunks if c for v in c.token_logprobs],
-          [t for c in chunks if c for t in c.top_logprobs])  # fmt: skip
+    check(
+        [t for c in chunks if c for t in c.tokens],
+        [v for c in chunks if c for v in c.token_logprobs],
+        [t for c in chunks if c for t in c.top_logprobs],
+    )
 
     text = render_chat(load_chat_template(path), MESSAGES, special_tokens=load_special_tokens(path))
     ids = tokenizer.encode(text, add_special_tokens=False)
     want = LLM(str(path)).generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
     want_tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
-                                          top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
-    check([c.token for c in content], [c.logprob for c in content],
-          [{t.token: t.logprob for t in reversed(c.top_logprobs)} for c in content])  # fmt: skip
+    check(
+        [c.token for c in content],
+        [c.logprob for c in content],
+        [{t.token: t.logprob for t in reversed(c.top_logprobs)} for c in content],
+    )
     assert content[0].bytes == list(content[0].token.encode())
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
@@ -149,8 +179,9 @@ def test_logprobs_equal_the_offline_engine_in_both_shapes_streamed_or_not(served
 def test_several_prompts_and_choices_and_the_models_list(served):
     deployment, _ = served
     client = _client(deployment)
-    got = client.completions.create(model=MODEL, prompt=["Hello", "The dog"], n=2, extra_body={"ignore_eos": True},
-                                    **GREEDY)  # fmt: skip
+    got = client.completions.create(
+        model=MODEL, prompt=["Hello", "The dog"], n=2, extra_body={"ignore_eos": True}, **GREEDY
+    )
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     assert got.choices[0].text == got.choices[1].text and got.choices[2].text == got.choices[3].text  # greedy
     assert got.usage.completion_tokens == 32
@@ -158,12 +189,17 @@ def test_several_prompts_and_choices_and_the_models_list(served):
     sampled = {"max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     seeded = [c.text for c in client.completions.create(model=MODEL, prompt="Hello", n=3, seed=5, **sampled).choices]
     assert len(set(seeded)) == 3
-    alone = [client.completions.create(model=MODEL, prompt="Hello", seed=5 + j, **sampled).choices[0].text
-             for j in range(3)]  # fmt: skip
+    alone = [
+        client.completions.create(model=MODEL, prompt="Hello", seed=5 + j, **sampled).choices[0].text for j in range(3)
+    ]
     assert seeded == alone
     ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
-    assert [c.finish_reason for c in ids.choices] in (["length", "length"], ["length", "stop"], ["stop", "length"],
-                                                      ["stop", "stop"])  # fmt: skip
+    assert [c.finish_reason for c in ids.choices] in (
+        ["length", "length"],
+        ["length", "stop"],
+        ["stop", "length"],
+        ["stop", "stop"],
+    )
     assert ids.usage.prompt_tokens == 5
     echoed = client.completions.create(model=MODEL, prompt="Hello", echo=True, max_tokens=2, temperature=0)
     assert echoed.choices[0].text.startswith("Hello")
@@ -176,8 +212,11 @@ def test_a_wrong_or_missing_key_is_refused_on_both_apis_and_health_stays_open(se
         _client(deployment, "sk-wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert httpx2.post(f"{deployment.http_url}/completions", json={"prompt": "Hi"}).status_code == 401
     assert httpx2.get(deployment.http_url.removesuffix("/v1") + "/health").status_code == 200
-    request = inference_pb2.GenerateRequest(model=MODEL, token_ids=inference_pb2.TokenIds(ids=[1, 2, 3]),
-                                            sampling=inference_pb2.SamplingOptions(max_tokens=2))  # fmt: skip
+    request = inference_pb2.GenerateRequest(
+        model=MODEL,
+        token_ids=inference_pb2.TokenIds(ids=[1, 2, 3]),
+        sampling=inference_pb2.SamplingOptions(max_tokens=2),
+    )
     for metadata in (None, [("authorization", "Bearer sk-wrong")], [("authorization", KEY)]):
         with pytest.raises(grpc.RpcError) as error:
             list(deployment.stub.Generate(request, timeout=10, metadata=metadata))
@@ -190,8 +229,7 @@ def test_a_wrong_or_missing_key_is_refused_on_both_apis_and_health_stays_open(se
 
 def _post(deployment: Deployment, path: str, body: object, **kwargs) -> httpx2.Response:
     kwargs.setdefault("timeout", 60)
-    return httpx2.post(f"{deployment.http_url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                       **kwargs)  # fmt: skip
+    return httpx2.post(f"{deployment.http_url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, **kwargs)
 
 
 def test_errors_have_openai_shape_and_status_and_name_the_field(served):
@@ -226,8 +264,13 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
     deployment, _ = served
     frontend = Frontend(etcd_url, "--max-queued-requests", "1", "--disaggregation", "always", "--api-key", KEY)
     try:
-        body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": LONG_CONTEXT - 100, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": [3, 4, 5],
+            "max_tokens": LONG_CONTEXT - 100,
+            "ignore_eos": True,
+            "stream": True,
+        }
         headers = {"Authorization": f"Bearer {KEY}"}
         with httpx2.stream("POST", f"{frontend.http_url}/completions", json=body, headers=headers, timeout=60) as first:
             lines = first.iter_lines()  # kept: a dropped iterator closes the response, and the server aborts it
@@ -249,8 +292,9 @@ def test_past_the_queue_limit_429_and_without_workers_503(served, etcd_url, etcd
 
 
 def test_a_key_past_its_rate_gets_429_on_http_and_resource_exhausted_on_grpc(served, etcd_url):
-    frontend = Frontend(etcd_url, "--api-key", KEY, "--api-key", "sk-other", "--rate-limit", "0.2",
-                        "--rate-limit-burst", "2")  # fmt: skip
+    frontend = Frontend(
+        etcd_url, "--api-key", KEY, "--api-key", "sk-other", "--rate-limit", "0.2", "--rate-limit-burst", "2"
+    )
     try:
 
         def models(key: str) -> httpx2.Response:
@@ -261,8 +305,9 @@ def test_a_key_past_its_rate_gets_429_on_http_and_resource_exhausted_on_grpc(ser
         assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
         assert refused.json()["error"]["type"] == "rate_limit_error"
         with pytest.raises(grpc.RpcError) as error:  # the same key's budget, on the other API
-            frontend.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10,
-                                     metadata=[("authorization", f"Bearer {KEY}")])  # fmt: skip
+            frontend.stub.ListModels(
+                inference_pb2.ListModelsRequest(), timeout=10, metadata=[("authorization", f"Bearer {KEY}")]
+            )
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate" in error.value.details()
         assert models("sk-other").status_code == 200  # another key has its own
     finally:
@@ -273,8 +318,13 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(served):
     deployment, _ = served
     body = {"prompt": list(range(2, 60)), "max_tokens": LONG_CONTEXT - 100, "ignore_eos": True, "temperature": 0}
     busy = "the decode worker busy"
-    with httpx2.stream("POST", f"{deployment.http_url}/completions", json={**body, "stream": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:  # fmt: skip
+    with httpx2.stream(
+        "POST",
+        f"{deployment.http_url}/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         deployment.wait_registered(
@@ -315,8 +365,13 @@ def test_the_event_loop_stays_responsive_while_a_huge_prompt_tokenizes(served):
     assert len(during) >= 3 and max(during) < took / 2, (took, during)
 
 
-_FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+_FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _check_http(answer: httpx2.Response) -> None:

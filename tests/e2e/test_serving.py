@@ -40,8 +40,7 @@ def llama(checkpoints, etcd_url, tmp_path_factory):
     # made while it runs (the weights, and so the reference, are the same).
     path = long_context_copy(checkpoints("llama")[0], tmp_path_factory.mktemp("llama"), LONG_CONTEXT)
     hf_model = checkpoints("llama")[1]
-    deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL,
-                            disaggregation="always")  # fmt: skip
+    deployment = Deployment(str(path), etcd_url, prefill=2, decode=1, model_name=MODEL, disaggregation="always")
     yield deployment, path, hf_model
     deployment.close()
 
@@ -81,11 +80,26 @@ def test_greedy_tokens_over_the_disaggregated_path_equal_the_offline_engine(llam
 def test_generate_cli_against_the_server_prints_the_contract_json(llama):
     deployment, path, _ = llama
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{deployment.port}",
-         "--token-ids", "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21", "--max-tokens", "6",
-         "--temperature", "0", "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "generate",
+            "--target",
+            f"127.0.0.1:{deployment.port}",
+            "--token-ids",
+            "5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     want = LLM(str(path)).generate([list(range(5, 22))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[
@@ -117,13 +131,19 @@ def test_a_stop_string_straddling_the_first_token_streams_each_character_once(ll
     deployment, path, _ = llama
     offline = LLM(str(path))
     prompt, stop = stop_after_the_first_token(offline, completes=max_tokens > 1)
-    want = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    want = offline.generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     result = deployment.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
     breakdown = result["final"].breakdown
     assert breakdown.disaggregated
     # The decode worker reported its pull (DecodeStarted) before the frontend ended the call.
     assert breakdown.decode_worker and breakdown.kv_transfer_bytes > 0 and breakdown.kv_transfer_ms > 0
-    assert (result["text"], result["final"].text, result["final"].finish_reason) == (want.text, want.text, want.finish_reason)
+    assert (result["text"], result["final"].text, result["final"].finish_reason) == (
+        want.text,
+        want.text,
+        want.finish_reason,
+    )
     assert result["token_ids"] == want.token_ids and result["final"].usage.completion_tokens == len(want.token_ids)
     deployment.wait_registered(_idle, 10, "every block free after the stop")
 
@@ -131,9 +151,10 @@ def test_a_stop_string_straddling_the_first_token_streams_each_character_once(ll
 def test_cancelling_a_stream_frees_its_blocks_on_both_workers(llama):
     deployment, _, _ = llama
     request = inference_pb2.GenerateRequest(
-        model=MODEL, token_ids=inference_pb2.TokenIds(ids=list(range(2, 90))),
+        model=MODEL,
+        token_ids=inference_pb2.TokenIds(ids=list(range(2, 90))),
         sampling=inference_pb2.SamplingOptions(max_tokens=LONG_CONTEXT - 100, temperature=0, ignore_eos=True),
-    )  # fmt: skip
+    )
     call = deployment.stub.Generate(request, timeout=60)
     stream = iter(call)
     next(stream), next(stream)  # the first token (prefill worker), then one from the decode worker
@@ -157,14 +178,28 @@ def test_a_decode_call_opened_before_its_prompt_is_started_by_the_prefill_worker
     with grpc.insecure_channel(prefill.endpoint) as p, grpc.insecure_channel(decode.endpoint) as d:
         decode_stub = worker_pb2_grpc.WorkerStub(d)
         pending = worker_pb2.KVSource(worker_id=prefill.worker_id, peer_info=prefill.nixl, pending=True)
-        call = decode_stub.Decode(worker_pb2.DecodeRequest(request_id="early-1", prompt_token_ids=prompt,
-                                                           sampling=sampling, kv_source=pending), timeout=20)  # fmt: skip
-        first = worker_pb2_grpc.WorkerStub(p).Prefill(worker_pb2.PrefillRequest(
-            request_id="early-1", prompt_token_ids=prompt, sampling=sampling, kv_consumer=decode.endpoint,
-        ), timeout=20)  # fmt: skip
+        call = decode_stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="early-1", prompt_token_ids=prompt, sampling=sampling, kv_source=pending
+            ),
+            timeout=20,
+        )
+        first = worker_pb2_grpc.WorkerStub(p).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="early-1",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                kv_consumer=decode.endpoint,
+            ),
+            timeout=20,
+        )
         responses = list(call)
-        source = worker_pb2.KVSource(worker_id=prefill.worker_id, block_ids=first.block_ids,
-                                     first_token_id=first.first_token_id, pull_within_s=10)  # fmt: skip
+        source = worker_pb2.KVSource(
+            worker_id=prefill.worker_id,
+            block_ids=first.block_ids,
+            first_token_id=first.first_token_id,
+            pull_within_s=10,
+        )
         repeat = decode_stub.KVReady(worker_pb2.KVReadyRequest(request_id="early-1", kv_source=source), timeout=5)
     assert responses[0].started.kv_transfer_bytes > 0  # pulled, not computed
     assert [first.first_token_id, *(t for r in responses for t in r.token_ids)] == want.token_ids
@@ -182,15 +217,23 @@ def test_a_pending_decode_call_whose_kv_never_comes_ends_at_its_deadline_holding
     with grpc.insecure_channel(decode.endpoint) as d:
         stub = worker_pb2_grpc.WorkerStub(d)
         pending = worker_pb2.KVSource(worker_id=prefill.worker_id, peer_info=prefill.nixl, pending=True)
-        call = stub.Decode(worker_pb2.DecodeRequest(request_id="never-1", prompt_token_ids=list(range(5, 40)),
-                                                    sampling=sampling, kv_source=pending), timeout=1.5)  # fmt: skip
+        call = stub.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="never-1", prompt_token_ids=list(range(5, 40)), sampling=sampling, kv_source=pending
+            ),
+            timeout=1.5,
+        )
         deployment.wait_registered(_idle, 1, "a waiting call takes no blocks")
         with pytest.raises(grpc.RpcError) as waited:
             list(call)
         assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         with pytest.raises(grpc.RpcError) as bad:
-            stub.KVReady(worker_pb2.KVReadyRequest(request_id="never-2", kv_source=worker_pb2.KVSource(
-                worker_id=prefill.worker_id, first_token_id=3)), timeout=5)  # fmt: skip
+            stub.KVReady(
+                worker_pb2.KVReadyRequest(
+                    request_id="never-2", kv_source=worker_pb2.KVSource(worker_id=prefill.worker_id, first_token_id=3)
+                ),
+                timeout=5,
+            )
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source.block_ids" in bad.value.details()
     deployment.wait_registered(_idle, 10, "nothing held after the deadline")
 
@@ -205,13 +248,19 @@ def test_a_kv_source_whose_agent_cannot_be_loaded_is_refused_as_kv_source_failed
     decode = next(w for w in workers if w.role == "decode")
     real = PeerInfo.decode(prefill.nixl)
     ghost = msgspec.structs.replace(real, agent_name="ghost-agent", agent_metadata=b"not nixl metadata")
-    source = worker_pb2.KVSource(worker_id="ghost", peer_info=ghost.encode(), block_ids=[0], first_token_id=3,
-                                 pull_within_s=10)  # fmt: skip
+    source = worker_pb2.KVSource(
+        worker_id="ghost", peer_info=ghost.encode(), block_ids=[0], first_token_id=3, pull_within_s=10
+    )
     with grpc.insecure_channel(decode.endpoint) as d:
-        call = worker_pb2_grpc.WorkerStub(d).Decode(worker_pb2.DecodeRequest(
-            request_id="ghost-1", prompt_token_ids=list(range(5, 40)),
-            sampling=inference_pb2.SamplingOptions(max_tokens=4), kv_source=source,
-        ), timeout=20)  # fmt: skip
+        call = worker_pb2_grpc.WorkerStub(d).Decode(
+            worker_pb2.DecodeRequest(
+                request_id="ghost-1",
+                prompt_token_ids=list(range(5, 40)),
+                sampling=inference_pb2.SamplingOptions(max_tokens=4),
+                kv_source=source,
+            ),
+            timeout=20,
+        )
         with pytest.raises(grpc.RpcError) as refused:
             list(call)
     assert refusal_reason(refused.value) == worker_pb2.Refusal.REASON_KV_SOURCE_FAILED
@@ -239,10 +288,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field_and_workers_stay_up(
     request = inference_pb2.GenerateRequest(model="no-such-model", token_ids=inference_pb2.TokenIds(ids=[1, 2]))
     with pytest.raises(grpc.RpcError) as error:
         list(deployment.stub.Generate(request, timeout=10))
-    assert (
-        error.value.code() == grpc.StatusCode.NOT_FOUND
-        and "'no-such-model' is not served" in error.value.details()
-    )
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND and "'no-such-model' is not served" in error.value.details()
     assert deployment.generate([1, 2, 3], max_tokens=2)["final"].finish_reason == "length"
     assert not deployment.cluster.exited()
 
@@ -252,9 +298,10 @@ def test_queue_limit_gives_resource_exhausted(llama, etcd_url):
     frontend = Frontend(etcd_url, "--max-queued-requests", "1", "--disaggregation", "always")
     try:
         request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=[3, 4, 5]),
+            model=MODEL,
+            token_ids=inference_pb2.TokenIds(ids=[3, 4, 5]),
             sampling=inference_pb2.SamplingOptions(max_tokens=300, ignore_eos=True),
-        )  # fmt: skip
+        )
         first = frontend.stub.Generate(request, timeout=60)
         next(iter(first))  # in flight
         with pytest.raises(grpc.RpcError) as error:
@@ -274,9 +321,10 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
         results = {}
         for name, prompt in (("short", list(range(2, 20))), ("long", list(range(100, 180)))):
             request = inference_pb2.GenerateRequest(
-                model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+                model=MODEL,
+                token_ids=inference_pb2.TokenIds(ids=prompt),
                 sampling=inference_pb2.SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True),
-            )  # fmt: skip
+            )
             responses = list(frontend.stub.Generate(request, timeout=60))
             tokens = [t for r in responses for t in r.token_ids]
             want = LLM(str(path)).generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
@@ -314,9 +362,10 @@ def test_logprobs_over_grpc_equal_the_offline_engines(llama, etcd_url, disaggreg
             (list(range(90, 110)), dict(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)),
         ):
             request = inference_pb2.GenerateRequest(
-                model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+                model=MODEL,
+                token_ids=inference_pb2.TokenIds(ids=prompt),
                 sampling=inference_pb2.SamplingOptions(**options),
-            )  # fmt: skip
+            )
             result = collect(stub.Generate(request, timeout=60))
             want = offline.generate([prompt], SamplingParams(**options))[0]
             assert result["token_ids"] == want.token_ids
@@ -331,8 +380,9 @@ def test_logprobs_over_grpc_equal_the_offline_engines(llama, etcd_url, disaggreg
 
 
 def _pdserve(*args: str, etcd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", *args, "--etcd", etcd], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args, "--etcd", etcd], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_live_knobs_retune_the_workers_and_the_router_without_a_restart(llama, etcd_url):
@@ -341,25 +391,39 @@ def test_live_knobs_retune_the_workers_and_the_router_without_a_restart(llama, e
 
     def generate(stub, prompt):
         request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompt),
+            model=MODEL,
+            token_ids=inference_pb2.TokenIds(ids=prompt),
             sampling=inference_pb2.SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True),
-        )  # fmt: skip
+        )
         responses = list(stub.Generate(request, timeout=60))
         return [t for r in responses for t in r.token_ids], responses[-1].final.breakdown
 
     def limits(workers, role):
         return {(w.load.max_num_seqs, w.load.max_num_batched_tokens) for w in workers if w.role == role}
 
-    start_up = {role: {(w.max_num_seqs, w.max_num_batched_tokens) for w in deployment.registered() if w.role == role}
-                for role in ("prefill", "decode")}  # fmt: skip
+    start_up = {
+        role: {(w.max_num_seqs, w.max_num_batched_tokens) for w in deployment.registered() if w.role == role}
+        for role in ("prefill", "decode")
+    }
     prompts = [list(range(150, 190)), list(range(200, 240)), list(range(250, 290))]
     want = [out.token_ids for out in LLM(str(path)).generate(prompts, greedy)]
     frontend = Frontend(etcd_url, "--disaggregation", "conditional", "--local-prefill-threshold", "0")
     try:
         tokens, before = generate(frontend.stub, prompts[0])
         assert tokens == want[0] and before.disaggregated
-        stored = _pdserve("knobs", "set", "--model", MODEL, "--local-prefill-threshold", "1000",
-                          "--decode-max-num-seqs", "2", "--prefill-chunk-size", "16", etcd=etcd_url)  # fmt: skip
+        stored = _pdserve(
+            "knobs",
+            "set",
+            "--model",
+            MODEL,
+            "--local-prefill-threshold",
+            "1000",
+            "--decode-max-num-seqs",
+            "2",
+            "--prefill-chunk-size",
+            "16",
+            etcd=etcd_url,
+        )
         assert stored.returncode == 0, stored.stderr
         [(_, decode_tokens)] = start_up["decode"]
         retuned = {"decode": {(2, decode_tokens)}, "prefill": {(16, 16)}}  # a prefill step fits 16 sequences at most
@@ -405,9 +469,10 @@ def test_concurrent_load_leaves_nothing_behind(llama):
 
     def one(i):
         request = inference_pb2.GenerateRequest(
-            model=MODEL, token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+            model=MODEL,
+            token_ids=inference_pb2.TokenIds(ids=prompts[i]),
             sampling=inference_pb2.SamplingOptions(max_tokens=40, ignore_eos=True, seed=i),
-        )  # fmt: skip
+        )
         call = deployment.stub.Generate(request, timeout=60)
         for n, _ in enumerate(call):
             if i % 3 == 0 and n == 2:

@@ -19,8 +19,16 @@ TP2 = {"parallel": ParallelConfig(tensor_parallel_size=2)}
 @pytest.mark.parametrize("role, other", [("decode", "prefill"), ("prefill", "decode")])
 def test_a_worker_whose_rank_dies_stops_and_the_other_group_stays_whole(checkpoints, etcd_url, role, other):
     path = checkpoints("llama")[0]
-    deployment = Deployment(str(path), etcd_url, prefill=1, decode=1, model_name=f"tp-llama-{role}-rank-dies",
-                            disaggregation="always", prefill_fields=TP2, decode_fields=TP2)  # fmt: skip
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=f"tp-llama-{role}-rank-dies",
+        disaggregation="always",
+        prefill_fields=TP2,
+        decode_fields=TP2,
+    )
     try:
         worker = deployment.worker(role)
         (rank,) = rank_children([worker.process.pid])
@@ -33,8 +41,9 @@ def test_a_worker_whose_rank_dies_stops_and_the_other_group_stays_whole(checkpoi
             deployment.generate([1, 2, 3], max_tokens=2)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE and f"no {role} worker" in error.value.details()
         deployment.wait_registered(
-            lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws), 10,
+            lambda ws: all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
+            10,
             f"the {other} group whole",
-        )  # fmt: skip
+        )
     finally:
         deployment.close()

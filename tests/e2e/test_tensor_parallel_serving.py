@@ -24,10 +24,15 @@ def groups(request, checkpoints, etcd_url):
     prefill_tp, decode_tp = request.param
     path = checkpoints("llama")[0]
     deployment = Deployment(
-        str(path), etcd_url, prefill=1, decode=1, model_name=MODEL, disaggregation="always",
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=MODEL,
+        disaggregation="always",
         prefill_fields={"parallel": ParallelConfig(tensor_parallel_size=prefill_tp)},
         decode_fields={"parallel": ParallelConfig(tensor_parallel_size=decode_tp)},
-    )  # fmt: skip
+    )
     yield deployment, path, prefill_tp, decode_tp
     deployment.close()
 
@@ -81,11 +86,15 @@ def test_mla_groups_move_the_whole_latent_to_every_decode_rank(checkpoints, etcd
     one prefill rank, and every prefill rank frees its pin."""
     path = checkpoints("deepseek_v2_lite")[0]
     deployment = Deployment(
-        str(path), etcd_url, prefill=1, decode=1, model_name=f"tp-mla-{prefill_tp}-{decode_tp}",
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=f"tp-mla-{prefill_tp}-{decode_tp}",
         disaggregation="always",
         prefill_fields={"parallel": ParallelConfig(tensor_parallel_size=prefill_tp)},
         decode_fields={"parallel": ParallelConfig(tensor_parallel_size=decode_tp)},
-    )  # fmt: skip
+    )
     try:
         prompt = list(range(200, 260))
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -97,7 +106,8 @@ def test_mla_groups_move_the_whole_latent_to_every_decode_rank(checkpoints, etcd
         assert result["final"].breakdown.kv_transfer_bytes == decode_tp * per_rank
         deployment.wait_registered(
             lambda ws: len(ws) == 2 and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws),
-            15, "every block free again on both groups",
-        )  # fmt: skip
+            15,
+            "every block free again on both groups",
+        )
     finally:
         deployment.close()

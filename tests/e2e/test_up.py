@@ -31,9 +31,22 @@ def _alive(pid: int) -> bool:
 
 def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
-                   "--threads-per-worker", "1", "--max-num-seqs", "8",
-                   env={**os.environ, "TMPDIR": str(tmp_path), "PDSERVE_API_KEYS": "sk-up"})  # fmt: skip
+    up = UpProcess(
+        "up",
+        "--model",
+        str(path),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--max-num-seqs",
+        "8",
+        env={**os.environ, "TMPDIR": str(tmp_path), "PDSERVE_API_KEYS": "sk-up"},
+    )
     try:
         up_line, port = up.wait_up()
         assert "(embedded)" in up_line
@@ -50,20 +63,40 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         # The engine option reached both workers, inside the configuration each was started with.
         registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
-        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        listed = subprocess.run(
+            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert listed.returncode == 0, listed.stderr
         assert sorted((w["role"], w["max_num_seqs"]) for w in json.loads(listed.stdout)) == [
-            ("decode", 8), ("prefill", 8)
+            ("decode", 8),
+            ("prefill", 8),
         ]
         written = sorted(p.name for p in tmp_path.glob("pdserve-up-*/*.json"))
         assert written == ["decode.json", "frontend.json", "prefill.json"]
-        generate = [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
-                    "4,5,6,7", "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"]  # fmt: skip
+        generate = [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "generate",
+            "--target",
+            f"127.0.0.1:{port}",
+            "--token-ids",
+            "4,5,6,7",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]
         keyless = subprocess.run(generate, capture_output=True, text=True, timeout=60)
         assert keyless.returncode == 1 and "UNAUTHENTICATED" in keyless.stderr
-        result = subprocess.run(generate, capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "PDSERVE_API_KEY": "sk-up"})  # fmt: skip
+        result = subprocess.run(
+            generate, capture_output=True, text=True, timeout=60, env={**os.environ, "PDSERVE_API_KEY": "sk-up"}
+        )
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
         assert len(out["token_ids"]) == 5 and out["breakdown"]["disaggregated"]
@@ -83,8 +116,12 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
 
 
 def test_up_refuses_a_directory_without_a_model(tmp_path):
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
-                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    up = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert up.returncode == 2 and "no config.json in model directory" in up.stderr
 
 
@@ -92,16 +129,24 @@ def test_up_refuses_a_port_in_use_before_starting_anything(checkpoints):
     path, _ = checkpoints("llama")
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port), "--http-port", "0"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+        up = subprocess.run(
+            [sys.executable, "-m", "pdserve", "up", "--model", str(path), "--port", str(port), "--http-port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert up.returncode == 2 and f"--port {port}: cannot listen on 127.0.0.1:{port}" in up.stderr
     assert "worker" not in up.stdout + up.stderr.split("error:")[0]  # nothing was started
 
 
 def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    up = subprocess.run([sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
-                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    up = subprocess.run(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(tmp_path), "--port", "0", "--http-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert up.returncode == 1
     assert "exited; its last output" in up.stderr and "config.json" in up.stderr
     assert "Traceback" not in up.stderr.split("pdserve up: error:")[-1]
@@ -110,10 +155,26 @@ def test_up_reports_a_worker_that_cannot_start_and_stops_the_rest(tmp_path):
 def _generate(port: int, prompt: list[int]) -> dict:
     """``pdserve generate --json``'s answer for 6 greedy tokens of ``prompt``."""
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids",
-         ",".join(map(str, prompt)), "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "generate",
+            "--target",
+            f"127.0.0.1:{port}",
+            "--token-ids",
+            ",".join(map(str, prompt)),
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -136,17 +197,36 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
     from pdserve import LLM, SamplingParams
 
     path, _ = checkpoints("llama")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
-                   "--threads-per-worker", "1", "--prefill-tensor-parallel-size", "2",
-                   "--decode-tensor-parallel-size", "2", env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    up = UpProcess(
+        "up",
+        "--model",
+        str(path),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--prefill-tensor-parallel-size",
+        "2",
+        "--decode-tensor-parallel-size",
+        "2",
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     try:
         up_line, port = up.wait_up()
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         ranks = rank_children(pids)
         assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
         registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
-        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        listed = subprocess.run(
+            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert listed.returncode == 0, listed.stderr
         sizes = sorted((w["role"], w["tensor_parallel_size"]) for w in json.loads(listed.stdout))
         assert sizes == [("decode", 2), ("prefill", 2)]
@@ -162,18 +242,37 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
 
 def test_up_runs_data_parallel_expert_parallel_pools_and_stops_every_rank(checkpoints, tmp_path):
     path, hf_model = checkpoints("deepseek_v3")
-    up = UpProcess("up", "--model", str(path), "--port", "0", "--http-port", "0", "--disaggregation", "always",
-                   "--threads-per-worker", "1", "--prefill-data-parallel-size", "2",
-                   "--decode-data-parallel-size", "2", "--enable-expert-parallel",
-                   env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    up = UpProcess(
+        "up",
+        "--model",
+        str(path),
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--prefill-data-parallel-size",
+        "2",
+        "--decode-data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     try:
         up_line, port = up.wait_up()
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         ranks = rank_children(pids, "pdserve.worker.data_parallel")
         assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
         registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
-        listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        listed = subprocess.run(
+            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert listed.returncode == 0, listed.stderr
         assert sorted(w["role"] for w in json.loads(listed.stdout)) == ["decode", "decode", "prefill", "prefill"]
         prompt = list(range(4, 40))

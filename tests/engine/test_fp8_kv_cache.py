@@ -36,9 +36,9 @@ class _QuantizedKV:
         for index, layer in enumerate(hf_model.model.layers):
             attention = layer.self_attn
             self.handles.append(attention.register_forward_pre_hook(lambda *_, i=index: setattr(self, "layer", i)))
-            self.handles.append(attention.v_proj.register_forward_hook(
-                lambda _m, _a, out, i=index: _roundtrip(out, v_scales[i])
-            ))  # fmt: skip
+            self.handles.append(
+                attention.v_proj.register_forward_hook(lambda _m, _a, out, i=index: _roundtrip(out, v_scales[i]))
+            )
 
         def rotary(q, k, cos, sin, *args, **kwargs):
             q, k = self.original(q, k, cos, sin, *args, **kwargs)
@@ -84,7 +84,9 @@ def test_greedy_tokens_equal_transformers_rounding_kv_the_same_way(checkpoints, 
     if scales is not None:  # a calibrated checkpoint: its layers' own k_scale and v_scale
         path = _with_kv_scales(path, tmp_path, k_scales, v_scales)
     prompts = _prompts(11, [5, 17, 40])
-    outputs = LLM(str(path), kernels=kernels, max_num_seqs=8, max_num_batched_tokens=24, **FP8).generate(prompts, GREEDY)
+    outputs = LLM(str(path), kernels=kernels, max_num_seqs=8, max_num_batched_tokens=24, **FP8).generate(
+        prompts, GREEDY
+    )
     compared, differs_unquantized = 0, False
     with _QuantizedKV(hf_model, k_scales, v_scales):
         references = [reference_greedy(hf_model, prompt, 10) for prompt in prompts]

@@ -132,9 +132,13 @@ def test_pinning_twice_is_refused_and_release_all_frees_everything():
 
 def _producer(request_id: str, num_tokens: int, pin_s: float) -> Request:
     return Request(
-        request_id=request_id, prompt_token_ids=list(range(1, num_tokens + 1)), params=SamplingParams(max_tokens=1),
-        eos_token_ids=frozenset(), kv_role=KVRole.PRODUCER, pin_s=pin_s,
-    )  # fmt: skip
+        request_id=request_id,
+        prompt_token_ids=list(range(1, num_tokens + 1)),
+        params=SamplingParams(max_tokens=1),
+        eos_token_ids=frozenset(),
+        kv_role=KVRole.PRODUCER,
+        pin_s=pin_s,
+    )
 
 
 def test_scheduler_pins_a_finished_producer_and_a_step_frees_it_at_the_deadline():

@@ -50,8 +50,9 @@ def test_a_seeded_request_resumed_without_skipping_its_draws_would_differ(llm):
     """The check above can fail: continuing the seed's stream from its start gives other tokens."""
     prompt = _prompt(1, 21)
     expected = llm.generate([prompt], SEEDED)[0].token_ids
-    fresh = SamplingParams(max_tokens=SEEDED.max_tokens - 5, temperature=1.0, top_p=0.9, seed=77,
-                           frequency_penalty=0.5, ignore_eos=True)  # fmt: skip
+    fresh = SamplingParams(
+        max_tokens=SEEDED.max_tokens - 5, temperature=1.0, top_p=0.9, seed=77, frequency_penalty=0.5, ignore_eos=True
+    )
     assert llm.generate([prompt + expected[:5]], fresh)[0].token_ids != expected[5:]
 
 

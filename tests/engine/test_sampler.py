@@ -16,9 +16,12 @@ VOCAB = 64
 
 def request(prompt=(), output=(), **params) -> SamplingRequest:
     sampling_params = SamplingParams(**params)
-    return SamplingRequest(params=sampling_params, prompt_token_ids=list(prompt),
-                           output_token_ids=list(output),
-                           generator=make_generator(sampling_params.seed))
+    return SamplingRequest(
+        params=sampling_params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=make_generator(sampling_params.seed),
+    )
 
 
 def logits_from_probs(probs: list[float], positions: list[int], vocab: int = VOCAB) -> torch.Tensor:
@@ -43,8 +46,7 @@ def test_make_generator():
 
 def test_seeded_request_without_generator_is_rejected():
     with pytest.raises(ValueError, match="generator"):
-        SamplingRequest(params=SamplingParams(seed=1), prompt_token_ids=[], output_token_ids=[],
-                        generator=None)
+        SamplingRequest(params=SamplingParams(seed=1), prompt_token_ids=[], output_token_ids=[], generator=None)
 
 
 def test_rejects_logits_of_the_wrong_shape():
@@ -116,8 +118,7 @@ def test_min_p_drops_tokens_below_the_scaled_max():
     assert set(draw_many(row, 300, min_p=1.0).tolist()) == {1}
 
 
-def run_steps(logits_steps: list[torch.Tensor], row: int,
-              requests: list[SamplingRequest]) -> list[int]:
+def run_steps(logits_steps: list[torch.Tensor], row: int, requests: list[SamplingRequest]) -> list[int]:
     sampler = Sampler()
     return [sampler(logits, requests).token_ids[row] for logits in logits_steps]
 
@@ -129,9 +130,16 @@ def test_seeded_request_ignores_batch_composition_and_position():
 
     alone = run_steps([s[2:3] for s in steps], 0, [request(**seeded)])
     # Same logits row, now third in a batch with greedy, penalised and filtered neighbours.
-    crowded = run_steps(steps, 2, [
-        request(temperature=0.0), request(output=[1, 2], presence_penalty=1.0, top_k=5),
-        request(**seeded), request(min_p=0.2, seed=7)])
+    crowded = run_steps(
+        steps,
+        2,
+        [
+            request(temperature=0.0),
+            request(output=[1, 2], presence_penalty=1.0, top_k=5),
+            request(**seeded),
+            request(min_p=0.2, seed=7),
+        ],
+    )
     torch.manual_seed(99)  # the global generator must not matter
     moved = [s[[2, 0, 1]] for s in steps]
     first = run_steps(moved, 0, [request(**seeded), request(), request(top_p=0.5)])
@@ -158,8 +166,7 @@ def test_repetition_penalty_hf_style():
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
-    req = request(prompt=[0, 0, 4], output=[1, 1, 3], presence_penalty=0.5,
-                  frequency_penalty=0.25)
+    req = request(prompt=[0, 0, 4], output=[1, 1, 3], presence_penalty=0.5, frequency_penalty=0.25)
     out = apply_penalties(logits, [req])
     assert torch.allclose(out, torch.tensor([[1.0, 1.0 - 0.5 - 0.5, 1.0, 1.0 - 0.5 - 0.25, 1.0]]))
 
@@ -174,9 +181,11 @@ def test_negative_presence_penalty_flips_argmax_to_a_seen_token():
 def test_penalties_leave_other_rows_alone():
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)
-    requests = [request(prompt=[1], output=[2, 3]),
-                request(prompt=[1], output=[2, 3], repetition_penalty=2.0, frequency_penalty=1.0),
-                request(prompt=[1], output=[2, 3], presence_penalty=0.3)]
+    requests = [
+        request(prompt=[1], output=[2, 3]),
+        request(prompt=[1], output=[2, 3], repetition_penalty=2.0, frequency_penalty=1.0),
+        request(prompt=[1], output=[2, 3], presence_penalty=0.3),
+    ]
     out = apply_penalties(logits, requests)
     assert torch.equal(out[0], logits[0])
     assert not torch.equal(out[1], logits[1])
@@ -188,18 +197,19 @@ def test_penalties_leave_other_rows_alone():
 def test_logprobs_are_raw_log_softmax():
     torch.manual_seed(0)
     logits = torch.randn(4, VOCAB).to(torch.bfloat16)
-    requests = [request(logprobs=5, temperature=0.7, output=[0], repetition_penalty=1.3),
-                request(),
-                request(logprobs=0, temperature=0.0),
-                request(logprobs=20, temperature=0.0, presence_penalty=2.0, output=[9])]
+    requests = [
+        request(logprobs=5, temperature=0.7, output=[0], repetition_penalty=1.3),
+        request(),
+        request(logprobs=0, temperature=0.0),
+        request(logprobs=20, temperature=0.0, presence_penalty=2.0, output=[9]),
+    ]
     out = Sampler()(logits, requests)
     expected = torch.log_softmax(logits.float(), dim=-1)
     assert out.logprobs[1] is None
     assert out.logprobs[2].top == []
     for row, n in [(0, 5), (2, 0), (3, 20)]:
         lp = out.logprobs[row]
-        assert math.isclose(lp.token_logprob, expected[row, out.token_ids[row]].item(),
-                            rel_tol=1e-6)
+        assert math.isclose(lp.token_logprob, expected[row, out.token_ids[row]].item(), rel_tol=1e-6)
         values, ids = expected[row].topk(n)
         assert [t for t, _ in lp.top] == ids.tolist()
         assert torch.allclose(torch.tensor([v for _, v in lp.top]), values)

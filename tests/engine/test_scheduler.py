@@ -619,9 +619,12 @@ def test_consumers_respect_max_num_seqs():
 def _consumer(sim: Sim, tokens: list[int]) -> Request:
     """A consumer handed to ``admit_consumer`` (the decode hand-off's path) instead of ``add``."""
     request = Request(
-        request_id=f"r{len(sim.requests)}", prompt_token_ids=tokens, params=SamplingParams(max_tokens=3),
-        eos_token_ids=frozenset(), kv_role=KVRole.CONSUMER,
-    )  # fmt: skip
+        request_id=f"r{len(sim.requests)}",
+        prompt_token_ids=tokens,
+        params=SamplingParams(max_tokens=3),
+        eos_token_ids=frozenset(),
+        kv_role=KVRole.CONSUMER,
+    )
     sim.requests.append(request)
     return request
 

@@ -101,9 +101,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     """
 
     def __init__(
-        self, worker_id: str, role: str, script: Script = Script(), load: EngineLoad = EngineLoad(),
-        tensor_parallel_size: int = 1, num_kv_heads: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        worker_id: str,
+        role: str,
+        script: Script = Script(),
+        load: EngineLoad = EngineLoad(),
+        tensor_parallel_size: int = 1,
+        num_kv_heads: int = 0,
+    ) -> None:
         """``tensor_parallel_size`` and ``num_kv_heads``: the KV heads' spread its entry reports."""
         self.worker_id = worker_id
         self.tensor_parallel_size = tensor_parallel_size
@@ -131,11 +136,21 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         port = await self._server.start("127.0.0.1", 0)
         self.endpoint = f"127.0.0.1:{port}"
         entry = WorkerEntry(
-            worker_id=self.worker_id, role=self.role, model=model, model_path=model_path,
-            endpoint=self.endpoint, nixl=b"fake-nixl-" + self.worker_id.encode(), block_size=4,
-            num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB_SIZE, max_num_seqs=8,
-            started_at=time.time(), tensor_parallel_size=self.tensor_parallel_size, num_kv_heads=self.num_kv_heads,
-        )  # fmt: skip
+            worker_id=self.worker_id,
+            role=self.role,
+            model=model,
+            model_path=model_path,
+            endpoint=self.endpoint,
+            nixl=b"fake-nixl-" + self.worker_id.encode(),
+            block_size=4,
+            num_kv_blocks=256,
+            max_model_len=MAX_MODEL_LEN,
+            vocab_size=VOCAB_SIZE,
+            max_num_seqs=8,
+            started_at=time.time(),
+            tensor_parallel_size=self.tensor_parallel_size,
+            num_kv_heads=self.num_kv_heads,
+        )
         self._etcd = EtcdConnection(etcd_url)
         self._registration = WorkerRegistration(self._etcd, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)
         await self._registration.start()
@@ -170,8 +185,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             else:  # the output is the first token, then ``tokens``
                 first = [self.script.first_token_id, *self.script.tokens][num_generated]
             if request.kv_consumer and not self.script.silent_prefill:  # as a real prefill worker does
-                source = worker_pb2.KVSource(worker_id=self.worker_id, block_ids=[0, 1], first_token_id=first,
-                                             pull_within_s=28.0)  # fmt: skip
+                source = worker_pb2.KVSource(
+                    worker_id=self.worker_id, block_ids=[0, 1], first_token_id=first, pull_within_s=28.0
+                )
                 async with grpc.aio.insecure_channel(request.kv_consumer) as channel:
                     await worker_pb2_grpc.WorkerStub(channel).KVReady(
                         worker_pb2.KVReadyRequest(request_id=request.request_id, kv_source=source), timeout=5.0

@@ -172,9 +172,7 @@ def test_conditional_disaggregation_falls_back_to_the_decode_worker_when_the_onl
 # ---- decode --------------------------------------------------------------------------------------
 
 
-def test_the_decode_call_opens_while_the_prompt_computes_and_learns_where_the_kv_is(
-    etcd_url: str, model: str
-) -> None:
+def test_the_decode_call_opens_while_the_prompt_computes_and_learns_where_the_kv_is(etcd_url: str, model: str) -> None:
     prefill = FakeWorker("p1", "prefill", Script(first_token_id=5, prefill_s=0.5, silent_prefill=True))
     decode = FakeWorker("d1", "decode")
 
@@ -207,8 +205,9 @@ def test_a_client_gone_during_the_prefill_leaves_no_decode_call_open(etcd_url: s
     async def body() -> None:
         async with serving(etcd_url, model, [prefill, decode]) as routing:
             running = asyncio.ensure_future(run_flow(await new_flow(routing, model)))
-            await eventually(lambda: len(decode.pending_decodes) == 1 and prefill.num_in_flight == 1, 5.0,
-                             "both calls open")  # fmt: skip
+            await eventually(
+                lambda: len(decode.pending_decodes) == 1 and prefill.num_in_flight == 1, 5.0, "both calls open"
+            )
             await cancel_and_wait(running)
             await eventually(lambda: decode.num_in_flight == prefill.num_in_flight == 0, 5.0, "both calls ended")
             assert decode.decode_cancelled.is_set() and decode.decodes == []

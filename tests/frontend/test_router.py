@@ -17,11 +17,23 @@ def entry(
     worker_id: str, role: str, draining: bool = False, tp: int = 1, kv_heads: int = 0, **load: int
 ) -> WorkerEntry:
     return WorkerEntry(
-        worker_id=worker_id, role=role, model="m", model_path="/m", endpoint=f"{worker_id}:1", nixl=b"",
-        block_size=4, num_kv_blocks=100, max_model_len=1024, vocab_size=100, max_num_seqs=8, started_at=0.0,
-        load=EngineLoad(kv_blocks_total=100, **load), draining=draining, tensor_parallel_size=tp,
+        worker_id=worker_id,
+        role=role,
+        model="m",
+        model_path="/m",
+        endpoint=f"{worker_id}:1",
+        nixl=b"",
+        block_size=4,
+        num_kv_blocks=100,
+        max_model_len=1024,
+        vocab_size=100,
+        max_num_seqs=8,
+        started_at=0.0,
+        load=EngineLoad(kv_blocks_total=100, **load),
+        draining=draining,
+        tensor_parallel_size=tp,
         num_kv_heads=kv_heads,
-    )  # fmt: skip
+    )
 
 
 def test_decode_goes_to_the_least_loaded_and_skips_draining_workers():
@@ -62,8 +74,9 @@ def test_prefill_follows_the_cached_prefix_unless_that_worker_is_swamped():
 
 
 def test_conditional_disaggregation_keeps_short_uncached_prompts_on_the_decode_worker():
-    router = Router(RouterConfig(disaggregation="conditional", local_prefill_threshold_tokens=16,
-                                 prefill_saturation_tokens=100))  # fmt: skip
+    router = Router(
+        RouterConfig(disaggregation="conditional", local_prefill_threshold_tokens=16, prefill_saturation_tokens=100)
+    )
     p1 = entry("p1", "prefill")
     assert router.choose_prefill([p1], list(range(16))) is None
     assert router.choose_prefill([p1], list(range(17))).worker.worker_id == "p1"

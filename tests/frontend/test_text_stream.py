@@ -56,8 +56,10 @@ def test_a_stop_string_spanning_the_hand_off_is_cut_and_later_tokens_are_not_sen
 
 def test_logprobs_are_cut_with_the_tokens_at_a_stop_string(tokenizer):
     tokens = ids(tokenizer, "Hello world, and more")
-    logprobs = [inference_pb2.TokenLogprobs(logprob=-float(i), top=[inference_pb2.TopLogprob(token_id=t, logprob=-0.5)])
-                for i, t in enumerate(tokens)]  # fmt: skip
+    logprobs = [
+        inference_pb2.TokenLogprobs(logprob=-float(i), top=[inference_pb2.TopLogprob(token_id=t, logprob=-0.5)])
+        for i, t in enumerate(tokens)
+    ]
     stream = TextStream(tokenizer, PROMPT, ["lo wor"])
     first = stream.add(tokens[:1], logprobs[:1])
     last = stream.add(tokens[1:], logprobs[1:])
@@ -114,13 +116,17 @@ def test_the_first_token_then_the_rest_equal_the_offline_completion(checkpoints,
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     # What the workers send: the engine knows no stop strings, so it runs to max_tokens.
     tokens = offline.generate([prompt], greedy)[0].token_ids
-    want = offline.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                                     stop=[stop]))[0]  # fmt: skip
+    want = offline.generate(
+        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     assert want.finish_reason == ("stop" if max_tokens > 1 else "length")
     stream = TextStream(offline.tokenizer, prompt, [stop])
     messages = run(stream, [tokens[:1], tokens[1:]], "length")
     final = messages[-1].final
     assert [t for m in messages for t in m.token_ids] == want.token_ids
-    assert ("".join(m.text for m in messages), final.text, final.finish_reason) == (want.text, want.text,
-                                                                                   want.finish_reason)  # fmt: skip
+    assert ("".join(m.text for m in messages), final.text, final.finish_reason) == (
+        want.text,
+        want.text,
+        want.finish_reason,
+    )
     assert final.usage.completion_tokens == len(want.token_ids)

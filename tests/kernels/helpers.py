@@ -90,4 +90,6 @@ def mla_cache(num_blocks: int, block_size: int, latent_dim: int, dtype) -> torch
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, context: str = "") -> None:
     """Compare with the per-dtype tolerance; NaN anywhere (an unwritten element) fails."""
     assert not torch.isnan(actual).any(), f"unwritten (NaN) elements {context}"
-    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[expected.dtype], msg=lambda m: f"{context}\n{m}")
+    torch.testing.assert_close(
+        actual.float(), expected.float(), **TOLERANCES[expected.dtype], msg=lambda m: f"{context}\n{m}"
+    )

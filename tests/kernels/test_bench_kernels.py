@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-m", "bench.kernels", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.kernels", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
@@ -32,6 +34,13 @@ def test_bench_smoke_run_reports_every_kernel():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     kernels = {r["kernel"] for r in report["results"]}
-    assert {"paged_attention_decode", "mla_attention_decode", "moe_expert_mlp", "rms_norm_residual", "write_latent",
-            "block_fp8_gemm_decode", "block_fp8_gemm_prefill"} <= kernels
+    assert {
+        "paged_attention_decode",
+        "mla_attention_decode",
+        "moe_expert_mlp",
+        "rms_norm_residual",
+        "write_latent",
+        "block_fp8_gemm_decode",
+        "block_fp8_gemm_prefill",
+    } <= kernels
     assert all(r["median_ms"] > 0 for r in report["results"])

@@ -17,11 +17,28 @@ from pathlib import Path
 import pytest
 
 INT_PTRS = {
-    "tables_ptr": "*i32", "seq_lens_ptr": "*i32", "starts_ptr": "*i32", "slot_ptr": "*i64", "ids_ptr": "*i64",
-    "counts_ptr": "*i64", "offsets_ptr": "*i64", "index_ptr": "*i64", "pair_rows_ptr": "*i64", "pos_ptr": "*i64",
+    "tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "starts_ptr": "*i32",
+    "slot_ptr": "*i64",
+    "ids_ptr": "*i64",
+    "counts_ptr": "*i64",
+    "offsets_ptr": "*i64",
+    "index_ptr": "*i64",
+    "pair_rows_ptr": "*i64",
+    "pos_ptr": "*i64",
     "token_index_ptr": "*i64",
 }
-F32_PTRS = {"part_out_ptr", "part_lse_ptr", "weights_ptr", "logits_ptr", "bias_ptr", "sorted_weights_ptr", "acc_ptr", "cs_ptr"}
+F32_PTRS = {
+    "part_out_ptr",
+    "part_lse_ptr",
+    "weights_ptr",
+    "logits_ptr",
+    "bias_ptr",
+    "sorted_weights_ptr",
+    "acc_ptr",
+    "cs_ptr",
+}
 FLOATS = {"scale_log2", "eps", "scaling"}
 
 
@@ -60,7 +77,9 @@ def compile_all() -> None:
     )
 
     for ieee, dtype in ((False, "bf16"), (True, "fp32")):
-        _compile(paged_decode._decode_split_kernel, dict(DIRECT=False, IEEE=ieee, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128), dtype)
+        _compile(
+            paged_decode._decode_split_kernel, dict(DIRECT=False, IEEE=ieee, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128), dtype
+        )
         _compile(paged_extend._extend_kernel, dict(IEEE=ieee, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128), dtype)
     mla = dict(IEEE=False, HAS_ROPE=True, BLOCK_N=32, BLOCK_V=512, BLOCK_R=64)
     _compile(paged_decode._decode_split_kernel, dict(DIRECT=True, IEEE=False, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128))
@@ -71,10 +90,21 @@ def compile_all() -> None:
     _compile(rotary._rotary_kernel, dict(INTERLEAVED=True, BLOCK_H=32, BLOCK_HALF=64))
     _compile(kv_write._write_kv_kernel, dict(BLOCK_H=8, BLOCK_D=128))
     _compile(kv_write._write_latent_kernel, dict(BLOCK=1024))
-    _compile(moe_routing._route_kernel, dict(
-        SIGMOID=True, HAS_BIAS=True, GROUPED=True, TOP2_SUM=True, TOPK_GROUPS=4, TOP_K=8, RENORMALIZE=True,
-        BLOCK_G=8, BLOCK_GS=32, BLOCK_K=8,
-    ))
+    _compile(
+        moe_routing._route_kernel,
+        dict(
+            SIGMOID=True,
+            HAS_BIAS=True,
+            GROUPED=True,
+            TOP2_SUM=True,
+            TOPK_GROUPS=4,
+            TOP_K=8,
+            RENORMALIZE=True,
+            BLOCK_G=8,
+            BLOCK_GS=32,
+            BLOCK_K=8,
+        ),
+    )
     _compile(moe_align._count_kernel, dict(BLOCK=1024))
     _compile(moe_align._scatter_kernel, dict(BLOCK=1024, BLOCK_E=256))
     _compile(moe_align._gather_rows_kernel, dict(ROWS=4, BLOCK=1024))
@@ -85,10 +115,14 @@ def compile_all() -> None:
     _compile(moe_combine._scatter_add_kernel, dict(BLOCK=1024))
     # DeepSeek-V3's 128x128 blocks: FP8 operands, float32 scales, bf16 bias and output.
     fp8 = {"xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16"}
-    _compile(block_fp8_gemm._gemm_kernel, dict(HAS_BIAS=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
-             types=fp8)  # fmt: skip
-    _compile(block_fp8_gemm._quantize_kernel, dict(BLOCK_K=128),
-             types={"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "fp8_max": "fp32"})  # fmt: skip
+    _compile(
+        block_fp8_gemm._gemm_kernel, dict(HAS_BIAS=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128), types=fp8
+    )
+    _compile(
+        block_fp8_gemm._quantize_kernel,
+        dict(BLOCK_K=128),
+        types={"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "fp8_max": "fp32"},
+    )
 
 
 def _has_ptxas() -> bool:
@@ -104,7 +138,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path))
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_compile_sm90"], env=env, cwd=root, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "tests.kernels.test_compile_sm90"],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 

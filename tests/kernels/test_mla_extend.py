@@ -24,6 +24,16 @@ def test_mla_extend_matches_reference(dtype, num_heads, latent_dim, v_dim):
     q = torch.randn(sum(query_lens), num_heads, latent_dim).to(dtype)
     out = poisoned((q.shape[0], num_heads, v_dim), dtype)
     mla_extend_attention(
-        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, meta.num_seqs, meta.max_query_len, 0.1, v_dim, out
+        q,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0,
+        meta.num_seqs,
+        meta.max_query_len,
+        0.1,
+        v_dim,
+        out,
     )
     assert_close(out, TorchBackend().mla_attention(q, cache, meta, 0.1, v_dim), f"L={latent_dim} v={v_dim}")

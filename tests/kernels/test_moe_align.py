@@ -13,7 +13,11 @@ from tests.kernels.helpers import DTYPES, poisoned
 def random_choice(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
     """Distinct experts per token, drawn from the lower half so that some experts get none."""
     pool = max(top_k, num_experts // 2)
-    return torch.stack([torch.randperm(pool)[:top_k] for _ in range(num_tokens)]) if num_tokens else torch.empty(0, top_k, dtype=torch.int64)
+    return (
+        torch.stack([torch.randperm(pool)[:top_k] for _ in range(num_tokens)])
+        if num_tokens
+        else torch.empty(0, top_k, dtype=torch.int64)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,7 +12,9 @@ from tests.kernels.test_moe_align import random_choice
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [(1, 4, 1, 64, 32), (21, 8, 2, 96, 40), (40, 6, 3, 64, 160)])
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,hidden,inter", [(1, 4, 1, 64, 32), (21, 8, 2, 96, 40), (40, 6, 3, 64, 160)]
+)
 def test_expert_mlp_matches_reference(dtype, num_tokens, num_experts, top_k, hidden, inter):
     ref = TorchBackend()
     x = torch.randn(num_tokens, hidden).to(dtype)

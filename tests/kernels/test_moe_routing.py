@@ -19,7 +19,8 @@ CONFIGS = {
     "qwen-60-no-renorm": (MoERouting(top_k=4, renormalize=False), 60, False),
     "v3-top2-sum-bias": (
         MoERouting(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5),
-        32, True,
+        32,
+        True,
     ),
     "v2-group-max": (MoERouting(top_k=3, num_groups=4, topk_groups=3, scaling_factor=16.0), 24, False),
     "sigmoid-ungrouped": (MoERouting(top_k=2, scoring="sigmoid"), 16, True),

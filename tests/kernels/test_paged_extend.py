@@ -26,7 +26,16 @@ def _run(dtype, num_heads, num_kv_heads, head_dim, cases, block_size=16):
     scale = head_dim**-0.5
     out = poisoned(q.shape, dtype)
     paged_extend_attention(
-        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, meta.num_seqs, meta.max_query_len, scale, out
+        q,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0,
+        meta.num_seqs,
+        meta.max_query_len,
+        scale,
+        out,
     )
     assert_close(out, TorchBackend().paged_attention(q, cache, meta, scale), f"cases={cases}")
 
@@ -51,7 +60,15 @@ def test_extend_of_no_queries_writes_nothing(query_lens, num_extends):
     q = torch.randn(sum(query_lens), 2, 64)
     out = poisoned(q.shape, torch.float32)
     paged_extend_attention(
-        q, gqa_cache(4, 1, 16, 64, torch.float32), meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_decodes, num_extends, max(query_lens[num_decodes:], default=0), 1.0, out,
+        q,
+        gqa_cache(4, 1, 16, 64, torch.float32),
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        num_decodes,
+        num_extends,
+        max(query_lens[num_decodes:], default=0),
+        1.0,
+        out,
     )
     assert out.numel() and out.isnan().all(), "the decodes' rows were written"

@@ -35,4 +35,6 @@ def test_rotary_of_a_strided_slice(interleaved):
     rope = q[..., 128:]
     positions = torch.randint(0, 50, (6,))
     cos_sin = _cos_sin(50, 64).to(torch.bfloat16)  # a bf16 table is upcast, as in the reference
-    assert_close(rotary(rope, positions, cos_sin, interleaved), TorchBackend().rotary(rope, positions, cos_sin, interleaved))
+    assert_close(
+        rotary(rope, positions, cos_sin, interleaved), TorchBackend().rotary(rope, positions, cos_sin, interleaved)
+    )

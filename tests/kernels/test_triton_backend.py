@@ -64,7 +64,9 @@ def test_mla_layer_step_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_layer_matches_reference(dtype):
     num_tokens, num_experts, hidden, inter = 11, 16, 64, 48
-    config = MoERouting(top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5)
+    config = MoERouting(
+        top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, group_score="top2_sum", scaling_factor=2.5
+    )
     x = torch.randn(num_tokens, hidden).to(dtype)
     logits = distinct_logits(num_tokens, num_experts)  # float32, as DeepSeek's gate computes
     bias = torch.randn(num_experts) / 4
@@ -93,7 +95,9 @@ def test_loading_the_triton_backend_selects_the_interpreter_on_cpu():
         "torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n"
     )
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -104,5 +108,7 @@ def test_a_kernel_imported_before_the_choice_on_cpu_refuses_to_load():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "import pdserve.kernels.rms_norm\n"
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode != 0 and "use_interpreter_without_cuda()" in result.stderr

@@ -27,8 +27,11 @@ class PeerProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.kvtransfer.peer_main", msgspec.json.encode(cfg).decode()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env=env,
+        )
         self._replies: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._decoder = msgspec.json.Decoder(p.Reply)

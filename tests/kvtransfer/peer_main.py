@@ -62,9 +62,13 @@ class Peer:
             self.kv.data[block].view(torch.uint8).fill_(SENTINEL)
         try:
             stats = await self.puller.pull(
-                cmd.request_id, cmd.peers, cmd.remote_block_ids, local,
-                num_cached_blocks=cmd.num_cached_blocks, deadline_s=cmd.deadline_s,
-            )  # fmt: skip
+                cmd.request_id,
+                cmd.peers,
+                cmd.remote_block_ids,
+                local,
+                num_cached_blocks=cmd.num_cached_blocks,
+                deadline_s=cmd.deadline_s,
+            )
         except TransferFailed as exc:  # the blocks are ours to give back
             self.manager.free(cmd.request_id)
             return p.PullResult(cmd.request_id, False, local, error=exc.reason)
@@ -129,9 +133,14 @@ class Peer:
             except AssertionError as exc:
                 error = str(exc) or "integrity check failed"
             return p.PoolStatus(
-                self.pool.num_blocks, self.pool.num_free_blocks, error, len(self.pins),
-                self.pins.num_freed_by_sent, self.pins.num_freed_by_deadline, self.reporter.num_reported,
-            )  # fmt: skip
+                self.pool.num_blocks,
+                self.pool.num_free_blocks,
+                error,
+                len(self.pins),
+                self.pins.num_freed_by_sent,
+                self.pins.num_freed_by_deadline,
+                self.reporter.num_reported,
+            )
         raise ValueError(f"unknown command {cmd!r}")
 
     async def safe_handle(self, cmd: p.Command) -> p.Reply:

@@ -33,10 +33,14 @@ class PeerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def spec(self) -> KVCacheSpec:
         heads = 0 if self.is_mla else self.total_kv_heads // self.tp_size
         return KVCacheSpec(
-            num_layers=self.num_layers, block_size=self.block_size, dtype=getattr(torch, self.dtype),
-            is_mla=self.is_mla, num_kv_heads=heads, head_dim=0 if self.is_mla else self.head_dim,
+            num_layers=self.num_layers,
+            block_size=self.block_size,
+            dtype=getattr(torch, self.dtype),
+            is_mla=self.is_mla,
+            num_kv_heads=heads,
+            head_dim=0 if self.is_mla else self.head_dim,
             latent_dim=self.latent_dim,
-        )  # fmt: skip
+        )
 
 
 def prefill_contents(cfg: PeerConfig) -> torch.Tensor:

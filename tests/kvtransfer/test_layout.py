@@ -38,9 +38,16 @@ def test_layout_from_spec_and_round_trip():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("model", "other"), ("dtype", "float16"), ("block_size", 32), ("num_layers", 5), ("head_dim", 128),
-     ("memory_layout", "blocks,layers,tokens,kv,heads,head_dim"), ("protocol_version", 2)],
-)  # fmt: skip
+    [
+        ("model", "other"),
+        ("dtype", "float16"),
+        ("block_size", 32),
+        ("num_layers", 5),
+        ("head_dim", 128),
+        ("memory_layout", "blocks,layers,tokens,kv,heads,head_dim"),
+        ("protocol_version", 2),
+    ],
+)
 def test_each_differing_field_is_named(field, value):
     with pytest.raises(LayoutMismatch) as info:
         check_compatible(gqa(), gqa(**{field: value}))
@@ -48,10 +55,14 @@ def test_each_differing_field_is_named(field, value):
 
 
 def test_an_fp8_cache_is_described_by_its_dtype_at_half_the_bytes():
-    fp8_spec = KVCacheSpec(num_layers=4, block_size=16, dtype=torch.float8_e4m3fn, is_mla=False, num_kv_heads=4,
-                           head_dim=64)  # fmt: skip
+    fp8_spec = KVCacheSpec(
+        num_layers=4, block_size=16, dtype=torch.float8_e4m3fn, is_mla=False, num_kv_heads=4, head_dim=64
+    )
     layout = KVLayout.from_spec(fp8_spec, "llama", 2, 1)
-    assert layout.dtype == "float8_e4m3fn" and layout.bytes_per_block * 2 == KVLayout.from_spec(GQA_SPEC, "llama", 2, 1).bytes_per_block
+    assert (
+        layout.dtype == "float8_e4m3fn"
+        and layout.bytes_per_block * 2 == KVLayout.from_spec(GQA_SPEC, "llama", 2, 1).bytes_per_block
+    )
     with pytest.raises(LayoutMismatch) as info:
         check_compatible(layout, KVLayout.from_spec(GQA_SPEC, "llama", 2, 1))
     assert info.value.field == "dtype"

@@ -78,8 +78,9 @@ def test_mla_reads_one_prefill_rank_and_every_rank_frees(mla, tmp_path, d_size):
         # single rank was read: decode rank r reads prefill rank r % p.
         source = prefills[rank % 2]
         assert result.stats.num_transfers == 1
-        assert_blocks(decode.dump(tmp_path / f"m{rank}.bin"), result.local_block_ids,
-                      p.prefill_contents(source.cfg), remote)  # fmt: skip
+        assert_blocks(
+            decode.dump(tmp_path / f"m{rank}.bin"), result.local_block_ids, p.prefill_contents(source.cfg), remote
+        )
         decode.request(p.Release(rid))
     for q, n in zip(prefills, before):
         wait_until(lambda: q.status().freed_by_notice == n + 1, 5.0, f"{q.cfg.name} notified")

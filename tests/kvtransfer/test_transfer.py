@@ -163,9 +163,12 @@ def test_an_fp8_cache_and_a_bfloat16_one_are_refused_before_any_byte_moves(tmp_p
     """A decode worker on kv_cache_dtype fp8_e4m3 and a prefill worker on bfloat16 hold the
     same blocks in different bytes: the descriptor's dtype refuses the pair. Two peers of its
     own (not the session's six), so it starts quickly on a busy machine."""
-    P, fp8 = start_all([
-        p.PeerConfig(name="bf16-P", seed=5, **GQA), p.PeerConfig(name="fp8-D", **{**GQA, "dtype": "float8_e4m3fn"}),
-    ])  # fmt: skip
+    P, fp8 = start_all(
+        [
+            p.PeerConfig(name="bf16-P", seed=5, **GQA),
+            p.PeerConfig(name="fp8-D", **{**GQA, "dtype": "float8_e4m3fn"}),
+        ]
+    )
     try:
         reply = fp8.add_peer(P)
         assert not reply.ok and reply.field == "dtype", reply

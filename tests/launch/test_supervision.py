@@ -63,25 +63,49 @@ def _eventually(check: Callable[[], bool], timeout: float, what: str, up: UpProc
 
 
 def _workers(registry: str) -> list[dict]:
-    listed = subprocess.run([sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    listed = subprocess.run(
+        [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.returncode == 0, listed.stderr
     return json.loads(listed.stdout)
 
 
 def _etcdctl(registry: str, *args: str) -> str:
-    done = subprocess.run([str(find_etcd().with_name("etcdctl")), f"--endpoints={registry}", *args],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    done = subprocess.run(
+        [str(find_etcd().with_name("etcdctl")), f"--endpoints={registry}", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def _generate(port: int) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve", "generate", "--target", f"127.0.0.1:{port}", "--token-ids", "4,5,6,7",
-         "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "generate",
+            "--target",
+            f"127.0.0.1:{port}",
+            "--token-ids",
+            "4,5,6,7",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _metric(up: UpProcess, name: str, child: str) -> float:
@@ -94,8 +118,23 @@ def _metric(up: UpProcess, name: str, child: str) -> float:
 
 
 def _start(tmp_path: Path, model: Path, *args: str) -> tuple[UpProcess, str, int]:
-    up = UpProcess("up", "--model", str(model), "--port", "0", "--http-port", "-1", "--disaggregation", "always", "--threads-per-worker",
-                   "1", "--restart-backoff", "0.2s", *args, env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    up = UpProcess(
+        "up",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--http-port",
+        "-1",
+        "--disaggregation",
+        "always",
+        "--threads-per-worker",
+        "1",
+        "--restart-backoff",
+        "0.2s",
+        *args,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     line, port = up.wait_up()
     registry = re.search(r"registry (\S+) \(embedded\)", line).group(1)
     return up, registry, port
@@ -133,8 +172,11 @@ def test_killed_children_come_back_and_sigterm_still_stops_all(checkpoints, tmp_
         assert _metric(up, "pdserve_child_restarts", "etcd") == 1
 
         # The frontend SIGKILLed comes back on the same port.
-        [frontend_pid] = [pid for pid in _children(up.process.pid)
-                          if "frontend" in (Path("/proc") / str(pid) / "cmdline").read_text(errors="replace")]  # fmt: skip
+        [frontend_pid] = [
+            pid
+            for pid in _children(up.process.pid)
+            if "frontend" in (Path("/proc") / str(pid) / "cmdline").read_text(errors="replace")
+        ]
         os.kill(frontend_pid, signal.SIGKILL)
         _eventually(lambda: "frontend is back" in up.output, 60, "the frontend to restart", up)
         result = _generate(port)

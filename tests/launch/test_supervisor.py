@@ -50,8 +50,11 @@ def test_restarts_back_off_doubling_then_it_gives_up(caplog: pytest.LogCaptureFi
     given_up: list[tuple[str, str]] = []
 
     async def body() -> Crasher:
-        supervisor = Supervisor(RestartPolicy(max_restarts=3, min_backoff_s=0.2, max_backoff_s=0.5), metrics,
-                                lambda child, why: given_up.append((child.name, why)))  # fmt: skip
+        supervisor = Supervisor(
+            RestartPolicy(max_restarts=3, min_backoff_s=0.2, max_backoff_s=0.5),
+            metrics,
+            lambda child, why: given_up.append((child.name, why)),
+        )
         child = Crasher("decode-1")
         await child.start()
         child.fail_starts = 1  # the first restart fails to start: that counts as a crash too
@@ -79,8 +82,11 @@ def test_a_child_up_long_enough_starts_its_count_afresh() -> None:
     given_up: list[str] = []
 
     async def body() -> Crasher:
-        supervisor = Supervisor(RestartPolicy(max_restarts=1, min_backoff_s=0.05, reset_after_s=0.3), metrics,
-                                lambda child, why: given_up.append(child.name))  # fmt: skip
+        supervisor = Supervisor(
+            RestartPolicy(max_restarts=1, min_backoff_s=0.05, reset_after_s=0.3),
+            metrics,
+            lambda child, why: given_up.append(child.name),
+        )
         child = Crasher("decode-2", life_s=0.5)  # each life is past reset_after_s
         await child.start()
         supervisor.watch(child)
@@ -98,9 +104,12 @@ def test_a_clean_exit_can_be_final_and_release_cancels_a_restart() -> None:
     done: list[str] = []
 
     async def body() -> tuple[Crasher, Crasher]:
-        supervisor = Supervisor(RestartPolicy(min_backoff_s=5.0, max_backoff_s=5.0), metrics,
-                                lambda child, why: done.append(f"{child.name} {why}"),
-                                is_done=lambda child, code: code == 0)  # fmt: skip
+        supervisor = Supervisor(
+            RestartPolicy(min_backoff_s=5.0, max_backoff_s=5.0),
+            metrics,
+            lambda child, why: done.append(f"{child.name} {why}"),
+            is_done=lambda child, code: code == 0,
+        )
         drained = Crasher("decode-3", code=0)
         crashed = Crasher("decode-4")
         for child in (drained, crashed):

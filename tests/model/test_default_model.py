@@ -22,13 +22,16 @@ def test_the_default_model_lives_in_the_cache_dir(monkeypatch, tmp_path):
     assert default_model_path() == tmp_path / "xdg" / "pdserve" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.mark.parametrize("name, served", [
-    ("dir/Llama-3.1-8B", "Llama-3.1-8B"),
-    ("m/qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
-    ("m/Model-7B.Q8_0.gguf", "Model-7B"),
-    ("m/tiny.F16.gguf", "tiny"),
-    ("m/plain.gguf", "plain"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, served",
+    [
+        ("dir/Llama-3.1-8B", "Llama-3.1-8B"),
+        ("m/qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
+        ("m/Model-7B.Q8_0.gguf", "Model-7B"),
+        ("m/tiny.F16.gguf", "tiny"),
+        ("m/plain.gguf", "plain"),
+    ],
+)
 def test_served_names(name, served, tmp_path):
     assert served_name(str(tmp_path / name)) == served
 

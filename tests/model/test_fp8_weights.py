@@ -35,7 +35,9 @@ def fp8_checkpoints(tmp_path_factory):
 # Blocks smaller than the matrices, none dividing them all: every weight has partial edge
 # blocks (64 = 2 x 24 + 16 rows, 64 = 40 + 24 columns; 96, 128, 32 ... likewise).
 @pytest.mark.parametrize("block_size,kernels", [((24, 40), "cpu"), ((16, 48), "torch")])
-def test_fp8_deepseek_v3_greedy_tokens_equal_transformers_on_the_dequantized_weights(fp8_checkpoints, block_size, kernels):
+def test_fp8_deepseek_v3_greedy_tokens_equal_transformers_on_the_dequantized_weights(
+    fp8_checkpoints, block_size, kernels
+):
     path, hf_model = fp8_checkpoints(block_size)
     llm = LLM(str(path), kernels=kernels, max_num_batched_tokens=24, max_num_seqs=8)
     assert llm.engine.model_config.quantization is not None
@@ -110,13 +112,16 @@ def test_an_unknown_safetensors_dtype_names_the_tensor_and_the_dtype(tmp_path):
         Checkpoint(tmp_path, CPU, torch.float32)
 
 
-@pytest.mark.parametrize("spec,field", [
-    ({"quant_method": "awq"}, "quant_method 'awq'"),
-    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
-    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme"),
-    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
-    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        ({"quant_method": "awq"}, "quant_method 'awq'"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
+    ],
+)
 def test_quantization_configs_pdserve_cannot_read_are_refused_by_field(fp8_checkpoints, tmp_path, spec, field):
     path, _ = fp8_checkpoints((24, 40))
     config = json.loads((path / "config.json").read_text())

@@ -26,8 +26,15 @@ def test_percentiles_are_nearest_rank_not_means() -> None:
     w, clock = window()
     for i in range(1, 101):  # TTFT 1..100 ms, one request per 0.1 s, all finished by now
         w.arrived("m", clock.now - 20 + i * 0.1)
-        w.record("m", clock.now - 20 + i * 0.1, ttft_s=i / 1e3, itl_s=None, e2e_s=i / 1e2, prompt_tokens=i,
-                 output_tokens=2 * i)  # fmt: skip
+        w.record(
+            "m",
+            clock.now - 20 + i * 0.1,
+            ttft_s=i / 1e3,
+            itl_s=None,
+            e2e_s=i / 1e2,
+            prompt_tokens=i,
+            output_tokens=2 * i,
+        )
     stats = w.stats("m")
     assert stats is not None
     assert stats.num_requests == 100 and stats.num_errors == 0
@@ -42,8 +49,9 @@ def test_percentiles_are_nearest_rank_not_means() -> None:
 def test_a_tail_shows_in_the_p90_where_a_mean_would_hide_it() -> None:
     w, clock = window()
     for i in range(10):  # one request in ten is slow
-        w.record("m", clock.now - 5, ttft_s=2.0 if i == 9 else 0.1, itl_s=None, e2e_s=3.0, prompt_tokens=8,
-                 output_tokens=1)  # fmt: skip
+        w.record(
+            "m", clock.now - 5, ttft_s=2.0 if i == 9 else 0.1, itl_s=None, e2e_s=3.0, prompt_tokens=8, output_tokens=1
+        )
     stats = w.stats("m")
     assert stats.ttft_p50_ms == pytest.approx(100)
     assert stats.ttft_p90_ms == pytest.approx(100)  # 9 of 10 are fast: nearest rank 9 is 100 ms

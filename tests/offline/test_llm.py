@@ -35,9 +35,14 @@ def test_text_prompts_and_one_token_list_prompt(llm):
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate([_prompt(1, 20)], params)[0].token_ids
-    batched = llm.generate([_prompt(2, 9), _prompt(1, 20), _prompt(3, 33)], [SamplingParams(max_tokens=5, temperature=1.0), params, SamplingParams(max_tokens=20, temperature=0.7)])
+    batched = llm.generate(
+        [_prompt(2, 9), _prompt(1, 20), _prompt(3, 33)],
+        [SamplingParams(max_tokens=5, temperature=1.0), params, SamplingParams(max_tokens=20, temperature=0.7)],
+    )
     assert batched[1].token_ids == alone
-    other_seed = llm.generate([_prompt(1, 20)], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))
+    other_seed = llm.generate(
+        [_prompt(1, 20)], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    )
     assert other_seed[0].token_ids != alone
 
 
@@ -52,8 +57,9 @@ def test_stop_token_ids_and_eos(llm):
 def test_min_tokens_holds_back_stop_token_ids_and_eos(llm):
     greedy = llm.generate([_prompt(4, 10)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     stop_at = greedy.token_ids[1]
-    held = llm.generate([_prompt(4, 10)], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at],
-                                                         min_tokens=5))[0]  # fmt: skip
+    held = llm.generate(
+        [_prompt(4, 10)], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_at], min_tokens=5)
+    )[0]
     assert len(held.token_ids) >= 5 and stop_at not in held.token_ids[:5]
     assert held.token_ids[0] == greedy.token_ids[0] and held.token_ids[1] != stop_at
     with pytest.raises(ValueError, match="min_tokens"):
@@ -63,7 +69,14 @@ def test_min_tokens_holds_back_stop_token_ids_and_eos(llm):
 def test_stop_string_is_cut_from_the_text(llm):
     greedy = llm.generate([_prompt(5, 10)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     text = greedy.text
-    stop = next((text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2] and text[i : i + 2].strip()), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(3, len(text) - 2)
+            if "\ufffd" not in text[i : i + 2] and text[i : i + 2].strip()
+        ),
+        None,
+    )
     if stop is None:
         pytest.skip("random model produced no usable text")
     out = llm.generate([_prompt(5, 10)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))[0]
@@ -168,7 +181,10 @@ def test_loading_errors_name_the_file_and_tensor(checkpoints, tmp_path):
     assert len(set(index["weight_map"].values())) > 1
     prompt = _prompt(11, 9)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    assert LLM(str(sharded)).generate([prompt], params)[0].token_ids == LLM(str(path)).generate([prompt], params)[0].token_ids
+    assert (
+        LLM(str(sharded)).generate([prompt], params)[0].token_ids
+        == LLM(str(path)).generate([prompt], params)[0].token_ids
+    )
 
     shard = sorted(set(index["weight_map"].values()))[-1]
     (sharded / shard).rename(tmp_path / "moved")
@@ -186,7 +202,10 @@ def test_loading_errors_name_the_file_and_tensor(checkpoints, tmp_path):
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     (wrong / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\], expected \[128, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has shape \[96, 64\], expected \[128, 64\]",
+    ):
         LLM(str(wrong))
 
 

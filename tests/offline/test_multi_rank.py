@@ -23,8 +23,11 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 def _moe_placements(llm: LLM) -> list[tuple[int, ...]]:
-    return [layer.feed_forward.placement.slot_experts for layer in llm.engine.model.layers
-            if isinstance(layer.feed_forward, MoE)]  # fmt: skip
+    return [
+        layer.feed_forward.placement.slot_experts
+        for layer in llm.engine.model.layers
+        if isinstance(layer.feed_forward, MoE)
+    ]
 
 
 GROUPS = [

@@ -96,11 +96,20 @@ def make_pods_ready(kube: Kube, namespace: str, selector: str) -> int:
     pods = kube.list(f"/api/v1/namespaces/{namespace}/pods", selector)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for pod in pods:
-        status: dict[str, Any] = {"phase": "Running", "podIP": "10.1.0.1", "conditions": [
-            {"type": kind, "status": "True", "lastTransitionTime": now} for kind in ("PodScheduled", "Initialized",
-                                                                                      "ContainersReady", "Ready")]}  # fmt: skip
-        kube.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status",
-                      body={"status": status}, content_type="application/merge-patch+json")  # fmt: skip
+        status: dict[str, Any] = {
+            "phase": "Running",
+            "podIP": "10.1.0.1",
+            "conditions": [
+                {"type": kind, "status": "True", "lastTransitionTime": now}
+                for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            ],
+        }
+        kube.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
     return len(pods)
 
 

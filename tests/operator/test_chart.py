@@ -35,7 +35,7 @@ VALUES_MATRIX = {
         "monitoring.coreos.com/v1/ServiceMonitor",
         "--api-versions",
         "policy/v1/PodDisruptionBudget",
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -75,7 +75,8 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     )
     args = operator["containers"][0]["args"]
     assert ("--namespace=llm" in args) == (case == "one-namespace") and ("--all-namespaces" in args) != (
-        case == "one-namespace")  # fmt: skip
+        case == "one-namespace"
+    )
 
 
 def test_every_example_names_the_crds_group_and_kind() -> None:
@@ -103,45 +104,81 @@ def test_bad_values_are_refused_naming_the_field(values: list[str], field: str) 
 
 
 @pytest.mark.slow
-def test_helm_install_and_the_operator_under_the_charts_service_account(kube: Kube, kube_server: KubeServer,
-                                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_helm_install_and_the_operator_under_the_charts_service_account(
+    kube: Kube, kube_server: KubeServer, tmp_path: Path
+) -> None:
     assert kube_server.etcd is not None
     release_ns, app_ns = "pdserve-system", "llm"
     for ns in (release_ns, app_ns):
-        kube.request("POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace",
-                                                         "metadata": {"name": ns}})  # fmt: skip
-    helm("install", "rel", str(CHART), "--namespace", release_ns, "--kubeconfig", str(kube_server.kubeconfig),
-         "--set", "etcd.enabled=false", "--set", f"etcd.endpoint={kube_server.etcd.url}")  # fmt: skip
+        kube.request(
+            "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+        )
+    helm(
+        "install",
+        "rel",
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--kubeconfig",
+        str(kube_server.kubeconfig),
+        "--set",
+        "etcd.enabled=false",
+        "--set",
+        f"etcd.endpoint={kube_server.etcd.url}",
+    )
     sa = kube.get(object_path("ServiceAccount", release_ns, "rel-pdserve"))
     assert sa is not None
     assert kube.get(object_path("Deployment", release_ns, "rel-pdserve-operator")) is not None
     assert kube.get("/apis/rbac.authorization.k8s.io/v1/clusterroles/rel-pdserve-operator") is not None
 
     # The chart's service account, as the operator's pod would hold it.
-    token = kube.request("POST", f"/api/v1/namespaces/{release_ns}/serviceaccounts/rel-pdserve/token",
-                         body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                               "spec": {"expirationSeconds": 3600}})["status"]["token"]  # fmt: skip
+    token = kube.request(
+        "POST",
+        f"/api/v1/namespaces/{release_ns}/serviceaccounts/rel-pdserve/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}},
+    )["status"]["token"]
     kubeconfig = kube_server.write_kubeconfig(tmp_path / "sa.kubeconfig", token, "system:serviceaccount:pdserve")
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "PDSERVE_ETCD")}
     log = tmp_path / "operator.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "--log-level", "INFO", "operator", "--kubeconfig", str(kubeconfig),
-             "--all-namespaces", "--etcd", kube_server.etcd.url, "--metrics-port", "-1", "--health-port", "-1"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "--log-level",
+                "INFO",
+                "operator",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--all-namespaces",
+                "--etcd",
+                kube_server.etcd.url,
+                "--metrics-port",
+                "-1",
+                "--health-port",
+                "-1",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         body = yaml.safe_load((CHART / "examples" / "llama-small.yaml").read_text())
         body["metadata"]["namespace"] = app_ns
         name = kube.request("POST", object_path("PDServeDeployment", app_ns), body=body)["metadata"]["name"]
-        wait_for(lambda: kube.get(object_path("Deployment", app_ns, f"{name}-decode")), 60,
-                 "the operator (as the chart's service account) to create the decode pool")  # fmt: skip
+        wait_for(
+            lambda: kube.get(object_path("Deployment", app_ns, f"{name}-decode")),
+            60,
+            "the operator (as the chart's service account) to create the decode pool",
+        )
         wait_for(lambda: len(kube.list(f"/api/v1/namespaces/{app_ns}/pods")) == 4, 30, "the pods")
         make_pods_ready(kube, app_ns, f"pdserve.io/deployment={name}")
 
         def available() -> bool:
             conditions = ((kube.get(object_path("PDServeDeployment", app_ns, name)) or {}).get("status") or {}).get(
-                "conditions", [])  # fmt: skip
+                "conditions", []
+            )
             return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
 
         wait_for(available, 60, "Available, written by the operator under the chart's RBAC")

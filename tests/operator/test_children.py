@@ -35,14 +35,22 @@ def test_the_children_are_named_owned_and_deterministic() -> None:
     first, second = children(body), children(copy.deepcopy(body))
     assert first == second
     assert set(first) == {
-        ("ConfigMap", "llama-config"), ("Deployment", "llama-frontend"), ("Service", "llama"),
-        ("Deployment", "llama-prefill"), ("Service", "llama-prefill"), ("Deployment", "llama-decode"),
+        ("ConfigMap", "llama-config"),
+        ("Deployment", "llama-frontend"),
+        ("Service", "llama"),
+        ("Deployment", "llama-prefill"),
+        ("Service", "llama-prefill"),
+        ("Deployment", "llama-decode"),
         ("Service", "llama-decode"),
-    }  # fmt: skip
+    }
     for obj in first.values():
         (ref,) = obj["metadata"]["ownerReferences"]
-        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDServeDeployment", "llama", OWNER.uid,
-                                                                             True)  # fmt: skip
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "PDServeDeployment",
+            "llama",
+            OWNER.uid,
+            True,
+        )
         assert obj["metadata"]["namespace"] == "serving"
     assert first[("Deployment", "llama-decode")]["spec"]["replicas"] == 2
 
@@ -94,8 +102,12 @@ def test_a_group_larger_than_a_node_needs_a_leader_worker_set() -> None:
 
 def test_engine_args_become_options() -> None:
     assert cmd.options({"maxNumSeqs": 64, "noPrefixCaching": True, "enforceEager": False, "dtype": "bfloat16"}) == [
-        "--max-num-seqs", "64", "--no-prefix-caching", "--dtype", "bfloat16"
-    ]  # fmt: skip
+        "--max-num-seqs",
+        "64",
+        "--no-prefix-caching",
+        "--dtype",
+        "bfloat16",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -133,8 +145,11 @@ def test_every_command_line_the_operator_writes_is_one_pdserve_accepts() -> None
     from pdserve.cli import build_parser
 
     body = example("llama-small.yaml")
-    body["spec"] |= {"tls": {"secretName": "llama-tls"}, "apiKeys": {"secretName": "llama-keys"},
-                     "planner": {"enabled": True, "profileConfigMap": "llama-profile"}}  # fmt: skip
+    body["spec"] |= {
+        "tls": {"secretName": "llama-tls"},
+        "apiKeys": {"secretName": "llama-keys"},
+        "planner": {"enabled": True, "profileConfigMap": "llama-profile"},
+    }
     spec = parse_spec(body)
     argvs = {
         "prefill": cmd.worker_args(spec, "prefill", ETCD) + cmd.pod_worker_args(),

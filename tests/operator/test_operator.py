@@ -53,15 +53,22 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
     created = create(kube, namespace, load(example))
     name, uid = created["metadata"]["name"], created["metadata"]["uid"]
     wanted = [("Deployment", f"{name}-{c}") for c in ("frontend", "prefill", "decode")]
-    wanted += [("Service", name), ("Service", f"{name}-prefill"), ("Service", f"{name}-decode"),
-               ("ConfigMap", f"{name}-config")]  # fmt: skip
+    wanted += [
+        ("Service", name),
+        ("Service", f"{name}-prefill"),
+        ("Service", f"{name}-decode"),
+        ("ConfigMap", f"{name}-config"),
+    ]
     for kind, child in wanted:
         obj = wait_for(lambda: kube.get(object_path(kind, namespace, child)), 30, f"{kind} {child}")
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("PDServeDeployment", name, uid, True)
 
-    body = wait_for(lambda: condition(resource(kube, namespace, name), "Progressing") and resource(
-        kube, namespace, name), 30, "the status")  # fmt: skip
+    body = wait_for(
+        lambda: condition(resource(kube, namespace, name), "Progressing") and resource(kube, namespace, name),
+        30,
+        "the status",
+    )
     status = body["status"]
     assert status["observedGeneration"] == body["metadata"]["generation"]
     assert condition(body, "Available")["status"] == "False"
@@ -73,11 +80,25 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
     assert status["decode"]["registered"] == 0  # no worker registered in etcd
 
     # No kubelet: the pods stay Pending until the test marks them ready, as one would.
-    wait_for(lambda: len(kube.list(f"/api/v1/namespaces/{namespace}/pods", f"{DEPLOYMENT_LABEL}={name}")) == sum(
-        spec[c]["replicas"] for c in ("prefill", "decode", "frontend")), 30, "the pods")  # fmt: skip
+    wait_for(
+        lambda: (
+            len(kube.list(f"/api/v1/namespaces/{namespace}/pods", f"{DEPLOYMENT_LABEL}={name}"))
+            == sum(spec[c]["replicas"] for c in ("prefill", "decode", "frontend"))
+        ),
+        30,
+        "the pods",
+    )
     make_pods_ready(kube, namespace, f"{DEPLOYMENT_LABEL}={name}")
-    body = wait_for(lambda: (b := resource(kube, namespace, name)) and condition(b, "Available")["status"] == "True"
-                    and condition(b, "Progressing")["status"] == "False" and b, 60, "Available")  # fmt: skip
+    body = wait_for(
+        lambda: (
+            (b := resource(kube, namespace, name))
+            and condition(b, "Available")["status"] == "True"
+            and condition(b, "Progressing")["status"] == "False"
+            and b
+        ),
+        60,
+        "Available",
+    )
     ready = body["status"]["decode"]["readyOfDesired"]
     assert ready == f"{spec['decode']['replicas']}/{spec['decode']['replicas']}"
 
@@ -85,8 +106,11 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
     model = spec["model"].get("name") or spec["model"]["path"].rsplit("/", 1)[-1]
     key = asyncio.run(put_worker(kube_server.etcd.url, model, f"decode-{namespace}"))
     try:
-        wait_for(lambda: resource(kube, namespace, name)["status"]["decode"].get("registered") == 1, 45,
-                 "status.decode.registered to count the worker in etcd")  # fmt: skip
+        wait_for(
+            lambda: resource(kube, namespace, name)["status"]["decode"].get("registered") == 1,
+            45,
+            "status.decode.registered to count the worker in etcd",
+        )
     finally:
         asyncio.run(delete_key(kube_server.etcd.url, key))
 
@@ -94,10 +118,19 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
 async def put_worker(url: str, model: str, worker_id: str) -> str:
     """A decode worker's registry entry, as a worker writes it; its key."""
     entry = WorkerEntry(
-        worker_id=worker_id, role="decode", model=model, model_path="/models/x", endpoint="10.1.0.1:50051",
-        nixl=b"", block_size=16, num_kv_blocks=64, max_model_len=2048, vocab_size=320, max_num_seqs=64,
+        worker_id=worker_id,
+        role="decode",
+        model=model,
+        model_path="/models/x",
+        endpoint="10.1.0.1:50051",
+        nixl=b"",
+        block_size=16,
+        num_kv_blocks=64,
+        max_model_len=2048,
+        vocab_size=320,
+        max_num_seqs=64,
         started_at=time.time(),
-    )  # fmt: skip
+    )
     client = await connect(url)
     try:
         await client.put(entry.key.encode(), encode_entry(entry))
@@ -121,23 +154,43 @@ def test_replicas_scale_the_pool_and_engine_args_roll_it(kube, operator, namespa
     path = object_path("PDServeDeployment", namespace, name)
 
     kube.merge_patch(path, {"spec": {"decode": {"replicas": 5}}})
-    decode = wait_for(lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["replicas"] == 5 and d, 30,
-                      "the decode Deployment to follow replicas: 5")  # fmt: skip
+    decode = wait_for(
+        lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["replicas"] == 5 and d,
+        30,
+        "the decode Deployment to follow replicas: 5",
+    )
     assert decode["spec"]["template"] == template  # scaling rolls nothing
 
     kube.merge_patch(path, {"spec": {"decode": {"engineArgs": {"maxNumSeqs": 32}}}})
-    decode = wait_for(lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["template"] != template
-                      and d, 30, "the decode pod template to change")  # fmt: skip
-    assert decode["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH] != template["metadata"]["annotations"][
-        CONFIG_HASH]  # fmt: skip
+    decode = wait_for(
+        lambda: (d := deployment(kube, namespace, f"{name}-decode"))["spec"]["template"] != template and d,
+        30,
+        "the decode pod template to change",
+    )
+    assert (
+        decode["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH]
+        != template["metadata"]["annotations"][CONFIG_HASH]
+    )
     config = kube.get(object_path("ConfigMap", namespace, f"{name}-config"))
     assert "--max-num-seqs\n32\n" in config["data"]["decode.args"]
     # The deployment controller rolls the pool: a second ReplicaSet, for the new template.
-    wait_for(lambda: len(kube.list(f"/apis/apps/v1/namespaces/{namespace}/replicasets",
-                                   f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=decode")) == 2, 30,
-             "the decode pool to roll")  # fmt: skip
-    prefill_sets = kube.list(f"/apis/apps/v1/namespaces/{namespace}/replicasets",
-                             f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=prefill")  # fmt: skip
+    wait_for(
+        lambda: (
+            len(
+                kube.list(
+                    f"/apis/apps/v1/namespaces/{namespace}/replicasets",
+                    f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=decode",
+                )
+            )
+            == 2
+        ),
+        30,
+        "the decode pool to roll",
+    )
+    prefill_sets = kube.list(
+        f"/apis/apps/v1/namespaces/{namespace}/replicasets",
+        f"{DEPLOYMENT_LABEL}={name},app.kubernetes.io/component=prefill",
+    )
     assert len(prefill_sets) == 1  # the other pool did not roll
     registry = operator.metrics.registry
     assert registry.get_sample_value("pdserve_operator_reconciles_total", {"outcome": "ok"}) > 0
@@ -195,23 +248,35 @@ def test_a_group_larger_than_a_node_says_it_needs_leader_worker_set(kube, operat
     body = load(CHART / "examples" / "deepseek-v3.yaml")
     body["spec"]["decode"]["dataParallelSize"] = 16
     name = create(kube, namespace, body)["metadata"]["name"]
-    degraded = wait_for(lambda: (c := condition(resource(kube, namespace, name), "Degraded")) and c["status"] == "True"
-                        and c, 30, "Degraded")  # fmt: skip
+    degraded = wait_for(
+        lambda: (c := condition(resource(kube, namespace, name), "Degraded")) and c["status"] == "True" and c,
+        30,
+        "Degraded",
+    )
     assert degraded["reason"] == "LeaderWorkerSetRequired" and "spec.decode" in degraded["message"]
     assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node still deploys
     assert deployment(kube, namespace, f"{name}-decode") is None
 
 
 LWS_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
     "spec": {
-        "group": "leaderworkerset.x-k8s.io", "scope": "Namespaced",
+        "group": "leaderworkerset.x-k8s.io",
+        "scope": "Namespaced",
         "names": {"kind": "LeaderWorkerSet", "plural": "leaderworkersets", "singular": "leaderworkerset"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}},
-                      "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
     },
-}  # fmt: skip
+}
 
 
 def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, operator, namespace) -> None:
@@ -224,8 +289,11 @@ def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, op
         body["spec"]["decode"]["dataParallelSize"] = 16
         created = create(kube, namespace, body)
         name = created["metadata"]["name"]
-        lws = wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace, f"{name}-decode")), 30,
-                       "the decode LeaderWorkerSet")  # fmt: skip
+        lws = wait_for(
+            lambda: kube.get(object_path("LeaderWorkerSet", namespace, f"{name}-decode")),
+            30,
+            "the decode LeaderWorkerSet",
+        )
         assert lws["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
         assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2 and lws["spec"]["replicas"] == 2
         degraded = wait_for(lambda: condition(resource(kube, namespace, name), "Degraded"), 30, "the status")

@@ -34,8 +34,16 @@ def test_the_connector_scales_through_the_api_server(kube, kube_server, operator
 
     assert asyncio.run(scenario()) == (3, 4)
     for component, replicas in (("prefill", 3), ("decode", 4)):
-        wait_for(lambda: (kube.get(object_path("Deployment", namespace, f"{name}-{component}")) or {}).get(
-            "spec", {}).get("replicas") == replicas, 30, f"the {component} Deployment at {replicas}")  # fmt: skip
+        wait_for(
+            lambda: (
+                (kube.get(object_path("Deployment", namespace, f"{name}-{component}")) or {})
+                .get("spec", {})
+                .get("replicas")
+                == replicas
+            ),
+            30,
+            f"the {component} Deployment at {replicas}",
+        )
     after = kube.get(object_path("PDServeDeployment", namespace, name))["spec"]
     assert after["tuning"]["decodeMaxNumSeqs"] == 32
     for key in ("prefill", "decode"):

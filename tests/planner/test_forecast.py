@@ -12,11 +12,22 @@ from pdserve.planner.observation import Observation
 
 def observation(t: float, arrivals: list[int], prompts: list[int] | None = None) -> Observation:
     return Observation(
-        model="m", time=t, interval_s=len(arrivals), arrivals_per_s=arrivals,
-        prompt_tokens=Summary.of(prompts or []), output_tokens=None, ttft_s=None, itl_s=None, e2e_s=None,
-        num_prefill_ready=1, num_decode_ready=1, prefill_waiting=0, decode_running=0.0, decode_kv_usage=0.0,
+        model="m",
+        time=t,
+        interval_s=len(arrivals),
+        arrivals_per_s=arrivals,
+        prompt_tokens=Summary.of(prompts or []),
+        output_tokens=None,
+        ttft_s=None,
+        itl_s=None,
+        e2e_s=None,
+        num_prefill_ready=1,
+        num_decode_ready=1,
+        prefill_waiting=0,
+        decode_running=0.0,
+        decode_kv_usage=0.0,
         knobs=Knobs(),
-    )  # fmt: skip
+    )
 
 
 def poisson_seconds(rng: random.Random, rate: float, seconds: int) -> list[int]:

@@ -32,12 +32,36 @@ def test_arrivals_are_summed_by_second_over_the_complete_seconds_of_the_interval
 
 
 def test_tails_merge_to_the_worst_and_centres_by_requests() -> None:
-    a = FrontendStats(frontend_id="a", updated_at=1.0, models={"m": stats(
-        num_requests=30, ttft_p50_ms=100, ttft_p90_ms=200, itl_p50_ms=10, itl_p90_ms=20,
-        prompt_tokens_mean=50, prompt_tokens_p50=40, prompt_tokens_p90=90)})  # fmt: skip
-    b = FrontendStats(frontend_id="b", updated_at=1.0, models={"m": stats(
-        num_requests=10, ttft_p50_ms=300, ttft_p90_ms=900, prompt_tokens_mean=150, prompt_tokens_p50=140,
-        prompt_tokens_p90=190)})  # fmt: skip
+    a = FrontendStats(
+        frontend_id="a",
+        updated_at=1.0,
+        models={
+            "m": stats(
+                num_requests=30,
+                ttft_p50_ms=100,
+                ttft_p90_ms=200,
+                itl_p50_ms=10,
+                itl_p90_ms=20,
+                prompt_tokens_mean=50,
+                prompt_tokens_p50=40,
+                prompt_tokens_p90=90,
+            )
+        },
+    )
+    b = FrontendStats(
+        frontend_id="b",
+        updated_at=1.0,
+        models={
+            "m": stats(
+                num_requests=10,
+                ttft_p50_ms=300,
+                ttft_p90_ms=900,
+                prompt_tokens_mean=150,
+                prompt_tokens_p50=140,
+                prompt_tokens_p90=190,
+            )
+        },
+    )
     other = FrontendStats(frontend_id="c", updated_at=1.0, models={"other": stats(ttft_p90_ms=10_000)})
     obs = observe("m", [a, b, other], [], Knobs(), now=2.0, interval_s=10)
     assert obs.ttft_s.p90 == pytest.approx(0.9) and obs.ttft_s.p50 == pytest.approx((30 * 0.1 + 10 * 0.3) / 40)

@@ -39,11 +39,22 @@ def observe(
         return None if p90 is None else Summary(count=100, mean=p90 / 2, p50=p90 / 2, p90=p90, max=2 * p90)
 
     obs = Observation(
-        model="m", time=t, interval_s=10.0, arrivals_per_s=[(count * (k + 1)) // 10 - (count * k) // 10 for k in range(10)],
-        prompt_tokens=lengths, output_tokens=Summary(count=count, mean=100, p50=90, p90=180, max=400) if count else None,
-        ttft_s=latency(ttft), itl_s=latency(itl), e2e_s=None, num_prefill_ready=prefill, num_decode_ready=decode,
-        prefill_waiting=0, decode_running=0.0, decode_kv_usage=0.0, knobs=planner.knobs,
-    )  # fmt: skip
+        model="m",
+        time=t,
+        interval_s=10.0,
+        arrivals_per_s=[(count * (k + 1)) // 10 - (count * k) // 10 for k in range(10)],
+        prompt_tokens=lengths,
+        output_tokens=Summary(count=count, mean=100, p50=90, p90=180, max=400) if count else None,
+        ttft_s=latency(ttft),
+        itl_s=latency(itl),
+        e2e_s=None,
+        num_prefill_ready=prefill,
+        num_decode_ready=decode,
+        prefill_waiting=0,
+        decode_running=0.0,
+        decode_kv_usage=0.0,
+        knobs=planner.knobs,
+    )
     return planner.observe(obs)
 
 
@@ -136,8 +147,15 @@ def test_cool_down_after_a_change_before_scaling_down():
 
 
 def test_never_past_the_bounds():
-    slo = SLOTargets(model="m", ttft_p90_s=0.3, itl_p90_s=0.03, min_prefill_replicas=2, max_prefill_replicas=5,
-                     min_decode_replicas=2, max_decode_replicas=4)  # fmt: skip
+    slo = SLOTargets(
+        model="m",
+        ttft_p90_s=0.3,
+        itl_p90_s=0.03,
+        min_prefill_replicas=2,
+        max_prefill_replicas=5,
+        min_decode_replicas=2,
+        max_decode_replicas=4,
+    )
     planner = make(prefill=9, decode=1, slo=slo)
     decisions = run(planner, 3, rate=2.0, ttft=0.02, itl=0.011)
     assert (decisions[0][1].prefill_replicas, decisions[0][1].decode_replicas) == (5, 2)  # clamped at once
@@ -183,8 +201,15 @@ def test_the_chunk_size_rises_for_long_prompts_no_higher_than_the_workers_can_go
     slo = SLOTargets(model="m", ttft_p90_s=0.3, itl_p90_s=0.03, max_prefill_replicas=1, max_decode_replicas=8)
 
     def chunk(limits: Knobs | None) -> int:
-        planner = Planner(slo, synthetic_profile(), CONFIG, prefill_replicas=1, decode_replicas=2,
-                          knobs=Knobs(decode_max_num_seqs=16), knob_limits=limits)  # fmt: skip
+        planner = Planner(
+            slo,
+            synthetic_profile(),
+            CONFIG,
+            prefill_replicas=1,
+            decode_replicas=2,
+            knobs=Knobs(decode_max_num_seqs=16),
+            knob_limits=limits,
+        )
         decisions = run(planner, 4, rate=10.0, ttft=2.0, itl=0.015, prompt=(2000.0, 3000.0))
         return decisions[0][1].knobs.prefill_chunk_size if decisions else planner.knobs.prefill_chunk_size
 
@@ -194,8 +219,15 @@ def test_the_chunk_size_rises_for_long_prompts_no_higher_than_the_workers_can_go
 
 def test_a_planner_starts_from_the_knobs_in_force_and_returns_to_the_defaults():
     left = Knobs(decode_max_num_seqs=16, local_prefill_threshold_tokens=256)  # by an earlier planner
-    planner = Planner(SLO, synthetic_profile(), CONFIG, prefill_replicas=2, decode_replicas=2,
-                      knobs=Knobs(decode_max_num_seqs=16), knobs_now=left)  # fmt: skip
+    planner = Planner(
+        SLO,
+        synthetic_profile(),
+        CONFIG,
+        prefill_replicas=2,
+        decode_replicas=2,
+        knobs=Knobs(decode_max_num_seqs=16),
+        knobs_now=left,
+    )
     assert planner.knobs == left
     decisions = run(planner, 3 + CONFIG.down_cooldown_intervals, rate=2.0, ttft=0.02, itl=0.011)
     assert decisions and decisions[-1][1].knobs == Knobs(decode_max_num_seqs=16)

@@ -39,13 +39,29 @@ def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(et
                 entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad())
                 await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
             # Light traffic whose observed ITL p90 (200 ms) is far over the 50 ms target.
-            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
-                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=150, itl_p90_ms=200,
-                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
-                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
+            stats = ModelStats(
+                window_s=1,
+                num_requests=2,
+                arrival_rate=1.0,
+                arrivals_per_s=[1] * 5,
+                ttft_p50_ms=20,
+                ttft_p90_ms=30,
+                itl_p50_ms=150,
+                itl_p90_ms=200,
+                prompt_tokens_mean=32,
+                prompt_tokens_p50=32,
+                prompt_tokens_p90=32,
+                output_tokens_mean=16,
+                output_tokens_p50=16,
+                output_tokens_p90=16,
+            )
             key = frontend_key(f"fe-{model}").encode()
-            service = PlannerService(etcd_url, synthetic_profile(), lambda m: connector if m == model else None,
-                                     PlannerConfig(interval_s=1, warmup_intervals=1))  # fmt: skip
+            service = PlannerService(
+                etcd_url,
+                synthetic_profile(),
+                lambda m: connector if m == model else None,
+                PlannerConfig(interval_s=1, warmup_intervals=1),
+            )
             decisions = []
             for _ in range(4):
                 frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats})
@@ -101,20 +117,41 @@ def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides
             await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05, max_decode_replicas=4))
             await put_knobs(client, model, left)  # left by an earlier planner
             for worker_id, role in (("p", "prefill"), ("d", "decode")):
-                entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad(),
-                                                max_num_seqs=32, max_num_batched_tokens=1024)  # fmt: skip
+                entry = msgspec.structs.replace(
+                    make_entry(model, f"{worker_id}-{model}", role),
+                    load=EngineLoad(),
+                    max_num_seqs=32,
+                    max_num_batched_tokens=1024,
+                )
                 await client.put(entry.key.encode(), encode_entry(entry), lease=lease.id)
             # Light traffic far inside both targets: the knobs go back to the workers' start-up settings.
-            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
-                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=5, itl_p90_ms=6,
-                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
-                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
-            service = PlannerService(etcd_url, synthetic_profile(), lambda m: connector if m == model else None,
-                                     PlannerConfig(interval_s=1, warmup_intervals=1, down_cooldown_intervals=1))  # fmt: skip
+            stats = ModelStats(
+                window_s=1,
+                num_requests=2,
+                arrival_rate=1.0,
+                arrivals_per_s=[1] * 5,
+                ttft_p50_ms=20,
+                ttft_p90_ms=30,
+                itl_p50_ms=5,
+                itl_p90_ms=6,
+                prompt_tokens_mean=32,
+                prompt_tokens_p50=32,
+                prompt_tokens_p90=32,
+                output_tokens_mean=16,
+                output_tokens_p50=16,
+                output_tokens_p90=16,
+            )
+            service = PlannerService(
+                etcd_url,
+                synthetic_profile(),
+                lambda m: connector if m == model else None,
+                PlannerConfig(interval_s=1, warmup_intervals=1, down_cooldown_intervals=1),
+            )
             decisions = []
             for _ in range(4):
-                frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats},
-                                         local_prefill_tokens=64)  # fmt: skip
+                frontend = FrontendStats(
+                    frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats}, local_prefill_tokens=64
+                )
                 await client.put(frontend_key(f"fe-{model}").encode(), frontend.encode(), lease=lease.id)
                 decisions += [d for d in await service.step() if d.model == model]
             await service.close()
@@ -127,8 +164,12 @@ def test_the_planner_starts_from_the_stored_knobs_and_stores_the_ones_it_decides
             await close_quietly(client)
 
     decisions, stored = run_scenario(scenario())
-    deployed = Knobs(decode_max_num_seqs=32, decode_max_num_batched_tokens=1024, prefill_chunk_size=1024,
-                     local_prefill_threshold_tokens=64)
+    deployed = Knobs(
+        decode_max_num_seqs=32,
+        decode_max_num_batched_tokens=1024,
+        prefill_chunk_size=1024,
+        local_prefill_threshold_tokens=64,
+    )
     assert decisions and decisions[-1].knobs == deployed, decisions
     assert any("local_prefill_threshold_tokens 256→64" in r for d in decisions for r in d.reasons)
     if isinstance(connector, Retuning):
@@ -148,8 +189,11 @@ def test_the_planner_follows_slo_changes_by_watch(etcd_url: str) -> None:
             seen = []
             for itl in (0.05, 0.03):
                 await put_slo(client, SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=itl))
-                await eventually(lambda: service.slo(model) is not None and service.slo(model).itl_p90_s == itl,
-                                 2.0, f"the ITL target {itl}")  # fmt: skip
+                await eventually(
+                    lambda: service.slo(model) is not None and service.slo(model).itl_p90_s == itl,
+                    2.0,
+                    f"the ITL target {itl}",
+                )
                 seen.append(service.slo(model).itl_p90_s)
             await delete_slo(client, model)
             await eventually(lambda: service.slo(model) is None, 2.0, "the targets removed")
@@ -160,6 +204,8 @@ def test_the_planner_follows_slo_changes_by_watch(etcd_url: str) -> None:
             await close_quietly(client)
 
     assert run_scenario(scenario()) == [0.05, 0.03]
+
+
 def test_under_etcd_auth_the_planner_role_reads_everything_and_publishes(secure_etcd) -> None:
     # Each party writes with its own role: the operator the SLO, a worker its entry, a frontend
     # its stats; the planner (known by its certificate) reads them all and publishes its decision.
@@ -167,27 +213,49 @@ def test_under_etcd_auth_the_planner_role_reads_everything_and_publishes(secure_
     operator = secure_etcd.auth(user="operator", password=OPERATOR_PASSWORD)
 
     async def scenario():
-        clients = {name: await connect(secure_etcd.url, 3.0, auth) for name, auth in (
-            ("operator", operator), ("worker", secure_etcd.auth("pdserve-worker")),
-            ("frontend", secure_etcd.auth("pdserve-frontend")))}  # fmt: skip
+        clients = {
+            name: await connect(secure_etcd.url, 3.0, auth)
+            for name, auth in (
+                ("operator", operator),
+                ("worker", secure_etcd.auth("pdserve-worker")),
+                ("frontend", secure_etcd.auth("pdserve-frontend")),
+            )
+        }
         leases = {name: await clients[name].lease(60) for name in ("worker", "frontend")}
         try:
             await put_slo(clients["operator"], SLOTargets(model=model, ttft_p90_s=1.0, itl_p90_s=0.05))
             for worker_id, role in (("p", "prefill"), ("d", "decode")):
                 entry = msgspec.structs.replace(make_entry(model, f"{worker_id}-{model}", role), load=EngineLoad())
                 await clients["worker"].put(entry.key.encode(), encode_entry(entry), lease=leases["worker"].id)
-            stats = ModelStats(window_s=1, num_requests=2, arrival_rate=1.0, arrivals_per_s=[1] * 5,
-                               ttft_p50_ms=20, ttft_p90_ms=30, itl_p50_ms=150, itl_p90_ms=200,
-                               prompt_tokens_mean=32, prompt_tokens_p50=32, prompt_tokens_p90=32,
-                               output_tokens_mean=16, output_tokens_p50=16, output_tokens_p90=16)  # fmt: skip
-            service = PlannerService(secure_etcd.url, synthetic_profile(), lambda m: AdviseOnly(),
-                                     PlannerConfig(interval_s=1, warmup_intervals=1),
-                                     secure_etcd.auth("pdserve-planner"))  # fmt: skip
+            stats = ModelStats(
+                window_s=1,
+                num_requests=2,
+                arrival_rate=1.0,
+                arrivals_per_s=[1] * 5,
+                ttft_p50_ms=20,
+                ttft_p90_ms=30,
+                itl_p50_ms=150,
+                itl_p90_ms=200,
+                prompt_tokens_mean=32,
+                prompt_tokens_p50=32,
+                prompt_tokens_p90=32,
+                output_tokens_mean=16,
+                output_tokens_p50=16,
+                output_tokens_p90=16,
+            )
+            service = PlannerService(
+                secure_etcd.url,
+                synthetic_profile(),
+                lambda m: AdviseOnly(),
+                PlannerConfig(interval_s=1, warmup_intervals=1),
+                secure_etcd.auth("pdserve-planner"),
+            )
             decisions = []
             for _ in range(3):
                 frontend = FrontendStats(frontend_id=f"fe-{model}", updated_at=time.time(), models={model: stats})
-                await clients["frontend"].put(frontend_key(f"fe-{model}").encode(), frontend.encode(),
-                                              lease=leases["frontend"].id)  # fmt: skip
+                await clients["frontend"].put(
+                    frontend_key(f"fe-{model}").encode(), frontend.encode(), lease=leases["frontend"].id
+                )
                 decisions += [d for d in await service.step() if d.model == model]
             return decisions, await clients["operator"].get(planner_key(model).encode())
         finally:

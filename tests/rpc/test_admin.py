@@ -24,8 +24,9 @@ class Guarded(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.DrainResponse(in_flight=3)
 
 
-def _drain(policy: AdminPolicy, calls: dict[str, tuple[ClientTLS | None, str | None]],
-           tls: ServerTLS | None = None) -> dict[str, str]:  # fmt: skip
+def _drain(
+    policy: AdminPolicy, calls: dict[str, tuple[ClientTLS | None, str | None]], tls: ServerTLS | None = None
+) -> dict[str, str]:
     """Each call's outcome: OK, or its code and details."""
 
     async def main():
@@ -51,9 +52,14 @@ def _drain(policy: AdminPolicy, calls: dict[str, tuple[ClientTLS | None, str | N
 
 
 def test_with_an_admin_key_drain_needs_it():
-    outcomes = _drain(AdminPolicy("s3cret", verified_peers=False), {
-        "none": (None, None), "wrong": (None, "guess"), "right": (None, "s3cret"),
-    })  # fmt: skip
+    outcomes = _drain(
+        AdminPolicy("s3cret", verified_peers=False),
+        {
+            "none": (None, None),
+            "wrong": (None, "guess"),
+            "right": (None, "s3cret"),
+        },
+    )
     assert outcomes["right"] == "OK"
     assert outcomes["none"].startswith("UNAUTHENTICATED: Drain needs the admin key")
     assert outcomes["wrong"] == "PERMISSION_DENIED: Drain: wrong admin key"

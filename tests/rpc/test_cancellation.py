@@ -50,8 +50,14 @@ class _Servers:
                 self.ended.append("stream")
 
         _serve(self.backend, "test.Backend", {"Stall": grpc.unary_unary_rpc_method_handler(stall)})
-        _serve(self.front, "test.Front", {"Unary": grpc.unary_unary_rpc_method_handler(unary),
-                                          "Stream": grpc.unary_stream_rpc_method_handler(streaming)})  # fmt: skip
+        _serve(
+            self.front,
+            "test.Front",
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "Stream": grpc.unary_stream_rpc_method_handler(streaming),
+            },
+        )
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{await self.backend.start('127.0.0.1', 0)}")
         return grpc.aio.insecure_channel(f"127.0.0.1:{await self.front.start('127.0.0.1', 0)}")
 
@@ -83,6 +89,7 @@ def test_a_handler_cut_from_inside_answers_internal_at_once(kind: str) -> None:
             if kind == "unary":
                 call = asyncio.ensure_future(channel.unary_unary("/test.Front/Unary")(b"", timeout=CALL_TIMEOUT_S))
             else:
+
                 async def stream() -> None:
                     async for message in channel.unary_stream("/test.Front/Stream")(b"", timeout=CALL_TIMEOUT_S):
                         received.append(message)

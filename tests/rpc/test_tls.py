@@ -47,12 +47,15 @@ def _serve_and_check(server_tls: ServerTLS, clients: dict[str, ClientTLS | None]
 def test_an_mtls_server_refuses_clients_without_a_certificate_or_with_another_cas(cas):
     cluster, other = cas
     server = cluster.server_tls(client_ca=cluster.ca)
-    outcomes = _serve_and_check(server, {
-        "cluster client": cluster.client_tls("frontend"),
-        "no certificate": ClientTLS(ca=cluster.ca),
-        "another CA's certificate": other.client_tls("intruder", ca=cluster.ca),
-        "plaintext": None,
-    })  # fmt: skip
+    outcomes = _serve_and_check(
+        server,
+        {
+            "cluster client": cluster.client_tls("frontend"),
+            "no certificate": ClientTLS(ca=cluster.ca),
+            "another CA's certificate": other.client_tls("intruder", ca=cluster.ca),
+            "plaintext": None,
+        },
+    )
     assert outcomes == {
         "cluster client": grpc.StatusCode.OK,
         "no certificate": grpc.StatusCode.UNAVAILABLE,
@@ -63,10 +66,13 @@ def test_an_mtls_server_refuses_clients_without_a_certificate_or_with_another_ca
 
 def test_a_tls_server_without_a_client_ca_serves_any_client_that_trusts_it(cas):
     cluster, other = cas
-    outcomes = _serve_and_check(cluster.server_tls(), {
-        "trusting": ClientTLS(ca=cluster.ca),
-        "trusting another CA": ClientTLS(ca=other.ca),
-    })  # fmt: skip
+    outcomes = _serve_and_check(
+        cluster.server_tls(),
+        {
+            "trusting": ClientTLS(ca=cluster.ca),
+            "trusting another CA": ClientTLS(ca=other.ca),
+        },
+    )
     assert outcomes == {"trusting": grpc.StatusCode.OK, "trusting another CA": grpc.StatusCode.UNAVAILABLE}
 
 
@@ -75,11 +81,14 @@ def test_cluster_members_check_the_cluster_server_name_not_the_address_dialled(c
     worker = cluster.cluster_tls("worker")  # names only pdserve-cluster: not 127.0.0.1
     frontend = cluster.cluster_tls("frontend")
     named_for_another = ClusterTLS(ca=cluster.ca, cert=frontend.cert, key=frontend.key, server_name="elsewhere")
-    outcomes = _serve_and_check(worker.server, {
-        "member": frontend.client,
-        "checking the address": ClientTLS(ca=cluster.ca, cert=frontend.cert, key=frontend.key),
-        "checking another name": named_for_another.client,
-    })  # fmt: skip
+    outcomes = _serve_and_check(
+        worker.server,
+        {
+            "member": frontend.client,
+            "checking the address": ClientTLS(ca=cluster.ca, cert=frontend.cert, key=frontend.key),
+            "checking another name": named_for_another.client,
+        },
+    )
     assert outcomes == {
         "member": grpc.StatusCode.OK,
         "checking the address": grpc.StatusCode.UNAVAILABLE,
@@ -119,8 +128,9 @@ def test_the_ssl_context_serves_mtls_to_any_asyncio_server(cas):
 
     async def one(port: int, issued) -> str:
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context(issued),
-                                                           server_hostname="localhost")  # fmt: skip
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_context(issued), server_hostname="localhost"
+            )
             writer.write(b"hello\n")
             line = await reader.readline()
             writer.close()

@@ -56,15 +56,21 @@ def test_rendering_equals_transformers(model_dir: Path, add_generation_prompt: b
     reference = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
         MESSAGES, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-    ours = render_chat(load_chat_template(model_dir), MESSAGES, add_generation_prompt=add_generation_prompt,
-                       special_tokens=load_special_tokens(model_dir), tools=tools)  # fmt: skip
+    ours = render_chat(
+        load_chat_template(model_dir),
+        MESSAGES,
+        add_generation_prompt=add_generation_prompt,
+        special_tokens=load_special_tokens(model_dir),
+        tools=tools,
+    )
     assert ours == reference and "météo" in ours and "<s>" in ours
 
 
 def test_a_template_file_wins_and_named_templates_use_default(tmp_path: Path):
     assert load_chat_template(tmp_path) is None  # no files at all
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    )
     assert load_chat_template(tmp_path) == "D"
     (tmp_path / "chat_template.jinja").write_text("J")
     assert load_chat_template(tmp_path) == "J"

@@ -11,13 +11,18 @@ from tests.utils.tiny_tokenizer import write_tiny_tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 # Characters to build random valid texts from; the CJK and emoji outside the training corpus
 # stay split into several byte tokens.
-ALPHABET = list("abcdefghij ABC .,!?\n") + list("éüñß") + list("你好世界龍鳳凰") + [
-    "😀",
-    "🚀",
-    "🦀",
-    "🧪",
-    "👍🏽",
-]
+ALPHABET = (
+    list("abcdefghij ABC .,!?\n")
+    + list("éüñß")
+    + list("你好世界龍鳳凰")
+    + [
+        "😀",
+        "🚀",
+        "🦀",
+        "🧪",
+        "👍🏽",
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +32,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(directory)
 
 
-def stream(
-    detokenizer: IncrementalDetokenizer, token_ids: list[int]
-) -> tuple[list[str], list[str]]:
+def stream(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[str], list[str]]:
     """Feed `token_ids` one by one, then flush; return the deltas and `text` after each step."""
     deltas: list[str] = []
     texts: list[str] = []
@@ -46,18 +49,14 @@ def random_text(rng: random.Random) -> str:
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_random_token_ids_match_full_decode(
-    tokenizer: Tokenizer, skip_special_tokens: bool
-) -> None:
+def test_random_token_ids_match_full_decode(tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
     rng = random.Random(1234)
     for _ in range(300):
         prompt = tokenizer.encode(random_text(rng)) if rng.random() < 0.7 else []
         # Any id at all, special tokens and lone UTF-8 continuation bytes included.
         output = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(40))]
         full = tokenizer.decode(output, skip_special_tokens=skip_special_tokens)
-        detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt, skip_special_tokens=skip_special_tokens
-        )
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
         deltas, _ = stream(detokenizer, output)
         assert "".join(deltas) == detokenizer.text == full.rstrip(REPLACEMENT_CHAR)
         if REPLACEMENT_CHAR not in full:
@@ -201,7 +200,6 @@ def test_after_stop_add_and_flush_emit_nothing(tokenizer: Tokenizer) -> None:
 def test_empty_stop_string_is_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, [], stop=["ok", ""])
-
 
 
 def test_add_until_stop_takes_tokens_up_to_the_one_that_completes_the_stop(tokenizer: Tokenizer) -> None:

@@ -85,9 +85,7 @@ def test_matches_transformers(tiny_dir: Path, tokenizer: Tokenizer) -> None:
         {"eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}},
     ],
 )
-def test_config_variants_match_transformers(
-    tmp_path: Path, extra_config: dict[str, object]
-) -> None:
+def test_config_variants_match_transformers(tmp_path: Path, extra_config: dict[str, object]) -> None:
     write_tiny_tokenizer(tmp_path)
     config_path = tmp_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())

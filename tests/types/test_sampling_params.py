@@ -32,35 +32,88 @@ def test_frozen_and_keyword_only():
         SamplingParams(16)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(max_tokens=1), dict(temperature=0), dict(temperature=2.5), dict(top_p=1e-6),
-    dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_k=50), dict(min_p=0.0),
-    dict(min_p=1.0), dict(seed=0), dict(seed=2**64 - 1), dict(stop=[]), dict(stop=["\n", "END"]),
-    dict(stop_token_ids=[0, 2]), dict(ignore_eos=True), dict(logprobs=0), dict(logprobs=20),
-    dict(repetition_penalty=0.5), dict(presence_penalty=-2), dict(presence_penalty=2.0),
-    dict(frequency_penalty=-2.0), dict(frequency_penalty=2),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_tokens=1),
+        dict(temperature=0),
+        dict(temperature=2.5),
+        dict(top_p=1e-6),
+        dict(top_k=-1),
+        dict(top_k=0),
+        dict(top_k=1),
+        dict(top_k=50),
+        dict(min_p=0.0),
+        dict(min_p=1.0),
+        dict(seed=0),
+        dict(seed=2**64 - 1),
+        dict(stop=[]),
+        dict(stop=["\n", "END"]),
+        dict(stop_token_ids=[0, 2]),
+        dict(ignore_eos=True),
+        dict(logprobs=0),
+        dict(logprobs=20),
+        dict(repetition_penalty=0.5),
+        dict(presence_penalty=-2),
+        dict(presence_penalty=2.0),
+        dict(frequency_penalty=-2.0),
+        dict(frequency_penalty=2),
+    ],
+)
 def test_accepts_edge_values(kwargs):
     SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 16.0), ("max_tokens", True),
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
-    ("temperature", "1"), ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", -0.5),
-    ("top_k", -2), ("top_k", 2.0), ("top_k", True),
-    ("min_p", -0.1), ("min_p", 1.1), ("min_p", math.nan),
-    ("seed", -1), ("seed", 2**64), ("seed", 1.5), ("seed", False),
-    ("stop", ["ok", ""]), ("stop", [1]), ("stop", ("a",)), ("stop", "a"),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
-    ("stop_token_ids", 3),
-    ("ignore_eos", 1),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", True), ("logprobs", 2.0),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.nan),
-    ("presence_penalty", 2.1), ("presence_penalty", -2.1), ("presence_penalty", math.nan),
-    ("frequency_penalty", 2.1), ("frequency_penalty", -2.1), ("frequency_penalty", math.inf),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 16.0),
+        ("max_tokens", True),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "1"),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_p", -0.5),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("min_p", math.nan),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("seed", 1.5),
+        ("seed", False),
+        ("stop", ["ok", ""]),
+        ("stop", [1]),
+        ("stop", ("a",)),
+        ("stop", "a"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", 3),
+        ("ignore_eos", 1),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("logprobs", 2.0),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.nan),
+        ("presence_penalty", 2.1),
+        ("presence_penalty", -2.1),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", 2.1),
+        ("frequency_penalty", -2.1),
+        ("frequency_penalty", math.inf),
+    ],
+)
 def test_rejects_bad_value_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         SamplingParams(**{field: value})
@@ -87,9 +140,15 @@ def test_round_trips_through_msgpack():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
 
 
-@pytest.mark.parametrize("kwargs, greedy", [
-    (dict(temperature=0.0), True), (dict(top_k=1), True), (dict(temperature=0.5), False),
-    (dict(top_k=2), False), (dict(top_k=0), False),
-])
+@pytest.mark.parametrize(
+    "kwargs, greedy",
+    [
+        (dict(temperature=0.0), True),
+        (dict(top_k=1), True),
+        (dict(temperature=0.5), False),
+        (dict(top_k=2), False),
+        (dict(top_k=0), False),
+    ],
+)
 def test_is_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).is_greedy is greedy

@@ -24,8 +24,9 @@ ROLES = {
 }
 
 
-async def enable_auth(url_host_port: str, tls: ClientTLS | None, root_password: str,
-                      users: dict[str, tuple[str, str]]) -> None:  # fmt: skip
+async def enable_auth(
+    url_host_port: str, tls: ClientTLS | None, root_password: str, users: dict[str, tuple[str, str]]
+) -> None:
     """Create ``ROLES``, ``users`` (name -> (password, role)) and root, then enable auth."""
     async with secure_or_insecure_channel(url_host_port, tls) as channel:
         auth = rpc.AuthStub(channel)

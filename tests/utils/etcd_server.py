@@ -93,8 +93,12 @@ class EtcdServer:
             f"--initial-cluster=pdserve-test={peer_url}",
         ]
         if self.tls is not None:
-            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
-                     f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
+            args += [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         args += self._extra_args
         log = (self._root / "etcd.log").open("ab")
         self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

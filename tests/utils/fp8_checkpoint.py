@@ -68,8 +68,11 @@ def write_fp8_deepseek_v3(directory: Path, reference_directory: Path, block_size
             shutil.copy(file, directory / file.name)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block_size),
-    }  # fmt: skip
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block_size),
+    }
     (directory / "config.json").write_text(json.dumps(config))
     import transformers
 

@@ -23,28 +23,53 @@ from tests.utils.tiny_tokenizer import SPECIAL_TOKENS, write_tiny_tokenizer
 Q = gguf.GGMLQuantizationType
 VOCAB = 320
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.08, bos_token_id=0, eos_token_id=1,
-    tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.08,
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
 # GGUF tensor name part -> its ggml type (norms and biases stay F32, as llama.cpp writes them).
 QTYPES = {
-    "token_embd": Q.Q8_0, "output": Q.F16, "attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q5_0,
-    "attn_output": Q.BF16, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_0,
-}  # fmt: skip
+    "token_embd": Q.Q8_0,
+    "output": Q.F16,
+    "attn_q": Q.Q4_1,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.Q5_0,
+    "attn_output": Q.BF16,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.Q8_0,
+    "ffn_down": Q.Q4_0,
+}
 _LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}  # fmt: skip
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def make_model(arch: str, seed: int = 0):
     """A tiny random transformers model of ``arch`` (llama or qwen2)."""
     import transformers as tf
 
-    model_cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
-                             "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config)}[arch]  # fmt: skip
+    model_cls, config_cls = {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
+    }[arch]
     torch.manual_seed(seed)
     return model_cls(config_cls(**CONFIG)).eval()
 
@@ -63,13 +88,16 @@ def _gguf_name(name: str) -> str:
 
 def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's reordering of Q/K rows: within a head, rows (j * half + i) go to (2i + j)."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
-def write_gguf(path: Path, arch: str, model, pre: str = "qwen2", qtypes: dict | None = None,
-               metadata: dict | None = None) -> Path:  # fmt: skip
+def write_gguf(
+    path: Path, arch: str, model, pre: str = "qwen2", qtypes: dict | None = None, metadata: dict | None = None
+) -> Path:
     """Write ``model`` (from ``make_model``) as GGUF file ``path`` with the tiny tokenizer."""
     qtypes = QTYPES if qtypes is None else qtypes
     writer = gguf.GGUFWriter(str(path), arch)
@@ -143,9 +171,13 @@ class Reference:
         """Greedy tokens and how many leading ones were clear of a near tie (as ``reference_greedy``),
         with transformers' KV cache: the real model is too slow to rerun the whole sequence each step."""
         out = self.model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=self.tokenizer.eos_token_id,
-        )  # fmt: skip
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.tokenizer.eos_token_id,
+        )
         tokens = out.sequences[0, len(prompt) :].tolist()
         num_clear = 0
         for scores in out.scores:

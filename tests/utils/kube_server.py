@@ -35,8 +35,10 @@ def k8s_binary(name: str) -> Path:
     """A binary from the cache; a RuntimeError that says how to build it when it is missing."""
     path = CACHE / name
     if not os.access(path, os.X_OK):
-        raise RuntimeError(f"{path} is missing: build the Kubernetes test binaries with `bash scripts/k8s_test_env.sh` "
-                           "(about 5 minutes, once per machine)")  # fmt: skip
+        raise RuntimeError(
+            f"{path} is missing: build the Kubernetes test binaries with `bash scripts/k8s_test_env.sh` "
+            "(about 5 minutes, once per machine)"
+        )
     return path
 
 
@@ -69,21 +71,42 @@ class KubeServer:
         tokens = self.root / "tokens.csv"
         tokens.write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
         self.write_kubeconfig(self.kubeconfig, ADMIN_TOKEN, "admin")
-        self._spawn("kube-apiserver", [
-            str(apiserver), f"--etcd-servers={self.etcd.url}", f"--etcd-prefix=/registry-{uuid.uuid4().hex[:8]}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
-            "--insecure-port=0", f"--cert-dir={self.root / 'certs'}", f"--token-auth-file={tokens}",
-            "--authorization-mode=RBAC", "--service-account-issuer=https://kubernetes.default.svc",
-            f"--service-account-key-file={pub}", f"--service-account-signing-key-file={key}",
-            "--service-cluster-ip-range=10.96.0.0/16", "--disable-admission-plugins=ServiceAccount",
-            "--enable-priority-and-fairness=false", "--profiling=false",
-        ])  # fmt: skip
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(apiserver),
+                f"--etcd-servers={self.etcd.url}",
+                f"--etcd-prefix=/registry-{uuid.uuid4().hex[:8]}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.port}",
+                "--insecure-port=0",
+                f"--cert-dir={self.root / 'certs'}",
+                f"--token-auth-file={tokens}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pub}",
+                f"--service-account-signing-key-file={key}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--disable-admission-plugins=ServiceAccount",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+            ],
+        )
         self._wait_ready()
-        self._spawn("kube-controller-manager", [
-            str(manager), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--port=0", "--secure-port=0",
-            "--controllers=garbagecollector,deployment,replicaset,namespace", "--profiling=false",
-            "--concurrent-gc-syncs=5",
-        ])  # fmt: skip
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(manager),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--port=0",
+                "--secure-port=0",
+                "--controllers=garbagecollector,deployment,replicaset,namespace",
+                "--profiling=false",
+                "--concurrent-gc-syncs=5",
+            ],
+        )
         return self
 
     def _spawn(self, name: str, argv: list[str]) -> None:
@@ -114,11 +137,13 @@ class KubeServer:
     def write_kubeconfig(self, path: Path, token: str, user: str, namespace: str = "default") -> Path:
         """A kubeconfig for ``token`` (the server's certificate is self-signed: not verified)."""
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "test",
             "clusters": [{"name": "test", "cluster": {"server": self.url, "insecure-skip-tls-verify": True}}],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": user, "namespace": namespace}}],
-        }  # fmt: skip
+        }
         path.write_text(yaml.safe_dump(config))
         return path
 

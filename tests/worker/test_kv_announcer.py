@@ -34,7 +34,9 @@ class _DecodeWorker(worker_pb2_grpc.WorkerServicer):
 
 def _produced(request_id: str) -> RequestOutput:
     """A PRODUCER's last output: its first token (after two it resumed with) and its pinned blocks."""
-    return RequestOutput(request_id, [9], [3, 4, 9], finished=True, finish_reason="kv_transfer", held_block_ids=[4, 5, 6])
+    return RequestOutput(
+        request_id, [9], [3, 4, 9], finished=True, finish_reason="kv_transfer", held_block_ids=[4, 5, 6]
+    )
 
 
 @pytest.mark.parametrize("secured", [False, True], ids=["plaintext", "mtls"])
@@ -69,7 +71,12 @@ def test_a_finished_prompt_is_announced_to_its_decode_worker_once(tmp_path, secu
 
     [ready] = run_scenario(scenario(), timeout_s=60)
     source = ready.kv_source
-    assert (ready.request_id, source.worker_id, list(source.block_ids), source.first_token_id) == ("r1", "prefill-a", [4, 5, 6], 9)
+    assert (ready.request_id, source.worker_id, list(source.block_ids), source.first_token_id) == (
+        "r1",
+        "prefill-a",
+        [4, 5, 6],
+        9,
+    )
     assert HOLD_S - PULL_MARGIN_S - 1 < source.pull_within_s <= HOLD_S - PULL_MARGIN_S
 
 

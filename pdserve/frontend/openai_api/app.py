@@ -74,8 +74,12 @@ def create_app(
         name = request.path_params["name"]
         models = gateway.models()
         if name not in models:
-            raise ApiError(404, f"model {name!r} is not served here; served: {sorted(models)}", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; served: {sorted(models)}",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(_model_card(models[name]))
 
     async def completion(request: Request, body: bytes) -> Response:
@@ -116,5 +120,10 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def _model_card(model) -> dict[str, object]:
-    return {"id": model.name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": model.max_model_len}  # fmt: skip
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdserve",
+        "max_model_len": model.max_model_len,
+    }

@@ -42,14 +42,19 @@ class ChatTemplates:
         path = str(Path(self.tokenizer_path or model.model_path))
         if path not in self._loaded:
             try:
-                self._loaded[path] = await asyncio.to_thread(lambda: (load_chat_template(path),
-                                                                      load_special_tokens(path)))  # fmt: skip
+                self._loaded[path] = await asyncio.to_thread(
+                    lambda: (load_chat_template(path), load_special_tokens(path))
+                )
             except ValueError as exc:
                 raise ApiError(500, f"model {model.name!r}: {exc}") from None
         template, tokens = self._loaded[path]
         if template is None:
-            raise ApiError(400, f"model {model.name!r} has no chat template (chat_template in tokenizer_config.json "
-                           "or chat_template.jinja); use /v1/completions", param="messages")  # fmt: skip
+            raise ApiError(
+                400,
+                f"model {model.name!r} has no chat template (chat_template in tokenizer_config.json "
+                "or chat_template.jinja); use /v1/completions",
+                param="messages",
+            )
         return template, tokens
 
 
@@ -59,22 +64,34 @@ async def completions(gateway: Gateway, request: Request, body: bytes) -> Respon
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, req.n):
-        raise ApiError(400, f"best_of must equal n ({req.n}) when set: pdserve returns every choice it makes",
-                       param="best_of")  # fmt: skip
+        raise ApiError(
+            400, f"best_of must equal n ({req.n}) when set: pdserve returns every choice it makes", param="best_of"
+        )
     prompts = protocol.prompts(req.prompt)
     if len(prompts) * req.n > protocol.MAX_CHOICES:
-        raise ApiError(400, f"{len(prompts)} prompts x n = {req.n} choices: at most {protocol.MAX_CHOICES} a request",
-                       param="n")  # fmt: skip
+        raise ApiError(
+            400, f"{len(prompts)} prompts x n = {req.n} choices: at most {protocol.MAX_CHOICES} a request", param="n"
+        )
     options = protocol.sampling_options(req, req.max_tokens)
     if req.logprobs is not None:
         options.logprobs = protocol.top_logprobs(req.logprobs, "logprobs")
     base = uuid.uuid4().hex
-    requests = [protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}", choice=j)
-                for i, p in enumerate(prompts) for j in range(req.n)]  # fmt: skip
+    requests = [
+        protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}", choice=j)
+        for i, p in enumerate(prompts)
+        for j in range(req.n)
+    ]
     admitted = await admit_all(gateway, requests)
     echo = [_echo_text(admitted[i * req.n], p) for i, p in enumerate(prompts)] if req.echo else None
-    output = Output("completion", _model_name(admitted), len(requests), req.n, echo=echo,
-                    include_usage=_include_usage(req), token_text=_token_text(admitted, req.logprobs is not None))  # fmt: skip
+    output = Output(
+        "completion",
+        _model_name(admitted),
+        len(requests),
+        req.n,
+        echo=echo,
+        include_usage=_include_usage(req),
+        token_text=_token_text(admitted, req.logprobs is not None),
+    )
     return await _respond(request, req.stream, admitted, output)
 
 
@@ -85,7 +102,11 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
         raise ApiError(400, "max_tokens and max_completion_tokens differ: set one", param="max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     model = _model(gateway, req.model)
@@ -96,24 +117,38 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     variables: dict[str, Any] = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(variables) & {"template", "messages", "add_generation_prompt", "special_tokens"})
     if reserved:
-        raise ApiError(400, f"chat_template_kwargs: {reserved} are set by the request itself",
-                       param="chat_template_kwargs")  # fmt: skip
+        raise ApiError(
+            400, f"chat_template_kwargs: {reserved} are set by the request itself", param="chat_template_kwargs"
+        )
     if req.tools is not None:
         variables["tools"] = req.tools
     try:
-        prompt = await asyncio.to_thread(render_chat, template, messages, add_generation_prompt=req.add_generation_prompt,
-                                         special_tokens=special_tokens, **variables)  # fmt: skip
+        prompt = await asyncio.to_thread(
+            render_chat,
+            template,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            special_tokens=special_tokens,
+            **variables,
+        )
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     options = protocol.sampling_options(req, max_tokens)
     if req.logprobs:
         options.logprobs = protocol.top_logprobs(req.top_logprobs or 0, "top_logprobs")
     base = uuid.uuid4().hex
-    requests = [protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}", choice=j)
-                for j in range(req.n)]  # fmt: skip
+    requests = [
+        protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}", choice=j) for j in range(req.n)
+    ]
     admitted = await admit_all(gateway, requests, add_special_tokens=False, fill_context=max_tokens is None)
-    output = Output("chat", model.name, req.n, req.n, include_usage=_include_usage(req),
-                    token_text=_token_text(admitted, req.logprobs))  # fmt: skip
+    output = Output(
+        "chat",
+        model.name,
+        req.n,
+        req.n,
+        include_usage=_include_usage(req),
+        token_text=_token_text(admitted, req.logprobs),
+    )
     return await _respond(request, req.stream, admitted, output)
 
 
@@ -124,8 +159,9 @@ async def _respond(request: Request, stream: bool, admitted: list[Admitted], out
             output.add(index, message)
         return Response(msgspec.json.encode(output.response()), media_type="application/json")
     first = await first_event(events)
-    return StreamingResponse(_sse(first, events, output), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        _sse(first, events, output), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 async def _sse(first: Event, events: AsyncGenerator[Event, None], output: Output) -> AsyncIterator[bytes]:
@@ -169,13 +205,19 @@ def _message(index: int, message: dict[str, Any]) -> dict[str, Any]:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                               "are supported", param=f"messages[{index}].content")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                    param=f"messages[{index}].content",
+                )
             texts.append(part["text"])
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):
-        raise ApiError(400, f"messages[{index}].content must be a string, a list of text parts or null",
-                       param=f"messages[{index}].content")  # fmt: skip
+        raise ApiError(
+            400,
+            f"messages[{index}].content must be a string, a list of text parts or null",
+            param=f"messages[{index}].content",
+        )
     return {**message, "content": content}
 
 

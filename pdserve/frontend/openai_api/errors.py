@@ -18,9 +18,14 @@ _STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _TYPE = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-    429: "rate_limit_error", 503: "service_unavailable", 504: "timeout",
-}  # fmt: skip
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 # The field a pdserve message begins with: "prompt: ...", "sampling.top_p must be ...".
 _FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)\b")
 
@@ -54,5 +59,6 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
-        return Response(msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json",
-                        headers=headers)  # fmt: skip
+        return Response(
+            msgspec.json.encode(self.body()), status_code=self.status, media_type="application/json", headers=headers
+        )

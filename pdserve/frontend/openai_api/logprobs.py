@@ -38,9 +38,17 @@ class ChoiceLogprobs:
         entries = self._entries if everything else self._entries[self._sent :]
         self._sent = len(self._entries)
         if self.kind == "chat":
-            return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
-                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                                  for t, lp in e["top"]]} for e in entries]}  # fmt: skip
+            return {
+                "content": [
+                    {
+                        "token": e["token"],
+                        "logprob": e["logprob"],
+                        "bytes": list(e["token"].encode()),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e["top"]],
+                    }
+                    for e in entries
+                ]
+            }
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],

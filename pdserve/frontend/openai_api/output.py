@@ -31,8 +31,17 @@ class Output:
     token_text: a token's text, when the request asked for logprobs; None: ``logprobs`` is null.
     """
 
-    def __init__(self, kind: Kind, model: str, num_choices: int, n: int, *, echo: list[str] | None = None,
-                 include_usage: bool = False, token_text: TokenText | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kind: Kind,
+        model: str,
+        num_choices: int,
+        n: int,
+        *,
+        echo: list[str] | None = None,
+        include_usage: bool = False,
+        token_text: TokenText | None = None,
+    ) -> None:
         self.kind = kind
         self.model = model
         self.n = n
@@ -100,7 +109,10 @@ class Output:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
             choices.append(choice | {"finish_reason": final.finish_reason})
         breakdowns = [self._breakdown(i, f) for i, f in enumerate(self.finals) if f is not None]
-        return self._envelope(chunk=False, choices=choices) | {"usage": self.usage(), "pdserve": {"choices": breakdowns}}
+        return self._envelope(chunk=False, choices=choices) | {
+            "usage": self.usage(),
+            "pdserve": {"choices": breakdowns},
+        }
 
     # ---- shared ----------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
@@ -110,8 +122,12 @@ class Output:
         prompt = sum(f.usage.prompt_tokens for f in firsts)
         completion = sum(f.usage.completion_tokens for f in finals)
         cached = sum(f.usage.cached_prompt_tokens for f in firsts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def _envelope(self, *, chunk: bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "text_completion" if self.kind == "completion" else "chat.completion" + (".chunk" if chunk else "")
@@ -122,8 +138,9 @@ class Output:
 
     @staticmethod
     def _breakdown(index: int, final: inference_pb2.Final) -> dict[str, Any]:
-        breakdown = MessageToDict(final.breakdown, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True)  # fmt: skip
+        breakdown = MessageToDict(
+            final.breakdown, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
         breakdown["kv_transfer_bytes"] = int(breakdown.get("kv_transfer_bytes", 0))  # int64 comes as a string
         return {"index": index, **breakdown, "cached_prompt_tokens": final.usage.cached_prompt_tokens}
 

@@ -97,12 +97,17 @@ def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb
     what the wire cannot carry (an int past its width), refused here naming the field."""
     options = inference_pb2.SamplingOptions(ignore_eos=request.ignore_eos)
     fields = {
-        "max_tokens": (max_tokens, _INT32), "temperature": (request.temperature, None),
-        "top_p": (request.top_p, None), "top_k": (request.top_k, _INT32), "min_p": (request.min_p, None),
-        "seed": (request.seed, _INT64), "repetition_penalty": (request.repetition_penalty, None),
-        "presence_penalty": (request.presence_penalty, None), "frequency_penalty": (request.frequency_penalty, None),
+        "max_tokens": (max_tokens, _INT32),
+        "temperature": (request.temperature, None),
+        "top_p": (request.top_p, None),
+        "top_k": (request.top_k, _INT32),
+        "min_p": (request.min_p, None),
+        "seed": (request.seed, _INT64),
+        "repetition_penalty": (request.repetition_penalty, None),
+        "presence_penalty": (request.presence_penalty, None),
+        "frequency_penalty": (request.frequency_penalty, None),
         "min_tokens": (request.min_tokens or None, _INT32),
-    }  # fmt: skip
+    }
     for name, (value, bound) in fields.items():
         if value is None:
             continue
@@ -136,8 +141,12 @@ def prompts(prompt: Any) -> list[str | list[int]]:
             return [_token_ids(prompt, "prompt")]
         if all(isinstance(p, list) for p in prompt):
             return [_token_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                   "lists of token ids, and not empty", param="prompt")  # fmt: skip
+    raise ApiError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "lists of token ids, and not empty",
+        param="prompt",
+    )
 
 
 def _is_token(value: Any) -> bool:
@@ -151,8 +160,9 @@ def _token_ids(values: list[Any], where: str) -> list[int]:
     return values
 
 
-def generate_request(model: str, prompt: str | list[int], options: inference_pb2.SamplingOptions,
-                     request_id: str, choice: int = 0) -> inference_pb2.GenerateRequest:  # fmt: skip
+def generate_request(
+    model: str, prompt: str | list[int], options: inference_pb2.SamplingOptions, request_id: str, choice: int = 0
+) -> inference_pb2.GenerateRequest:
     """The request of one choice. With a seed, choice ``j`` samples with ``seed + j``: the
     ``n`` choices differ, and the same request gives the same choices again."""
     request = inference_pb2.GenerateRequest(model=model, sampling=options, request_id=request_id)

@@ -39,14 +39,19 @@ class HttpServer:
 
     async def start(self, host: str, port: int, grace_s: float = 5.0) -> int:
         """Listen on ``host:port`` (0: a free port) and serve; returns the bound port."""
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    reuse_port=False)  # fmt: skip
+        sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False
+        )
         self.port = sock.getsockname()[1]
         context = self.ssl
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(max(grace_s, 1)),
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(max(grace_s, 1)),
             ssl_context_factory=(lambda _config, _default: context) if context is not None else None,
-        )  # fmt: skip
+        )
         self._server = _Server(config)
         # anyio imports its asyncio backend when first asked for it, which would be inside the
         # first request (starlette's task groups): ~25 ms of that request's TTFT. Ask now.

@@ -27,8 +27,15 @@ from pdserve.cache import cache_root
 # CPU's flags). -fassociative-math lets reductions vectorize; the kernels' exp uses fmaf
 # so that reassociation cannot change it. No -ffast-math: infinities and NaN must behave.
 FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-    "-fopenmp", "-fPIC", "-shared",
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
 )
 COMPILE_TIMEOUT_S = 120.0
 

@@ -97,11 +97,15 @@ class CpuBackend(TorchBackend):
     def rope_write_kv(self, q, k, v, positions, cos_sin, layer_cache, slot_mapping):
         dim = q.shape[-1]
         fits = (
-            _is_float32(q, layer_cache) and k.dtype == v.dtype == cos_sin.dtype == torch.float32
-            and cos_sin.shape[1] == dim and cos_sin.is_contiguous()
-            and q.stride()[1:] == (dim, 1) and k.stride()[1:] == (dim, 1) and v.stride() == k.stride()
+            _is_float32(q, layer_cache)
+            and k.dtype == v.dtype == cos_sin.dtype == torch.float32
+            and cos_sin.shape[1] == dim
+            and cos_sin.is_contiguous()
+            and q.stride()[1:] == (dim, 1)
+            and k.stride()[1:] == (dim, 1)
+            and v.stride() == k.stride()
             and layer_cache.stride(-1) == 1
-        )  # fmt: skip
+        )
         if not fits:
             return super().rope_write_kv(q, k, v, positions, cos_sin, layer_cache, slot_mapping)
         return layer_ops.rope_write_kv(q, k, v, positions, cos_sin, layer_cache, slot_mapping)
@@ -123,10 +127,18 @@ class CpuBackend(TorchBackend):
         parts = [decode(q[:nd])] if nd else []
         if nd < meta.num_seqs:  # prompts and chunks, after the decodes' nd rows
             query_start = meta.query_start_loc[nd:] - nd
-            parts.append(paged_prefill(
-                q[nd:], keys, values, meta.block_tables[nd:], meta.seq_lens[nd:], query_start,
-                max(meta.seq_lens_list[nd:]), scale,
-            ))  # fmt: skip
+            parts.append(
+                paged_prefill(
+                    q[nd:],
+                    keys,
+                    values,
+                    meta.block_tables[nd:],
+                    meta.seq_lens[nd:],
+                    query_start,
+                    max(meta.seq_lens_list[nd:]),
+                    scale,
+                )
+            )
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def mla_attention(self, q, layer_cache, meta, scale, v_dim):
@@ -159,6 +171,12 @@ def _decode(
 ) -> torch.Tensor:
     num_seqs = q.shape[0]
     return paged_decode(
-        q, keys, values, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs],
-        max(meta.seq_lens_list[:num_seqs]), scale, v_dim,
+        q,
+        keys,
+        values,
+        meta.block_tables[:num_seqs],
+        meta.seq_lens[:num_seqs],
+        max(meta.seq_lens_list[:num_seqs]),
+        scale,
+        v_dim,
     )

@@ -33,11 +33,26 @@ def _kernel() -> _ctypes.CFuncPtr:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int
     function.argtypes = [
-        ptr, i64, ptr, ptr, i64,  # q, q row stride, k_cache, v_cache, num_blocks
-        i64, i64, i64,  # block, head and token strides
-        ptr, i64, ptr,  # block_tables, table_stride, seq_lens
-        i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size
-        i64, i64, ctypes.c_float, ptr, ctypes.c_int,  # k_dim, v_dim, scale, out, num_threads
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,  # q, q row stride, k_cache, v_cache, num_blocks
+        i64,
+        i64,
+        i64,  # block, head and token strides
+        ptr,
+        i64,
+        ptr,  # block_tables, table_stride, seq_lens
+        i64,
+        i64,
+        i64,
+        i64,  # num_seqs, num_heads, num_kv_heads, block_size
+        i64,
+        i64,
+        ctypes.c_float,
+        ptr,
+        ctypes.c_int,  # k_dim, v_dim, scale, out, num_threads
     ]
     return function
 
@@ -48,11 +63,27 @@ def _prefill_kernel() -> _ctypes.CFuncPtr:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.restype = ctypes.c_int
     function.argtypes = [
-        ptr, i64, ptr, ptr, i64,  # q, q row stride, k_cache, v_cache, num_blocks
-        i64, i64, i64,  # block, head and token strides
-        ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, query_start
-        i64, i64, i64, i64, i64, i64,  # num_seqs, num_heads, num_kv_heads, block_size, head_dim, max_seq_len
-        ctypes.c_float, ptr, ctypes.c_int,  # scale, out, num_threads
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,  # q, q row stride, k_cache, v_cache, num_blocks
+        i64,
+        i64,
+        i64,  # block, head and token strides
+        ptr,
+        i64,
+        ptr,
+        ptr,  # block_tables, table_stride, seq_lens, query_start
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,  # num_seqs, num_heads, num_kv_heads, block_size, head_dim, max_seq_len
+        ctypes.c_float,
+        ptr,
+        ctypes.c_int,  # scale, out, num_threads
     ]
     return function
 
@@ -97,24 +128,44 @@ def paged_decode(
     if not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
         raise ValueError(f"the CPU decode kernel takes float32 only, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if num_heads % num_kv_heads or k_cache.shape[-1] != k_dim or v_cache.shape[-1] < v_dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit keys {tuple(k_cache.shape)} / values "
-                         f"{tuple(v_cache.shape)} with v_dim {v_dim}")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit keys {tuple(k_cache.shape)} / values "
+            f"{tuple(v_cache.shape)} with v_dim {v_dim}"
+        )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError(f"keys and values need the same strides and contiguous rows, got {k_cache.stride()}, "
-                         f"{v_cache.stride()}")
+        raise ValueError(
+            f"keys and values need the same strides and contiguous rows, got {k_cache.stride()}, {v_cache.stride()}"
+        )
     if max_seq_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
-                         f"{block_tables.shape[1]} blocks of {block_size}")
+        raise ValueError(
+            f"a context of {max_seq_len} tokens exceeds the block table's "
+            f"{block_tables.shape[1]} blocks of {block_size}"
+        )
     q = _heads_contiguous(q)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
     status = _kernel()(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-        k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, block_size,
-        k_dim, v_dim, scale, out.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_blocks,
+        k_cache.stride(0),
+        k_cache.stride(1) if num_kv_heads > 1 else 0,
+        k_cache.stride(2),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        block_size,
+        k_dim,
+        v_dim,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged decode attention failed: {_ERRORS.get(status, f'status {status}')}")
@@ -144,25 +195,45 @@ def paged_prefill(
     if {q.dtype, k_cache.dtype, v_cache.dtype} != {torch.float32}:
         raise ValueError(f"the CPU prompt kernel takes float32 only, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or v_cache.shape[-1] != head_dim:
-        raise ValueError(f"keys {tuple(k_cache.shape)} and values {tuple(v_cache.shape)} need the same shape and "
-                         f"strides, with contiguous rows")  # fmt: skip
+        raise ValueError(
+            f"keys {tuple(k_cache.shape)} and values {tuple(v_cache.shape)} need the same shape and "
+            f"strides, with contiguous rows"
+        )
     if query_start.shape[0] != seq_lens.shape[0] + 1 or int(query_start[-1]) != num_tokens:
         raise ValueError(f"query_start {query_start.tolist()} does not cover the {num_tokens} query rows")
     if max_seq_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"a context of {max_seq_len} tokens exceeds the block table's "
-                         f"{block_tables.shape[1]} blocks of {block_size}")  # fmt: skip
+        raise ValueError(
+            f"a context of {max_seq_len} tokens exceeds the block table's "
+            f"{block_tables.shape[1]} blocks of {block_size}"
+        )
     q = _heads_contiguous(q)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
     status = _prefill_kernel()(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-        k_cache.stride(0), k_cache.stride(1) if num_kv_heads > 1 else 0, k_cache.stride(2),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(), starts.data_ptr(),
-        lens.shape[0], num_heads, num_kv_heads, block_size, head_dim, max_seq_len, scale, out.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_blocks,
+        k_cache.stride(0),
+        k_cache.stride(1) if num_kv_heads > 1 else 0,
+        k_cache.stride(2),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        starts.data_ptr(),
+        lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        block_size,
+        head_dim,
+        max_seq_len,
+        scale,
+        out.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if status != 0:
         raise RuntimeError(f"paged prompt attention failed: {_ERRORS.get(status, f'status {status}')}")
     return out

@@ -105,8 +105,15 @@ def _gemm(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> to
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
     if rows.shape[0]:
         _library().pdserve_panel_gemm(
-            rows.data_ptr(), rows.shape[0], in_features, rows.stride(0), weight.panels.data_ptr(),
-            weight.out_features, bias.contiguous().data_ptr() if bias is not None else None, out.data_ptr(),
-            torch.get_num_threads(), weight.gated,
-        )  # fmt: skip
+            rows.data_ptr(),
+            rows.shape[0],
+            in_features,
+            rows.stride(0),
+            weight.panels.data_ptr(),
+            weight.out_features,
+            bias.contiguous().data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            torch.get_num_threads(),
+            weight.gated,
+        )
     return out if flat else out.view(*x.shape[:-1], weight.out_features)

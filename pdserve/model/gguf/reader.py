@@ -33,9 +33,18 @@ DEFAULT_ALIGNMENT = 32
 
 # GGUF value types: id -> (struct format, size); 8 is a string and 9 an array.
 _SCALARS = {
-    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
-    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
-}  # fmt: skip
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
@@ -102,7 +111,9 @@ class _Parser:
                 (length,) = unpack(buf, pos)
                 end = pos + 8 + length
                 if end > size:
-                    raise self.fail(f"truncated: {what}[{index}] needs {length} bytes, the file ends at {size}", pos + 8)
+                    raise self.fail(
+                        f"truncated: {what}[{index}] needs {length} bytes, the file ends at {size}", pos + 8
+                    )
                 items.append(buf[pos + 8 : end].decode("utf-8"))
                 pos = end
         except UnicodeDecodeError:
@@ -183,8 +194,10 @@ class _Parser:
             raise self.fail(f"tensor {name} has unknown ggml type {type_id}", at) from None
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         if dims and dims[0] % block_size:
-            raise self.fail(f"tensor {name}: row of {dims[0]} values is not a whole number of {qtype.name} blocks "
-                            f"of {block_size}", at)  # fmt: skip
+            raise self.fail(
+                f"tensor {name}: row of {dims[0]} values is not a whole number of {qtype.name} blocks of {block_size}",
+                at,
+            )
         return math.prod(dims) // block_size * type_size
 
 

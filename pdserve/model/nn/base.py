@@ -97,9 +97,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-        late: LateJoin | None = None, sample_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        late: LateJoin | None = None,
+        sample_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every input token; with tokens
         that ``late`` adds, for those too, in the rows of its ``merged_meta``.
 
@@ -130,9 +135,16 @@ class DecoderModel:
         return self.norm(hidden, residual)[0]
 
     def _layers(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, start: int, stop: int, keep: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        start: int,
+        stop: int,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, stop) on the residual stream: (hidden, residual) after the last;
         after the last layer's attention, only the rows ``keep`` when given."""
         for index in range(start, stop):

@@ -28,7 +28,12 @@ class MLAttention:
     (the latent, and so the KV cache, is the same on every rank)."""
 
     def __init__(
-        self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor,
+        self,
+        config: ModelConfig,
+        ckpt: Checkpoint,
+        prefix: str,
+        backend: Backend,
+        cos_sin: torch.Tensor,
         parallel: ParallelState,
     ) -> None:
         hidden = config.hidden_size
@@ -63,7 +68,12 @@ class MLAttention:
         self.w_uk = kv_b[:, : self.nope_dim].contiguous()  # [H, nope, L]
         self.w_uv = kv_b[:, self.nope_dim :].contiguous()  # [H, v, L]
         self.o_proj = Linear(
-            ckpt, f"{prefix}.o_proj", config.num_heads * self.v_dim, hidden, backend, row_parallel_bias(bias, parallel),
+            ckpt,
+            f"{prefix}.o_proj",
+            config.num_heads * self.v_dim,
+            hidden,
+            backend,
+            row_parallel_bias(bias, parallel),
             cols=slice(heads.start * self.v_dim, heads.stop * self.v_dim) if sharded else None,
         )
         self.backend = backend
@@ -76,7 +86,9 @@ class MLAttention:
         if scaling.get("mscale_all_dim"):
             self.scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_norm.norm(self.q_a_proj(x)))
@@ -95,7 +107,10 @@ class MLAttention:
 
         q_latent = torch.einsum("thn,hnl->thl", q_nope, self.w_uk)  # [T, H, L]
         out_latent = self.backend.mla_attention(
-            torch.cat((q_latent, q_pe), dim=-1), cache, meta, self.scale * self.kv_scale if fp8 else self.scale,
+            torch.cat((q_latent, q_pe), dim=-1),
+            cache,
+            meta,
+            self.scale * self.kv_scale if fp8 else self.scale,
             self.kv_lora_rank,
         )
         if fp8 and self.kv_scale != 1.0:
@@ -111,14 +126,21 @@ class DeepseekModel(DecoderModel):
         self, config: ModelConfig, ckpt: Checkpoint, backend: Backend, parallel: ParallelState = SINGLE_RANK
     ) -> None:
         self.cos_sin = rope_cos_sin(
-            config.require("qk_rope_head_dim"), config.rope_theta, config.rope_scaling, config.max_model_len, ckpt.device
+            config.require("qk_rope_head_dim"),
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_model_len,
+            ckpt.device,
         )
         super().__init__(config, ckpt, backend, parallel)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         c = self.config
         return KVCacheSpec(
-            num_layers=c.num_layers, block_size=block_size, dtype=c.dtype, is_mla=True,
+            num_layers=c.num_layers,
+            block_size=block_size,
+            dtype=c.dtype,
+            is_mla=True,
             latent_dim=c.require("kv_lora_rank") + c.require("qk_rope_head_dim"),
         )
 
@@ -138,17 +160,24 @@ class DeepseekModel(DecoderModel):
         num_shared = c.get("n_shared_experts", 0)
         shared = (
             DenseMLP(
-                ckpt, f"{prefix}.shared_experts", c.hidden_size, moe_intermediate * num_shared, self.backend,
+                ckpt,
+                f"{prefix}.shared_experts",
+                c.hidden_size,
+                moe_intermediate * num_shared,
+                self.backend,
                 parallel=self.parallel,
             )
             if num_shared
             else None
         )
         return MoE(
-            ckpt, self.backend,
+            ckpt,
+            self.backend,
             router_name=f"{prefix}.gate.weight",
             expert_names=tuple(f"{prefix}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
-            num_experts=c.require("n_routed_experts"), hidden=c.hidden_size, intermediate=moe_intermediate,
+            num_experts=c.require("n_routed_experts"),
+            hidden=c.hidden_size,
+            intermediate=moe_intermediate,
             router=self._moe_routing(),
             correction_bias_name=f"{prefix}.gate.e_score_correction_bias" if self._is_v3 else None,
             shared=shared,
@@ -168,12 +197,18 @@ class DeepseekModel(DecoderModel):
         )
         if self._is_v3:
             return MoERouting(
-                scoring="sigmoid", num_groups=c.get("n_group", 1), topk_groups=c.get("topk_group", 1),
-                group_score="top2_sum", **common,
+                scoring="sigmoid",
+                num_groups=c.get("n_group", 1),
+                topk_groups=c.get("topk_group", 1),
+                group_score="top2_sum",
+                **common,
             )
         if c.get("topk_method", "greedy") == "group_limited_greedy":
             return MoERouting(
-                scoring="softmax", num_groups=c.require("n_group"), topk_groups=c.require("topk_group"),
-                group_score="max", **common,
+                scoring="softmax",
+                num_groups=c.require("n_group"),
+                topk_groups=c.require("topk_group"),
+                group_score="max",
+                **common,
             )
         return MoERouting(scoring="softmax", **common)

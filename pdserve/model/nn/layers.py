@@ -19,7 +19,11 @@ from pdserve.model.weights import Checkpoint
 
 
 def linear_weight(
-    ckpt: Checkpoint, name: str, shape: tuple[int, int], backend: Backend, rows: slice | None = None,
+    ckpt: Checkpoint,
+    name: str,
+    shape: tuple[int, int],
+    backend: Backend,
+    rows: slice | None = None,
     cols: slice | None = None,
 ) -> torch.Tensor | BlockFP8Weight:
     """Weight ``name`` [out, in] of a linear, or its ``rows``/``cols`` shard (tensor parallelism):
@@ -50,8 +54,16 @@ class Linear:
     """
 
     def __init__(
-        self, ckpt: Checkpoint, name: str, in_features: int, out_features: int, backend: Backend, bias: bool = False,
-        *, rows: slice | None = None, cols: slice | None = None,
+        self,
+        ckpt: Checkpoint,
+        name: str,
+        in_features: int,
+        out_features: int,
+        backend: Backend,
+        bias: bool = False,
+        *,
+        rows: slice | None = None,
+        cols: slice | None = None,
     ) -> None:
         weight = linear_weight(ckpt, f"{name}.weight", (out_features, in_features), backend, rows, cols)
         self.weight = backend.prepare_weight(weight)
@@ -96,9 +108,16 @@ class GatedLinear:
     output, so that the two projections are never written out whole."""
 
     def __init__(
-        self, ckpt: Checkpoint, gate: str, up: str, in_features: int, out_features: int, backend: Backend,
-        bias: bool = False, rows: slice | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        ckpt: Checkpoint,
+        gate: str,
+        up: str,
+        in_features: int,
+        out_features: int,
+        backend: Backend,
+        bias: bool = False,
+        rows: slice | None = None,
+    ) -> None:
         """``rows``: with tensor parallelism, this rank's share of the intermediate size."""
         shares = (rows, rows) if rows is not None else None
         weight, _, self.bias = _stacked(ckpt, (gate, up), in_features, (out_features,) * 2, backend, bias, shares)
@@ -110,8 +129,13 @@ class GatedLinear:
 
 
 def _stacked(
-    ckpt: Checkpoint, names: tuple[str, ...], in_features: int, out_features: tuple[int, ...], backend: Backend,
-    bias: bool, rows: tuple[slice, ...] | None,
+    ckpt: Checkpoint,
+    names: tuple[str, ...],
+    in_features: int,
+    out_features: tuple[int, ...],
+    backend: Backend,
+    bias: bool,
+    rows: tuple[slice, ...] | None,
 ) -> tuple[torch.Tensor | BlockFP8Weight, list[int], torch.Tensor | None]:
     """The linears' weights stacked along ``out`` (a copy), each part's rows, and their biases."""
     shares = rows or (None,) * len(names)
@@ -121,8 +145,9 @@ def _stacked(
     ]
     stacked_bias = (
         torch.cat([shard(ckpt.get(f"{n}.bias", (size,)), share) for n, size, share in zip(names, out_features, shares)])
-        if bias else None
-    )  # fmt: skip
+        if bias
+        else None
+    )
     return _concatenate(parts, ckpt.dtype), [p.shape[0] for p in parts], stacked_bias
 
 
@@ -161,16 +186,33 @@ class DenseMLP:
     """
 
     def __init__(
-        self, ckpt: Checkpoint, name: str, hidden: int, intermediate: int, backend: Backend, bias: bool = False,
+        self,
+        ckpt: Checkpoint,
+        name: str,
+        hidden: int,
+        intermediate: int,
+        backend: Backend,
+        bias: bool = False,
         parallel: ParallelState = SINGLE_RANK,
     ) -> None:
         share = split(intermediate, parallel, f"{name} intermediate size")
         self.gate_up = GatedLinear(
-            ckpt, f"{name}.gate_proj", f"{name}.up_proj", hidden, intermediate, backend, bias,
+            ckpt,
+            f"{name}.gate_proj",
+            f"{name}.up_proj",
+            hidden,
+            intermediate,
+            backend,
+            bias,
             rows=share if parallel.tp_size > 1 else None,
         )
         self.down = Linear(
-            ckpt, f"{name}.down_proj", intermediate, hidden, backend, row_parallel_bias(bias, parallel),
+            ckpt,
+            f"{name}.down_proj",
+            intermediate,
+            hidden,
+            backend,
+            row_parallel_bias(bias, parallel),
             cols=share if parallel.tp_size > 1 else None,
         )
         self.backend = backend

@@ -28,7 +28,12 @@ class GQAttention:
     """Grouped-query attention; with tensor parallelism, over this rank's share of the heads."""
 
     def __init__(
-        self, config: ModelConfig, ckpt: Checkpoint, prefix: str, backend: Backend, cos_sin: torch.Tensor,
+        self,
+        config: ModelConfig,
+        ckpt: Checkpoint,
+        prefix: str,
+        backend: Backend,
+        cos_sin: torch.Tensor,
         parallel: ParallelState,
     ) -> None:
         arch = config.architecture
@@ -43,11 +48,21 @@ class GQAttention:
         kv_rows = slice(share.kv_heads.start * head_dim, share.kv_heads.stop * head_dim)
         sharded = parallel.tp_size > 1
         self.qkv_proj = MergedLinear(
-            ckpt, names, hidden, (q_size, kv_size, kv_size), backend, qkv_bias,
+            ckpt,
+            names,
+            hidden,
+            (q_size, kv_size, kv_size),
+            backend,
+            qkv_bias,
             rows=(q_rows, kv_rows, kv_rows) if sharded else None,
         )
         self.o_proj = Linear(
-            ckpt, f"{prefix}.o_proj", q_size, hidden, backend, row_parallel_bias(o_bias, parallel),
+            ckpt,
+            f"{prefix}.o_proj",
+            q_size,
+            hidden,
+            backend,
+            row_parallel_bias(o_bias, parallel),
             cols=q_rows if sharded else None,
         )
         self.parallel = parallel
@@ -60,7 +75,9 @@ class GQAttention:
         self.scale = head_dim**-0.5
         self.kv_scales = KVScales.from_checkpoint(ckpt, prefix)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -75,7 +92,9 @@ class GQAttention:
             q = self.backend.rotary(q, positions, self.cos_sin, interleaved=False)
             k = self.backend.rotary(k, positions, self.cos_sin, interleaved=False)
             s = self.kv_scales
-            self.backend.write_kv(cache, kv_quant.quantize(k, s.k_scale), kv_quant.quantize(v, s.v_scale), meta.slot_mapping)
+            self.backend.write_kv(
+                cache, kv_quant.quantize(k, s.k_scale), kv_quant.quantize(v, s.v_scale), meta.slot_mapping
+            )
             out = self.backend.paged_attention(q, cache, meta, self.scale * s.k_scale)
             if s.v_scale != 1.0:
                 out = out * s.v_scale
@@ -96,8 +115,12 @@ class LlamaModel(DecoderModel):
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         c = self.config
         return KVCacheSpec(
-            num_layers=c.num_layers, block_size=block_size, dtype=c.dtype, is_mla=False,
-            num_kv_heads=kv_heads_per_rank(c.num_kv_heads, self.parallel.tp_size), head_dim=c.head_dim,
+            num_layers=c.num_layers,
+            block_size=block_size,
+            dtype=c.dtype,
+            is_mla=False,
+            num_kv_heads=kv_heads_per_rank(c.num_kv_heads, self.parallel.tp_size),
+            head_dim=c.head_dim,
         )
 
     def build_attention(self, ckpt: Checkpoint, prefix: str) -> GQAttention:
@@ -108,25 +131,37 @@ class LlamaModel(DecoderModel):
         layer = prefix.removesuffix(".mlp")
         if c.architecture == "MixtralForCausalLM":
             return MoE(
-                ckpt, self.backend,
+                ckpt,
+                self.backend,
                 router_name=f"{layer}.block_sparse_moe.gate.weight",
                 expert_names=tuple(f"{layer}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
-                num_experts=c.require("num_local_experts"), hidden=c.hidden_size, intermediate=c.intermediate_size,
+                num_experts=c.require("num_local_experts"),
+                hidden=c.hidden_size,
+                intermediate=c.intermediate_size,
                 router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=True),
                 parallel=self.parallel,
             )
         if c.architecture == "Qwen3MoeForCausalLM" and self._is_sparse_qwen3_layer(index):
             return MoE(
-                ckpt, self.backend,
+                ckpt,
+                self.backend,
                 router_name=f"{prefix}.gate.weight",
                 expert_names=tuple(f"{prefix}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
-                num_experts=self._num_qwen3_experts, hidden=c.hidden_size,
+                num_experts=self._num_qwen3_experts,
+                hidden=c.hidden_size,
                 intermediate=c.require("moe_intermediate_size"),
-                router=MoERouting(top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))),
+                router=MoERouting(
+                    top_k=c.require("num_experts_per_tok"), renormalize=bool(c.get("norm_topk_prob", False))
+                ),
                 parallel=self.parallel,
             )
         return DenseMLP(
-            ckpt, prefix, c.hidden_size, c.intermediate_size, self.backend, bias=bool(c.get("mlp_bias", False)),
+            ckpt,
+            prefix,
+            c.hidden_size,
+            c.intermediate_size,
+            self.backend,
+            bias=bool(c.get("mlp_bias", False)),
             parallel=self.parallel,
         )
 

@@ -43,11 +43,19 @@ class WorkerGroup:
         parallel = config.parallel
         link = GroupLink(parallel.world_size)
         host, port = await link.open()
-        payload = msgspec.msgpack.encode(ServingRank(
-            model=config.model, engine=config.engine, role=config.role, model_name=config.served_model_name,
-            agent_name=agent_name, link_host=host, link_port=port, transfer_timeout_s=config.transfer_timeout_s,
-            num_threads=config.num_threads,
-        ))  # fmt: skip
+        payload = msgspec.msgpack.encode(
+            ServingRank(
+                model=config.model,
+                engine=config.engine,
+                role=config.role,
+                model_name=config.served_model_name,
+                agent_name=agent_name,
+                link_host=host,
+                link_port=port,
+                transfer_timeout_s=config.transfer_timeout_s,
+                num_threads=config.num_threads,
+            )
+        )
         try:
             # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
             ranks = start_group(parallel, "pdserve.worker.group.rank_main", payload, config.engine.device)

@@ -20,8 +20,16 @@ from collections.abc import Callable
 
 from pdserve.kvtransfer import PeerInfo
 from pdserve.worker.group.messages import (
-    ExpectNotices, ForgetPeers, Message, PullDone, PullOrder, RankHello, RankSent, read_message, write_message,
-)  # fmt: skip
+    ExpectNotices,
+    ForgetPeers,
+    Message,
+    PullDone,
+    PullOrder,
+    RankHello,
+    RankSent,
+    read_message,
+    write_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +122,25 @@ class GroupLink:
 
     # ---- orders ----------------------------------------------------------------------------
     def order_pull(
-        self, request_id: str, peers: list[PeerInfo], remote_block_ids: list[int], local_block_ids: list[int],
-        num_cached_blocks: int, deadline_s: float,
-    ) -> list[asyncio.Future[PullDone]]:  # fmt: skip
+        self,
+        request_id: str,
+        peers: list[PeerInfo],
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        num_cached_blocks: int,
+        deadline_s: float,
+    ) -> list[asyncio.Future[PullDone]]:
         """Order every other rank's pull of ``request_id``; one future per rank, in rank order,
         that ends with its ``PullDone`` (or ``RankLost``). The caller bounds the wait."""
         order = PullOrder(
-            order_id=next(self._order_ids), request_id=request_id, peers=peers, remote_block_ids=remote_block_ids,
-            local_block_ids=local_block_ids, num_cached_blocks=num_cached_blocks, deadline_s=deadline_s,
-        )  # fmt: skip
+            order_id=next(self._order_ids),
+            request_id=request_id,
+            peers=peers,
+            remote_block_ids=remote_block_ids,
+            local_block_ids=local_block_ids,
+            num_cached_blocks=num_cached_blocks,
+            deadline_s=deadline_s,
+        )
         loop = asyncio.get_running_loop()
         futures = []
         for rank in range(1, self.size):

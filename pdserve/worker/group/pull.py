@@ -54,9 +54,13 @@ class GroupPuller:
         """
         names = [peer.agent_name for peer in peers]
         own_pull = self.puller.pull(
-            request_id, names, remote_block_ids, local_block_ids, num_cached_blocks=num_cached_blocks,
+            request_id,
+            names,
+            remote_block_ids,
+            local_block_ids,
+            num_cached_blocks=num_cached_blocks,
             deadline_s=deadline_s,
-        )  # fmt: skip
+        )
         if self.link is None:
             return await own_pull
         start = time.perf_counter()

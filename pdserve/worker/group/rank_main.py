@@ -59,13 +59,18 @@ def _run(program: ServingRank, parallel: ParallelState) -> int:
     setup = setup_model(program.model, program.engine, parallel)
     num_blocks = parallel.group_channel.receive(GroupStart).num_blocks
     kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
-    layout = KVLayout.from_spec(setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size,
-                                tp_rank=parallel.tp_rank)  # fmt: skip
+    layout = KVLayout.from_spec(
+        setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank
+    )
     agent = KVAgent(agent_name(program.agent_name, parallel.rank), kv_cache, layout)
     service = RankService(
-        parallel.rank, program.role, agent, (program.link_host, program.link_port),
-        transfer_timeout_s=program.transfer_timeout_s, connect_timeout_s=parallel.config.rendezvous_timeout_s,
-    )  # fmt: skip
+        parallel.rank,
+        program.role,
+        agent,
+        (program.link_host, program.link_port),
+        transfer_timeout_s=program.transfer_timeout_s,
+        connect_timeout_s=parallel.config.rendezvous_timeout_s,
+    )
     thread = threading.Thread(target=_run_service, args=(service,), name="kv", daemon=True)
     thread.start()
     try:

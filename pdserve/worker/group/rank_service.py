@@ -22,8 +22,15 @@ import time
 from pdserve.discovery.registry import Role
 from pdserve.kvtransfer import KVAgent, KVPuller, LayoutMismatch, SentReporter, TransferFailed
 from pdserve.worker.group.messages import (
-    ExpectNotices, ForgetPeers, PullDone, PullOrder, RankHello, RankSent, read_message, write_message,
-)  # fmt: skip
+    ExpectNotices,
+    ForgetPeers,
+    PullDone,
+    PullOrder,
+    RankHello,
+    RankSent,
+    read_message,
+    write_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +39,15 @@ class RankService:
     """``rank``'s agent and its link to rank 0 at ``address``; ``run`` on the rank's KV thread."""
 
     def __init__(
-        self, rank: int, role: Role, agent: KVAgent, address: tuple[str, int], *, transfer_timeout_s: float,
+        self,
+        rank: int,
+        role: Role,
+        agent: KVAgent,
+        address: tuple[str, int],
+        *,
+        transfer_timeout_s: float,
         connect_timeout_s: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rank = rank
         self.role = role
         self.agent = agent
@@ -97,11 +110,20 @@ class RankService:
             for peer in order.peers:
                 await self.agent.add_peer(peer)
             stats = await self.puller.pull(
-                order.request_id, [peer.agent_name for peer in order.peers], order.remote_block_ids,
-                order.local_block_ids, num_cached_blocks=order.num_cached_blocks, deadline_s=order.deadline_s,
-            )  # fmt: skip
-            done = PullDone(order_id=order.order_id, ok=True, num_bytes=stats.num_bytes,
-                            num_descriptors=stats.num_descriptors, num_transfers=stats.num_transfers)  # fmt: skip
+                order.request_id,
+                [peer.agent_name for peer in order.peers],
+                order.remote_block_ids,
+                order.local_block_ids,
+                num_cached_blocks=order.num_cached_blocks,
+                deadline_s=order.deadline_s,
+            )
+            done = PullDone(
+                order_id=order.order_id,
+                ok=True,
+                num_bytes=stats.num_bytes,
+                num_descriptors=stats.num_descriptors,
+                num_transfers=stats.num_transfers,
+            )
         except TransferFailed as exc:
             done = PullDone(order_id=order.order_id, ok=False, reason=exc.reason)
         except (LayoutMismatch, ValueError) as exc:

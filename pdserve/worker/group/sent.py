@@ -15,9 +15,13 @@ from collections.abc import Callable
 
 class GroupSent:
     def __init__(
-        self, size: int, on_sent: Callable[[str], None], *, forget_after_s: float,
+        self,
+        size: int,
+        on_sent: Callable[[str], None],
+        *,
+        forget_after_s: float,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.size = size
         self.on_sent = on_sent
         self.forget_after_s = forget_after_s

@@ -26,7 +26,9 @@ def test_gqa_step_matches_reference():
     meta = make_metadata(SEQ_LENS, QUERY_LENS, block_size=16, num_blocks=16)
     q = torch.randn(sum(QUERY_LENS), 8, 64)
     cache = gqa_cache(16, 2, 16, 64, torch.float32)
-    assert_close(CpuBackend().paged_attention(q, cache, meta, 0.125), TorchBackend().paged_attention(q, cache, meta, 0.125))
+    assert_close(
+        CpuBackend().paged_attention(q, cache, meta, 0.125), TorchBackend().paged_attention(q, cache, meta, 0.125)
+    )
 
 
 def test_gqa_steps_with_prompts_of_every_kind_match_reference():

@@ -34,7 +34,9 @@ def test_rms_norm_matches_reference(num_tokens, with_residual):
 def test_rope_write_kv_matches_reference(num_tokens):
     torch.manual_seed(num_tokens)
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 16
-    q, k, v = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim).split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k, v = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim).split(
+        [heads * dim, kv_heads * dim, kv_heads * dim], -1
+    )
     q, k, v = q.view(num_tokens, heads, dim), k.view(num_tokens, kv_heads, dim), v.view(num_tokens, kv_heads, dim)
     cos_sin = rope_cos_sin(dim, 100000.0, None, 256, torch.device("cpu"))
     positions = torch.randint(0, 256, (num_tokens,))

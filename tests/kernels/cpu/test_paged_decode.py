@@ -100,8 +100,9 @@ def test_bad_inputs_name_the_problem():
 
 
 def _prefill(meta, q, cache, scale):
-    return paged_prefill(q, cache[:, 0], cache[:, 1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                         meta.max_seq_len, scale)  # fmt: skip
+    return paged_prefill(
+        q, cache[:, 0], cache[:, 1], meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_seq_len, scale
+    )
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,11 @@ def test_gated_matches_linear_then_silu_mul(rows, in_features, intermediate, bia
     assert out.shape == (rows, intermediate) and out.dtype == torch.float32
     gate, up = panel_gemm.linear(x, panel_gemm.pack(weight), b).chunk(2, dim=-1)
     assert torch.equal(out, layer_ops.silu_mul(gate, up))
-    assert_close(out, F.silu(F.linear(x, weight[:intermediate], b[:intermediate] if bias else None))
-                 * F.linear(x, weight[intermediate:], b[intermediate:] if bias else None))
+    assert_close(
+        out,
+        F.silu(F.linear(x, weight[:intermediate], b[:intermediate] if bias else None))
+        * F.linear(x, weight[intermediate:], b[intermediate:] if bias else None),
+    )
 
 
 def test_gated_packing_pairs_gate_and_up_columns():

@@ -73,7 +73,9 @@ def test_the_offset_points_at_the_damage(tiny_file, tmp_path):
     data[at : at + 8] = (10**9).to_bytes(8, "little")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))
-    with pytest.raises(GGUFError, match=f"{bad}: truncated: general.architecture needs 1000000000 bytes.* at offset {at + 8}"):
+    with pytest.raises(
+        GGUFError, match=f"{bad}: truncated: general.architecture needs 1000000000 bytes.* at offset {at + 8}"
+    ):
         GGUFFile(bad)
 
 

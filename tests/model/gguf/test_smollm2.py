@@ -42,8 +42,12 @@ def reference(smollm2_reference):
 def test_config_and_name(llm, path):
     config = llm.engine.model_config
     assert (config.architecture, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
-        "LlamaForCausalLM", 30, 576, 9, 3,
-    )  # fmt: skip
+        "LlamaForCausalLM",
+        30,
+        576,
+        9,
+        3,
+    )
     assert (config.vocab_size, config.intermediate_size, config.rope_theta) == (49152, 1536, 100000.0)
     assert config.tie_word_embeddings and config.dtype == torch.float32
     assert llm.engine.eos_token_ids == frozenset({2})  # <|im_end|>

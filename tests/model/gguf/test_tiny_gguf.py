@@ -15,7 +15,12 @@ from tests.utils.checkpoints import reference_greedy
 from tests.utils.gguf_files import CONFIG, make_model, write_gguf
 
 PROMPTS = [[5, 17, 33, 200, 7, 9], [100, 101, 102, 103], list(range(40, 90, 3))]
-TEXTS = ["Hello, world! 2024 3.14159", "  déjà vu 你好 😀\n\nx\ty", "</s>Numbers: 0 1 22 333 4444<s>", "don't it's WE'LL"]
+TEXTS = [
+    "Hello, world! 2024 3.14159",
+    "  déjà vu 你好 😀\n\nx\ty",
+    "</s>Numbers: 0 1 22 333 4444<s>",
+    "don't it's WE'LL",
+]
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -36,9 +41,12 @@ def test_config_comes_from_the_metadata(tiny):
     config = gguf_model_config(path)
     assert config.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        CONFIG["num_hidden_layers"], CONFIG["hidden_size"], CONFIG["num_attention_heads"],
-        CONFIG["num_key_value_heads"], CONFIG["hidden_size"] // CONFIG["num_attention_heads"],
-    )  # fmt: skip
+        CONFIG["num_hidden_layers"],
+        CONFIG["hidden_size"],
+        CONFIG["num_attention_heads"],
+        CONFIG["num_key_value_heads"],
+        CONFIG["hidden_size"] // CONFIG["num_attention_heads"],
+    )
     assert config.dtype == torch.float32 and not config.tie_word_embeddings
     assert llm.engine.eos_token_ids == frozenset({CONFIG["eos_token_id"]})
     assert gguf_model_config(path, dtype="bfloat16").dtype == torch.bfloat16

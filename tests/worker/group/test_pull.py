@@ -27,8 +27,9 @@ NUM_BLOCKS = 8
 
 
 def rank_agent(name: str, tp_size: int, tp_rank: int) -> KVAgent:
-    spec = KVCacheSpec(num_layers=2, block_size=4, dtype=torch.float32, is_mla=False,
-                       num_kv_heads=NUM_HEADS // tp_size, head_dim=8)  # fmt: skip
+    spec = KVCacheSpec(
+        num_layers=2, block_size=4, dtype=torch.float32, is_mla=False, num_kv_heads=NUM_HEADS // tp_size, head_dim=8
+    )
     cache = KVCache(spec, NUM_BLOCKS, torch.device("cpu"))
     return KVAgent(name, cache, KVLayout.from_spec(spec, "m", tp_size=tp_size, tp_rank=tp_rank))
 
@@ -55,8 +56,10 @@ async def groups(decode_tp: int = 2) -> AsyncIterator[tuple[list[KVAgent], list[
     decode = [rank_agent(f"d.rank{r}", decode_tp, r) for r in range(decode_tp)]
     link = GroupLink(decode_tp)
     address = await link.open()
-    services = [RankService(r, Role.DECODE, decode[r], address, transfer_timeout_s=5.0, connect_timeout_s=10.0)
-                for r in range(1, decode_tp)]  # fmt: skip
+    services = [
+        RankService(r, Role.DECODE, decode[r], address, transfer_timeout_s=5.0, connect_timeout_s=10.0)
+        for r in range(1, decode_tp)
+    ]
     running = [asyncio.ensure_future(service.run()) for service in services]
     for agent in [*prefill, decode[0]]:
         await agent.start()
