@@ -116,3 +116,17 @@ def test_tests_mirror_the_packages():
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "v1"}
     folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert folders - packages <= TEST_ONLY, f"test folders with no package: {sorted(folders - packages - TEST_ONLY)}"
+
+
+def test_every_package_lists_its_modules():
+    """A package's __init__ docstring is its table of contents: each module and subpackage, as ``name``."""
+    unlisted = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        if folder.name == "v1":
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        children = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        children += [p.name for p in folder.iterdir() if (p / "__init__.py").exists()]
+        unlisted += [f"{folder.relative_to(ROOT)}: {name}" for name in sorted(children) if f"``{name}``" not in doc]
+    assert not unlisted, "modules missing from their package's docstring:\n" + "\n".join(unlisted)

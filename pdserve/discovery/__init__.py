@@ -8,6 +8,8 @@ Every process runs this, data plane and control plane alike.
 - ``slo`` and ``slo_store``: a model's latency targets.
 - ``etcd`` reaches a real etcd through one connection a process shares; ``retry`` outlives
   its outages.
+- ``etcd_auth``: ``EtcdAuth``, how a process proves itself to etcd: TLS (the CA, a client
+  certificate) and etcd's own user and password.
 """
 
 from pdserve.discovery.etcd import EtcdEndpoint, RegistryUnavailable, connect

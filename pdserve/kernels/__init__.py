@@ -10,7 +10,7 @@
 - ``rms_norm``, ``rotary``, ``kv_write``, ``paged_decode``, ``paged_extend``, ``mla_decode``,
   ``mla_extend``, ``moe_routing``, ``moe_align``, ``moe_gemm``, ``moe_combine``,
   ``block_fp8_gemm``: the Triton kernels, one op a file, each checked against ``TorchBackend``;
-- ``cpu/``: ``CpuBackend``, oneDNN linears and C paged attention.
+- ``cpu``: ``CpuBackend``, oneDNN linears and C paged attention.
 
 Importing the package loads nothing and changes nothing: Triton's interpreter is selected by
 ``triton_mode.use_interpreter_without_cuda``, which ``triton_backend`` calls before it loads the

@@ -4,4 +4,7 @@
 - ``local_cluster``: the registry (a given etcd, or its own ``etcd_process``), the frontend and the
   worker processes, started together and stopped together.
 - ``local_connector``: the planner's scaling connector that resizes those local pools.
+- ``child``: ``Child``, one child process (a ``python -m pdserve ...`` server), started (again) and stopped.
+- ``supervisor``: ``Supervisor``, which restarts a child that dies, with back-off (``RestartPolicy``), up
+  to a limit.
 """

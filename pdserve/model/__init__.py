@@ -3,8 +3,8 @@
 - ``model_config``: ``ModelConfig``, what pdserve needs to know about a model;
 - ``config``: ``read_model_config``, the one dispatch between a Hugging Face directory and a GGUF file;
 - ``weights``: safetensors checkpoints, memory-mapped, FP8 block weights with their scales;
-- ``gguf/``: GGUF files (reader, dequantization, configuration, weights);
-- ``nn/``: the model code (Llama family, DeepSeek MLA, MoE, tensor-parallel layers, EPLB);
+- ``gguf``: GGUF files (reader, dequantization, configuration, weights);
+- ``nn``: the model code (Llama family, DeepSeek MLA, MoE, tensor-parallel layers, EPLB);
 - ``load``: an architecture name to its model class, built from a checkpoint;
 - ``kv_cache``: ``KVCache`` and ``KVCacheSpec``, the one tensor holding every block;
 - ``setup``: what every rank of an engine builds the same way (device, backend, model, KV spec);

@@ -1,1 +1,11 @@
-"""The OpenAI-compatible HTTP API: an adapter over the frontend's ``Gateway``, as the gRPC service is."""
+"""The OpenAI-compatible HTTP API: an adapter over the frontend's ``Gateway``, as the gRPC service is.
+
+- ``server``: ``HttpServer``, uvicorn run on the frontend's own event loop beside grpc.aio;
+- ``app``: ``create_app``, the Starlette app: its routes, API keys, rate limits, body limit and errors;
+- ``endpoints``: ``completions`` and ``chat_completions``: a body in, the gateway's requests, a body out;
+- ``protocol``: ``CompletionRequest`` and ``ChatRequest``, and the ``GenerateRequest`` each choice becomes;
+- ``choices``: ``admit_all`` and ``merged``, a request's choices admitted together and streamed together;
+- ``output``: ``Output``, the response bodies and streamed chunks built from the gateway's messages;
+- ``logprobs``: ``ChoiceLogprobs``, OpenAI's ``logprobs`` objects from the streamed ``TokenLogprobs``;
+- ``errors``: ``ApiError``, errors in OpenAI's JSON shape with the HTTP status matching the gRPC one.
+"""

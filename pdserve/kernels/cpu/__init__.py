@@ -5,4 +5,11 @@ first use with the machine's C compiler (``build.py``; cached per source, flags 
 called through ``ctypes``, so installing pdserve needs no build step and a machine without a
 compiler still runs, on the torch reference. ``CpuBackend`` (``cpu_backend.py``) is the
 ``Backend`` that uses them; every kernel is tested against ``TorchBackend``.
+
+- ``cpu_backend``: ``CpuBackend``, the torch reference with these kernels where they matter most;
+- ``build``: ``load_library``, a kernel's C file compiled once per machine, cached, loaded with ``ctypes``;
+- ``paged_decode``: ``paged_decode`` and ``paged_prefill``, paged attention reading the cache in place;
+- ``panel_gemm``: ``linear`` and ``gated_linear``, linear layers on weights packed into 32-column panels;
+- ``layer_ops``: RMSNorm with its residual add, rotary embedding with the KV write, SwiGLU, greedy ``argmax``;
+- ``heap``: ``keep_freed_memory``, glibc's malloc told to keep freed activations mapped between steps.
 """
