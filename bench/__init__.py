@@ -2,6 +2,7 @@
 (``--help`` on each; README.md's Benchmarks and bench/RESULTS.md say what they measure):
 
 - ``all_to_all``: the expert-parallel dispatch and combine over a group of ranks (``torchrun -m``).
+- ``cli_start``: process start to the request at a server, for ``pdserve generate --target``.
 - ``chaos``: a soak under steady load while workers are killed and paused and etcd restarts.
 - ``cpu_attention`` / ``cpu_linear``: the CPU attention and linear kernels, against another build.
 - ``default_model``: the default model's load time and ``pdserve generate``, end to end.

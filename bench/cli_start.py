@@ -9,14 +9,13 @@ parsing, channel set-up and the first HTTP/2 exchange), and to the child's exit,
 busy machine stretches least). A bare ``python -c pass`` is timed the same way, as the floor
 no command can beat. Medians are reported, with the CPU model and its AVX flags.
 
-    python bench/cli_start.py                  # a table
-    python bench/cli_start.py --json --rounds 15
+    python -m bench.cli_start                  # a table
+    python -m bench.cli_start --json --rounds 15
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import statistics
@@ -26,9 +25,12 @@ import threading
 import time
 from concurrent import futures
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
+from bench.lib.machine import cpu_model_and_flags
+from bench.lib.report import emit
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -47,21 +49,6 @@ class _Recorder(inference_pb2_grpc.InferenceServicer):
         yield inference_pb2.GenerateResponse(
             token_ids=[7], text="x", final=inference_pb2.Final(finish_reason="length", text="x")
         )
-
-
-def _cpu() -> dict[str, object]:
-    """The CPU model (``lscpu``) and which AVX flags it has."""
-    model = ""
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            model = line.split(":", 1)[1].strip()
-    flags: list[str] = []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                flags = sorted(flag for flag in line.split(":", 1)[1].split() if flag.startswith("avx"))
-                break
-    return {"model": model, "avx_flags": flags}
 
 
 def _round(recorder: _Recorder, target: str) -> dict[str, float]:
@@ -112,6 +99,7 @@ def main() -> None:
     finally:
         server.stop(grace=None)
     to_request = [r["to_request_s"] for r in rounds]
+    model, flags = cpu_model_and_flags()
     result = {
         "median_to_request_s": statistics.median(to_request),
         "min_to_request_s": min(to_request),
@@ -121,23 +109,25 @@ def main() -> None:
         "median_bare_python_s": statistics.median(wall for wall, _ in bare),
         "median_bare_python_cpu_s": statistics.median(cpu for _, cpu in bare),
         "rounds": args.rounds,
-        "cpu": _cpu(),
+        "cpu_model": model,
+        "cpu_flags": flags,
         "python": platform.python_version(),
     }
-    if args.json:
-        print(json.dumps(result))
-        return
+    emit(result, args.json, _table)
+
+
+def _table(result: dict[str, Any]) -> None:
     print(
         f"process start -> request at the server: median {result['median_to_request_s'] * 1e3:.0f} ms "
         f"(min {result['min_to_request_s'] * 1e3:.0f}, max {result['max_to_request_s'] * 1e3:.0f}) "
-        f"over {args.rounds} rounds"
+        f"over {result['rounds']} rounds"
     )
     print(
         f"process start -> exit: median {result['median_to_exit_s'] * 1e3:.0f} ms, "
         f"{result['median_cpu_s'] * 1e3:.0f} ms of CPU; bare `python -c pass`: median "
         f"{result['median_bare_python_s'] * 1e3:.0f} ms, {result['median_bare_python_cpu_s'] * 1e3:.0f} ms of CPU"
     )
-    print(f"CPU: {result['cpu']['model']}; {' '.join(result['cpu']['avx_flags'])}")
+    print(f"CPU: {result['cpu_model']}; {' '.join(f for f in result['cpu_flags'] if f.startswith('avx'))}")
 
 
 if __name__ == "__main__":
