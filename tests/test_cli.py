@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pdserve import LLM, SamplingParams
 
 
@@ -13,6 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_generate_json_matches_the_offline_api(checkpoints):
     path, _ = checkpoints("llama")
     result = _run(
@@ -36,6 +39,7 @@ def test_generate_json_matches_the_offline_api(checkpoints):
     assert out["ttft_ms"] >= 0 and out["itl_ms"] >= 0
 
 
+@pytest.mark.slow
 def test_generate_streams_the_seeded_text(checkpoints):
     path, _ = checkpoints("llama")
     result = _run(
@@ -47,6 +51,7 @@ def test_generate_streams_the_seeded_text(checkpoints):
     assert result.stdout == expected.text + "\n"
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_line_and_exit_code_2(checkpoints, tmp_path):
     path, _ = checkpoints("llama")
     result = _run("generate", "--model", str(path), "--token-ids", "1,2,100000")

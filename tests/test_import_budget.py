@@ -106,6 +106,7 @@ def test_drain_loads_no_torch() -> None:
     assert heavy_imports(result.stderr) == []
 
 
+@pytest.mark.slow
 def test_operator_loads_no_torch(tmp_path: Path) -> None:
     # An API server that is not there: the operator starts its handlers and keeps retrying.
     kubeconfig = tmp_path / "kubeconfig"

@@ -32,6 +32,7 @@ def test_a_short_run_reports_both_systems_per_row_count():
         assert row["onednn"]["ms"] > 0 and row["panels"]["gflops"] > 0 and row["onednn_over_panels"] > 0
 
 
+@pytest.mark.slow
 def test_bad_rows_are_refused_by_name():
     result = subprocess.run(
         [sys.executable, "-m", "bench.cpu_linear", "--rows", "1,x"],
@@ -72,6 +73,7 @@ def test_a_run_against_another_build_reports_it_as_a_third_system(tmp_path):
     assert row["against"]["gflops"] > 0 and row["against_over_panels"] > 0
 
 
+@pytest.mark.slow
 def test_a_missing_against_file_is_named(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "bench.cpu_linear", "--against", str(tmp_path / "nowhere.c")],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import msgspec
+import pytest
 
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.knobs import LOCAL_PREFILL_THRESHOLD_TOKENS, delete_knobs
@@ -23,6 +24,7 @@ def _cleanup(etcd_url: str, model: str) -> None:
     run_scenario(delete())
 
 
+@pytest.mark.slow
 def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_url: str, model: str) -> None:
     decode = msgspec.structs.replace(
         make_entry(model, f"d-{model}", "decode"), max_num_seqs=32, max_num_batched_tokens=512
@@ -72,6 +74,7 @@ def test_set_starts_from_the_workers_start_up_settings_then_show_and_reset(etcd_
     assert json.loads(again.stdout)["source"] == "start-up"
 
 
+@pytest.mark.slow
 def test_bad_values_and_empty_sets_are_refused_naming_the_field(etcd_url: str, model: str) -> None:
     bad = pdserve("knobs", "set", "--model", model, "--decode-max-num-seqs", "0", etcd=etcd_url)
     assert bad.returncode == 2 and "decode_max_num_seqs must be >= 1" in bad.stderr

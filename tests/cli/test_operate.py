@@ -317,6 +317,7 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(command: list[str], tim
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_an_etcd_that_never_answers_fails_at_the_deadline(time_limit_s: float) -> None:
     with socket.socket() as silent:  # accepts TCP connections, never speaks HTTP/2
         silent.bind(("127.0.0.1", 0))

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.environment import ETCD_AUTH_SETTINGS
 from pdserve.cli.serve import frontend_config, worker_config
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import list_workers
+from pdserve.environment import ETCD_AUTH_SETTINGS
 from pdserve.frontend.config import FrontendConfig
 from pdserve.rpc.tls import ClientTLS, ServerTLS
 from tests.conftest import OPERATOR_PASSWORD, SecureEtcd
@@ -43,6 +43,7 @@ def tls_options(etcd: SecureEtcd, common_name: str | None = None) -> list[str]:
     return ["--etcd", etcd.url, "--etcd-cacert", str(tls.ca), "--etcd-cert", str(tls.cert), "--etcd-key", str(tls.key)]
 
 
+@pytest.mark.slow
 def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, model):
     operator = [*tls_options(secure_etcd), "--etcd-user", "operator"]
     password = {"PDSERVE_ETCD_PASSWORD": OPERATOR_PASSWORD}
@@ -69,6 +70,7 @@ def test_slo_and_knobs_set_work_with_the_operators_credentials(secure_etcd, mode
     assert drained.returncode == 1 and "no worker 'no-such-worker' in the registry" in drained.stderr, drained.stderr
 
 
+@pytest.mark.slow
 def test_without_credentials_the_commands_fail_naming_what_is_missing(secure_etcd, model):
     slo = ["slo", "set", "--model", model, "--ttft-p90", "400ms", "--itl-p90", "20ms"]
     no_user = pdserve(*slo, *tls_options(secure_etcd))
@@ -180,6 +182,7 @@ def test_the_security_options_fill_the_configs_with_absolute_paths(tmp_path, mon
     assert frontend.tls == ServerTLS(cert=api.cert, key=api.key, client_ca=ca.ca) and frontend.cluster_tls == member
 
 
+@pytest.mark.slow
 def test_bad_security_options_fail_before_anything_starts(tmp_path):
     ca = CertificateAuthority(tmp_path, "c")
     api = ca.server_tls("api")

@@ -106,6 +106,7 @@ def test_a_plain_etcd_is_reached_over_http_as_before(etcd_url):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_connection_idle_past_its_token_signs_in_again(tmp_path):
     # etcd forgets a user's token once unused for --auth-token-ttl; the call that finds it gone
     # fails, and the connection's next use dials and signs in afresh.

@@ -51,6 +51,7 @@ def test_a_failed_call_drops_the_shared_client_without_cancelling_another_call(e
     run_scenario(body())
 
 
+@pytest.mark.slow
 def test_retry_until_outlasts_an_etcd_that_comes_back(etcd_server: EtcdServer) -> None:
     etcd_server.stop()
 

@@ -66,6 +66,7 @@ class _Recorder:
         self.changes.append(keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wipe", [False, True], ids=["same-data-dir", "wiped-data-dir"])
 def test_a_follower_resumes_after_an_etcd_restart_or_lists_afresh_after_data_loss(
     etcd_server: EtcdServer, wipe: bool

@@ -28,6 +28,7 @@ def _exit_status(group: RankGroup) -> int:
         group.close()
 
 
+@pytest.mark.slow
 def test_the_body_gets_its_payload_and_threads_and_its_status_is_the_exit_status():
     threads = torch.get_num_threads() + 1  # a count the child would not have by default
     group = _start(Probe("return", num_threads=threads))
@@ -41,6 +42,7 @@ def test_the_body_gets_its_payload_and_threads_and_its_status_is_the_exit_status
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_a_rank_whose_group_failed_says_it_stops_and_exits_1(capfd: pytest.CaptureFixture[str]):
     assert _exit_status(_start(Probe("rank_failed"))) == 1
     err = capfd.readouterr().err
@@ -48,6 +50,7 @@ def test_a_rank_whose_group_failed_says_it_stops_and_exits_1(capfd: pytest.Captu
     assert "Traceback" not in err  # nothing of this rank's own to report
 
 
+@pytest.mark.slow
 def test_a_rank_that_breaks_logs_its_traceback_and_exits_1(capfd: pytest.CaptureFixture[str]):
     assert _exit_status(_start(Probe("raise"))) == 1
     err = capfd.readouterr().err

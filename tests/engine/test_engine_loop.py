@@ -29,6 +29,7 @@ async def _collect(stream) -> list[RequestOutput]:
     return [out async for out in stream.outputs()]
 
 
+@pytest.mark.slow
 def test_concurrent_streams_equal_the_offline_engine(engine):
     prompts = [[5, 6, 7], list(range(2, 40)), [9] * 17]
 

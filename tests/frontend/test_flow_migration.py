@@ -226,6 +226,7 @@ def test_a_stream_whose_channel_is_closed_mid_request_migrates_instead_of_hangin
     assert f"UNAVAILABLE the channel to {slow.endpoint} was closed" in move.reason
 
 
+@pytest.mark.slow
 def test_a_decode_call_opened_beside_the_prefill_on_a_worker_that_leaves_moves_on(etcd_url: str, model: str) -> None:
     prefill = FakeWorker("p1", "prefill", Script(counting=True, prefill_s=2.0, silent_prefill=True))
     leaving, taker = _decode("d1"), _decode("d2", busy=1)

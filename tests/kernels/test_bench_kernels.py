@@ -21,6 +21,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
 def test_bench_without_a_gpu_exits_2_with_a_message():
     result = _run("--json")

@@ -13,6 +13,7 @@ from tests.kernels.helpers import DTYPES, assert_close, gqa_cache, make_metadata
 SEQ_LENS = [1, 16, 17, 70, 33]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 1, 96), (12, 4, 64)])
 @pytest.mark.parametrize("num_splits", [None, 3])

@@ -40,6 +40,7 @@ def _run(dtype, num_heads, num_kv_heads, head_dim, cases, block_size=16):
     assert_close(out, TorchBackend().paged_attention(q, cache, meta, scale), f"cases={cases}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 1, 96)])
 def test_extend_matches_reference(dtype, num_heads, num_kv_heads, head_dim):

@@ -22,6 +22,7 @@ BIG = dict(num_layers=8, block_size=16, total_kv_heads=8, head_dim=128, num_bloc
 BIG_TOKENS = 128 * 16
 
 
+@pytest.mark.slow
 def test_prefill_frees_at_deadline_when_no_notice_comes(gqa):
     P, D = gqa["P1"], gqa["D1"]
     before = P.status()

@@ -65,6 +65,7 @@ def test_gqa_heterogeneous_tp_reads_exactly_each_ranks_heads(gqa, tmp_path, p_si
     settle(*prefills, *decodes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d_size", [1, 2], ids=["tp2to1", "tp2to2"])
 def test_mla_reads_one_prefill_rank_and_every_rank_frees(mla, tmp_path, d_size):
     prefills = [mla["P2.0"], mla["P2.1"]]

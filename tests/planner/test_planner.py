@@ -146,6 +146,7 @@ def test_cool_down_after_a_change_before_scaling_down():
     assert all(b - a > cool_down for a, b in zip(prefill_changes, prefill_changes[1:]))
 
 
+@pytest.mark.slow
 def test_never_past_the_bounds():
     slo = SLOTargets(
         model="m",

@@ -70,6 +70,7 @@ def test_replicas_become_ready_after_startup_and_drain_before_leaving():
     assert busy.gone_s is not None and len(cluster.samples.e2e) == 20
 
 
+@pytest.mark.slow
 def test_planner_beats_an_undersized_fixed_pool():
     profile = synthetic_profile()
     trace = step(15.0, 256, 64, 600.0)

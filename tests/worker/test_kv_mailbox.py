@@ -84,6 +84,7 @@ def test_unclaimed_deliveries_expire_and_are_bounded():
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_second_call_for_the_same_request_is_refused_by_name():
     async def scenario() -> None:
         mailbox = KVMailbox()

@@ -41,6 +41,7 @@ def _median_faults(mode: str) -> float:
 # The median use, not the sum: a kernel may fault mapped memory in again now and then on its
 # own (CI once saw 4 uses of 10 faulted in whole with the memory kept, NUMA balancing or
 # memory reclaim being the likely causes), which says nothing about malloc.
+@pytest.mark.slow
 @pytest.mark.skipif(not keep_freed_memory(), reason="the C library is not glibc")
 def test_a_reallocated_activation_is_not_faulted_in_again():
     pages = (48 << 20) // 4096

@@ -12,6 +12,9 @@ from pdserve.model.default_model import DEFAULT_MODEL_NAME, served_name
 from pdserve.text.gguf_tokenizer import gguf_chat_template
 from tests.utils.gguf_files import default_model
 
+# Loads the real SmolLM2 into transformers (half a minute): the full run's, not the quick tier's.
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TEXTS = [
     "Hello world! The year 2024 had 366 days; 3.14159 ≈ π.",
