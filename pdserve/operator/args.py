@@ -15,6 +15,7 @@ import re
 
 import msgspec
 
+from pdserve.frontend.config import Disaggregation, RouterConfig
 from pdserve.types.duration import parse_duration
 from pdserve.operator.spec import DeploymentSpec, EngineArg, PoolSpec
 from pdserve.worker.config import WorkerConfig
@@ -114,6 +115,15 @@ def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
     if spec.api_keys is not None:
         argv += ["--api-key-file", f"{API_KEY_DIR}/{spec.api_keys.key}"]
     return argv + options(fe.args)
+
+
+def disaggregation(spec: DeploymentSpec) -> Disaggregation:
+    """The mode the frontend runs with: ``frontend.args`` come last on its command line, so
+    they win over ``router``; neither gives the frontend's own default."""
+    mode = spec.frontend.args.get("disaggregation", spec.router.disaggregation)
+    if mode is None:
+        return next(f.default for f in msgspec.structs.fields(RouterConfig) if f.name == "disaggregation")
+    return mode
 
 
 def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> list[str]:

@@ -17,11 +17,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from pdserve.operator import children as ch
-from pdserve.operator.args import etcd_url
+from pdserve.operator.args import disaggregation, etcd_url
 from pdserve.operator.kube import Kube, object_path
 from pdserve.operator.registry import RegistryView, sync_registry
 from pdserve.operator.spec import DeploymentSpec, SpecError, parse_spec
-from pdserve.operator.status import Observed, build_status, invalid_status
+from pdserve.operator.status import Observed, build_status, invalid_status, service_endpoints
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ async def _observe(
         updated[component] = live_status.get("updatedReplicas", 0)
         if live is None or live_status.get("observedGeneration", 0) < live["metadata"].get("generation", 0):
             stale.append(component)
+    # Endpoints only once the frontend Service is there: a client can reach nothing before.
+    frontend = await asyncio.to_thread(kube.get, object_path("Service", namespace, body["metadata"]["name"]))
+    endpoints = None if frontend is None else service_endpoints(frontend, spec.tls is not None)
     problems = []
     for role in desired.needs_lws:
         pool = getattr(spec, role)
@@ -152,7 +155,16 @@ async def _observe(
                     f"supported yet, so these pods cannot start; use one or the other",
                 )
             )
-    return Observed(generation=generation, desired=wanted, ready=ready, updated=updated, stale=stale, problems=problems)
+    return Observed(
+        generation=generation,
+        desired=wanted,
+        ready=ready,
+        updated=updated,
+        stale=stale,
+        problems=problems,
+        needs_prefill=disaggregation(spec) == "always",
+        endpoints=endpoints,
+    )
 
 
 async def resync_all(kube: Kube, namespace: str | None) -> list[tuple[str, str]]:

@@ -15,6 +15,8 @@ import urllib3
 import yaml
 from kopf.testing import KopfRunner
 
+from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.operator import handlers
 from pdserve.operator.kube import Kube
 from pdserve.operator.reconcile import Settings
@@ -111,6 +113,38 @@ def make_pods_ready(kube: Kube, namespace: str, selector: str) -> int:
             content_type="application/merge-patch+json",
         )
     return len(pods)
+
+
+async def put_worker(url: str, model: str, worker_id: str, role: str = "decode") -> str:
+    """A worker's registry entry, as a worker writes it; its key."""
+    entry = WorkerEntry(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        model_path="/models/x",
+        endpoint="10.1.0.1:50051",
+        nixl=b"",
+        block_size=16,
+        num_kv_blocks=64,
+        max_model_len=2048,
+        vocab_size=320,
+        max_num_seqs=64,
+        started_at=time.time(),
+    )
+    client = await connect(url)
+    try:
+        await client.put(entry.key.encode(), encode_entry(entry))
+    finally:
+        await close_quietly(client)
+    return entry.key
+
+
+async def delete_key(url: str, key: str) -> None:
+    client = await connect(url)
+    try:
+        await client.delete(key.encode())
+    finally:
+        await close_quietly(client)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,6 +4,7 @@ the operator under the chart's own service account without a single 403."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from pdserve.operator.kube import Kube, object_path
-from tests.operator.conftest import CHART, make_pods_ready, wait_for
+from tests.operator.conftest import CHART, delete_key, make_pods_ready, put_worker, wait_for
 from tests.utils.kube_server import KubeServer, k8s_binary
 
 # The oldest schemas kubernetes-validate ships; v1.20-only objects (policy/v1beta1) are
@@ -181,7 +182,12 @@ def test_helm_install_and_the_operator_under_the_charts_service_account(
             )
             return any(c["type"] == "Available" and c["status"] == "True" for c in conditions)
 
-        wait_for(available, 60, "Available, written by the operator under the chart's RBAC")
+        # Available: the ready frontend, and a decode worker serving in etcd.
+        key = asyncio.run(put_worker(kube_server.etcd.url, "Llama-3.1-8B-Instruct", f"decode-{app_ns}"))
+        try:
+            wait_for(available, 60, "Available, written by the operator under the chart's RBAC")
+        finally:
+            asyncio.run(delete_key(kube_server.etcd.url, key))
         kube.delete(object_path("Deployment", app_ns, f"{name}-prefill"))  # a child event: re-created
         wait_for(lambda: kube.get(object_path("Deployment", app_ns, f"{name}-prefill")), 30, "the prefill pool again")
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +12,9 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.discovery.etcd import close_quietly, connect
-from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.operator.children import CONFIG_HASH, DEPLOYMENT_LABEL
 from pdserve.operator.kube import Kube, object_path
-from tests.operator.conftest import CHART, make_pods_ready, wait_for
+from tests.operator.conftest import CHART, delete_key, make_pods_ready, put_worker, wait_for
 
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 pytestmark = pytest.mark.slow
@@ -88,63 +85,42 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
         30,
         "the pods",
     )
+    assert status["endpoints"] == {
+        "openai": f"http://{name}.{namespace}.svc:{spec['frontend'].get('httpPort', 8000)}/v1",
+        "grpc": f"{name}.{namespace}.svc:{spec['frontend'].get('grpcPort', 50051)}",
+    }
     make_pods_ready(kube, namespace, f"{DEPLOYMENT_LABEL}={name}")
     body = wait_for(
-        lambda: (
-            (b := resource(kube, namespace, name))
-            and condition(b, "Available")["status"] == "True"
-            and condition(b, "Progressing")["status"] == "False"
-            and b
-        ),
+        lambda: (b := resource(kube, namespace, name)) and condition(b, "Progressing")["status"] == "False" and b,
         60,
-        "Available",
+        "every replica ready",
     )
     ready = body["status"]["decode"]["readyOfDesired"]
     assert ready == f"{spec['decode']['replicas']}/{spec['decode']['replicas']}"
+    # Ready pods serve nothing until their workers register in etcd.
+    available = condition(body, "Available")
+    assert (available["status"], available["reason"]) == ("False", "NoServingWorkers"), available
 
-    # The status counts the workers registered in etcd (rebuilt on the periodic resync).
+    # The status counts the workers registered in etcd (rebuilt on the periodic resync); a
+    # decode worker makes it serve, plus a prefill worker where every prompt goes through one.
     model = spec["model"].get("name") or spec["model"]["path"].rsplit("/", 1)[-1]
-    key = asyncio.run(put_worker(kube_server.etcd.url, model, f"decode-{namespace}"))
+    roles = ["decode"] + (["prefill"] if spec.get("router", {}).get("disaggregation") == "always" else [])
+    keys = [asyncio.run(put_worker(kube_server.etcd.url, model, f"{role}-{namespace}", role)) for role in roles]
     try:
-        wait_for(
-            lambda: resource(kube, namespace, name)["status"]["decode"].get("registered") == 1,
+        body = wait_for(
+            lambda: (
+                (b := resource(kube, namespace, name))
+                and b["status"]["decode"].get("registered") == 1
+                and condition(b, "Available")["status"] == "True"
+                and b
+            ),
             45,
-            "status.decode.registered to count the worker in etcd",
+            "status.decode.registered to count the worker in etcd, and Available",
         )
+        assert condition(body, "Available")["reason"] == "Serving"
     finally:
-        asyncio.run(delete_key(kube_server.etcd.url, key))
-
-
-async def put_worker(url: str, model: str, worker_id: str) -> str:
-    """A decode worker's registry entry, as a worker writes it; its key."""
-    entry = WorkerEntry(
-        worker_id=worker_id,
-        role="decode",
-        model=model,
-        model_path="/models/x",
-        endpoint="10.1.0.1:50051",
-        nixl=b"",
-        block_size=16,
-        num_kv_blocks=64,
-        max_model_len=2048,
-        vocab_size=320,
-        max_num_seqs=64,
-        started_at=time.time(),
-    )
-    client = await connect(url)
-    try:
-        await client.put(entry.key.encode(), encode_entry(entry))
-    finally:
-        await close_quietly(client)
-    return entry.key
-
-
-async def delete_key(url: str, key: str) -> None:
-    client = await connect(url)
-    try:
-        await client.delete(key.encode())
-    finally:
-        await close_quietly(client)
+        for key in keys:
+            asyncio.run(delete_key(kube_server.etcd.url, key))
 
 
 def test_replicas_scale_the_pool_and_engine_args_roll_it(kube, operator, namespace) -> None:
