@@ -80,6 +80,26 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     )
 
 
+def containers(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_operator_runs_its_own_image_and_local_images_need_no_pull() -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    docs = render("--set", "image.repository=example.com/serving")  # the serving image is not the operator's
+    operator, etcd = containers(docs, "Deployment"), containers(docs, "StatefulSet")
+    assert operator["image"] == f"ghcr.io/pdserve/pdserve-operator:{app_version}"
+    assert operator["imagePullPolicy"] == etcd["imagePullPolicy"] == "IfNotPresent"
+    # A cluster whose images are loaded into its nodes (kind, k3s): nothing is pulled.
+    docs = render(
+        *("--set", "operator.image.repository=pdserve-operator", "--set", "operator.image.tag=dev"),
+        *("--set", "operator.image.pullPolicy=Never", "--set", "etcd.image.pullPolicy=Never"),
+    )
+    operator, etcd = containers(docs, "Deployment"), containers(docs, "StatefulSet")
+    assert operator["image"] == "pdserve-operator:dev"
+    assert operator["imagePullPolicy"] == etcd["imagePullPolicy"] == "Never"
+
+
 def test_every_example_names_the_crds_group_and_kind() -> None:
     # test_operator applies each example to the real server; this says which CRD they belong to.
     crd = yaml.safe_load((CHART / "crds" / "pdservedeployments.yaml").read_text())
@@ -93,6 +113,8 @@ def test_every_example_names_the_crds_group_and_kind() -> None:
     [
         (["--set", "operator.replicas=2"], "/operator/replicas"),
         (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+        (["--set", "operator.image.pullPolicy=Sometimes"], "/operator/image/pullPolicy"),
+        (["--set", "etcd.image.pullPolicy=Sometimes"], "/etcd/image/pullPolicy"),
         (["--set", "etcd.enabled=false"], "etcd.endpoint"),
         (["--set", "operator.watchNamespace=Not_A_Namespace"], "/operator/watchNamespace"),
         (["--set", "operator.unknown=1"], "unknown"),

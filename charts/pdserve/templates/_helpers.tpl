@@ -31,6 +31,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "pdserve.operatorImage" -}}
+{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- end -}}
+
 {{- define "pdserve.etcdUrl" -}}
 {{- if .Values.etcd.enabled -}}
 {{- printf "http://%s-etcd.%s.svc:2379" (include "pdserve.fullname" .) .Release.Namespace -}}
