@@ -164,3 +164,27 @@ def test_every_command_line_the_operator_writes_is_one_pdserve_accepts() -> None
         except SystemExit:
             pytest.fail(f"pdserve refuses the {component} command line the operator writes: {argv}")
     assert "--tls-cert" in argvs["frontend"] and "--api-key-file" in argvs["frontend"]
+
+
+def test_the_default_model_example_runs_pdserves_default_model_on_two_cpus() -> None:
+    # Its workers' command lines, as the pods run them, make the configs a 2-CPU node holds.
+    from pdserve.cli import build_parser
+    from pdserve.cli.serve import worker_config
+    from pdserve.model.default_model import DEFAULT_MODEL_NAME, WHEEL_MEMBER
+
+    spec = parse_spec(example("default-model.yaml"))
+    assert (spec.image, spec.image_pull_policy, spec.planner.enabled) == ("pdserve:dev", "Never", False)
+    parser = build_parser()
+    threads = 0
+    for role in ("prefill", "decode"):
+        assert getattr(spec, role).replicas == 1
+        config = worker_config(parser.parse_args(cmd.worker_args(spec, role, ETCD) + cmd.pod_worker_args()))
+        assert config.served_model_name == DEFAULT_MODEL_NAME
+        assert Path(config.model).name == Path(WHEEL_MEMBER).name
+        assert config.engine.kv_cache_memory == 256 * 2**20 and config.engine.max_num_seqs <= 8
+        threads += config.num_threads
+    assert threads <= 2
+    pod = children(example("default-model.yaml"))[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["imagePullPolicy"] == "Never"
+    (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert model["hostPath"]["path"] == "/var/lib/pdserve/models"

@@ -39,6 +39,13 @@ def condition(body: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c["type"] == kind), None)
 
 
+def pruned(sent: Any, stored: Any, where: str = "spec") -> list[str]:
+    """The fields of ``sent`` missing from ``stored`` (the server adds defaults, never removes)."""
+    if isinstance(sent, dict) and isinstance(stored, dict):
+        return [p for k, v in sent.items() for p in pruned(v, stored.get(k), f"{where}.{k}")]
+    return [] if sent == stored else [where]
+
+
 def deployment(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
     return kube.get(object_path("Deployment", namespace, name))
 
@@ -49,6 +56,8 @@ def test_an_example_deploys_owned_children_and_reports_its_conditions(
 ) -> None:
     created = create(kube, namespace, load(example))
     name, uid = created["metadata"]["name"], created["metadata"]["uid"]
+    # The server prunes fields its schema does not know, silently: every field must survive.
+    assert pruned(load(example)["spec"], created["spec"]) == [], "fields the CRD does not know"
     wanted = [("Deployment", f"{name}-{c}") for c in ("frontend", "prefill", "decode")]
     wanted += [
         ("Service", name),
