@@ -120,7 +120,8 @@ def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[d
         {"name": "cache", "mountPath": "/home/pdserve/.cache"},
     ]
     source = spec.model.volume
-    if component in POOLS and source is not None:
+    # The frontend reads the tokenizer from the model the workers registered (the same path).
+    if component in (*POOLS, "frontend") and source is not None:
         volume: dict[str, Any] = {"name": "model"}
         if source.pvc is not None:
             volume["persistentVolumeClaim"] = {"claimName": source.pvc.claim_name, "readOnly": source.pvc.read_only}

@@ -188,3 +188,6 @@ def test_the_default_model_example_runs_pdserves_default_model_on_two_cpus() -> 
     assert pod["containers"][0]["imagePullPolicy"] == "Never"
     (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
     assert model["hostPath"]["path"] == "/var/lib/pdserve/models"
+    # The frontend tokenizes with the model the workers registered: it needs the files too.
+    frontend = children(example("default-model.yaml"))[("Deployment", "llama-frontend")]["spec"]["template"]["spec"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in frontend["containers"][0]["volumeMounts"]
