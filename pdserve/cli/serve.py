@@ -127,6 +127,12 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
     option("--worker-id", "worker_id", "name in the registry (default: ROLE-HOSTNAME-PID)")
     option("--lease-ttl", "lease_ttl_s", "registry lease TTL (default: {default:g}s)", type=duration)
     option("--drain-timeout", "drain_timeout_s", "longest drain on SIGTERM (default: {default:g}s)", type=duration)
+    option(
+        "--liveness-deadline",
+        "liveness_deadline_s",
+        "/livez fails when the engine has made no progress for this long (default: {default:g}s)",
+        type=duration,
+    )
     if role is Role.PREFILL:
         option(
             "--hold",

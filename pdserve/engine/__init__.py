@@ -6,6 +6,7 @@
 - ``startup``: what the engine works out as it starts: KV cache memory, EOS ids, warm-up prompt;
 - ``engine_loop``: the engine on its own thread, fed and drained from asyncio;
 - ``engine_thread``: that thread: commands between steps, idle waits, lockstep, the admitter;
+- ``heartbeat``: the engine thread's sign of progress, read by liveness checks from other threads;
 - ``scheduler``: which requests run in a step, within the token and sequence budgets;
 - ``block_pool``: KV blocks, their reference counts and the prefix cache;
 - ``kv_cache_manager``: a request's blocks, allocated and freed through the pool;

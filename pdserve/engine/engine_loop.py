@@ -116,6 +116,24 @@ class EngineLoop:
         """The exception that stopped the engine thread, if one did."""
         return self._thread.error
 
+    @property
+    def is_warm(self) -> bool:
+        """The engine thread has run its warm-up (the first forward passes) and steps."""
+        return self._thread.heartbeat.has_beaten
+
+    def stall(self, deadline_s: float) -> str | None:
+        """Why the engine thread is not live, None while it is: it failed or ended, has not
+        finished its warm-up, or has not come round its loop for ``deadline_s`` (a hung step or
+        command; an idle thread comes round at least every second). Safe from any thread."""
+        if self._thread.error is not None:
+            return f"engine thread failed: {self._thread.error!r}"
+        if not self._thread.is_alive:
+            return "engine thread not running"
+        if not self._thread.heartbeat.has_beaten:
+            return "engine warming up"
+        stall = self._thread.heartbeat.stall(deadline_s)
+        return None if stall is None else f"engine thread: {stall}"
+
     # ---- commands ----------------------------------------------------------------------------
     async def add(
         self,

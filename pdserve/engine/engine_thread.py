@@ -32,6 +32,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.heartbeat import Heartbeat
 from pdserve.engine.output import RequestOutput
 from pdserve.types.engine_load import EngineLoad
 
@@ -70,6 +71,8 @@ class EngineThread:
         self.load = EngineLoad(kv_blocks_total=engine.block_pool.num_blocks)
         # The exception that stopped the thread, if one did.
         self.error: BaseException | None = None
+        # Beats from the end of the warm-up on: before and after each step, and at each idle wake.
+        self.heartbeat = Heartbeat()
         # Held by the engine thread except while the model runs; the admitter takes it.
         self._lock = threading.Lock()
         self._admitter: ThreadPoolExecutor | None = None
@@ -85,6 +88,11 @@ class EngineThread:
     def is_started(self) -> bool:
         """Started and not yet joined."""
         return self._thread is not None
+
+    @property
+    def is_alive(self) -> bool:
+        """The thread runs (started, and neither ended nor failed)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def end(self) -> None:
         """End the thread after the commands already put (lockstep: at the step the whole group leaves)."""
@@ -150,6 +158,7 @@ class EngineThread:
                 self.engine.warm_up()
                 self.load = self._snapshot()
             while True:
+                self.heartbeat.beat()
                 # Block for a command only when a step would have nothing to run.
                 with self._lock:
                     idle = not self.engine.has_unfinished() and not self.lockstep
@@ -158,6 +167,8 @@ class EngineThread:
                         command = self._commands.get(timeout=self.idle_wait_s) if idle else self._commands.get_nowait()
                     except queue.Empty:
                         break
+                    finally:
+                        self.heartbeat.beat()
                     if command is None:
                         return
                     with self._lock:
@@ -167,6 +178,7 @@ class EngineThread:
                     step = self.engine.step(while_running=_Released(self._lock), mid_step=self._lock)
                     # Snapshot first: whoever reads an output must see the load it left behind.
                     self.load = self._snapshot()
+                self.heartbeat.beat()
                 self._deliver(step.outputs, step.awaiting_kv)
                 if self.lockstep:
                     if not self.engine.runner.group_staying:
@@ -193,11 +205,13 @@ class EngineThread:
         while True:
             timeout = self.engine.seconds_to_next_deadline()
             try:
-                return self._commands.get(timeout=1.0 if timeout is None else timeout)
+                return self._commands.get(timeout=1.0 if timeout is None else min(timeout, 1.0))
             except queue.Empty:
-                if timeout is not None:
+                if timeout is not None and timeout <= 1.0:
                     return _step_again
                 continue
+            finally:
+                self.heartbeat.beat()
 
     def _snapshot(self) -> EngineLoad:
         engine = self.engine

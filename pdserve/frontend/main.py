@@ -1,7 +1,10 @@
 """Run the frontend process: watch the registry, serve the public APIs until stopped.
 
 gRPC (grpc.aio) and the OpenAI HTTP API (uvicorn) share one event loop and one ``Gateway``:
-the same admission, validation, routing and metrics for both.
+the same admission, validation, routing and metrics for both. The metrics port also serves the
+probes: ``/readyz`` once some model has a serving worker of each pool its requests need (a
+decode worker; a prefill worker too under ``disaggregation: always``), and not while stopping;
+``/livez`` while the event loop answers.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import socket
 
 from pdserve.discovery.etcd import EtcdConnection
 from pdserve.discovery.registration import LeasedRecord
-from pdserve.discovery.registry import frontend_key
+from pdserve.discovery.registry import Role, frontend_key
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.frontend.config import FrontendConfig
@@ -22,9 +25,12 @@ from pdserve.frontend.openai_api.server import HttpServer
 from pdserve.frontend.rate_limit import RateLimiter
 from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
 from pdserve.lifecycle import install_stack_dump
-from pdserve.observability.metrics import serve_metrics
+from pdserve.observability.probes import MetricsServer, Probes, on_loop
 from pdserve.rpc.server import RpcServer
 from pdserve.v1 import inference_pb2_grpc
+
+# How long a probe waits for the event loop: one that does not answer in this long is not live.
+_LOOP_ANSWER_S = 2.0
 
 
 async def serve(config: FrontendConfig) -> None:
@@ -50,6 +56,7 @@ async def serve(config: FrontendConfig) -> None:
     http_ssl = None if config.tls is None else config.tls.ssl_context()
     http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
     stats: LeasedRecord | None = None
+    metrics: MetricsServer | None = None
     try:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
@@ -62,8 +69,13 @@ async def serve(config: FrontendConfig) -> None:
         )
         await stats.start()
         if config.metrics_port is not None:
-            metrics_port = serve_metrics(gateway.metrics.registry, config.host, config.metrics_port)
-            print(f"pdserve frontend metrics on http://{config.host}:{metrics_port}/metrics", flush=True)
+            loop = asyncio.get_running_loop()
+            probes = Probes(
+                ready=lambda: on_loop(loop, lambda: readiness(config, view, stop.is_set()), _LOOP_ANSWER_S),
+                live=lambda: on_loop(loop, lambda: None, _LOOP_ANSWER_S),
+            )
+            metrics = MetricsServer.start(gateway.metrics.registry, config.host, config.metrics_port, probes)
+            print(f"pdserve frontend metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
         http_note = ""
         if config.http_port is not None:
             http_port = await http.start(config.host, config.http_port)
@@ -84,6 +96,27 @@ async def serve(config: FrontendConfig) -> None:
         await gateway.close()
         await view.close()
         await etcd.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def readiness(config: FrontendConfig, view: RegistryView, stopping: bool) -> str | None:
+    """Why the frontend cannot serve a request now, None when it can: stopping, or no model has
+    a worker (not draining) of every pool the router needs: decode always, prefill too when
+    disaggregation is ``always`` (otherwise the decode worker computes prompts itself)."""
+    if stopping:
+        return "stopping"
+    needed = [Role.DECODE, Role.PREFILL] if config.router.disaggregation == "always" else [Role.DECODE]
+    serving: dict[Role, set[str]] = {role: set() for role in needed}
+    for worker in view.workers():
+        if worker.role in serving and not worker.draining:
+            serving[worker.role].add(worker.model)
+    if set.intersection(*serving.values()):
+        return None
+    missing = [str(role) for role in needed if not serving[role]]
+    if missing:
+        return f"no serving {' or '.join(missing)} worker"
+    return "no model has a serving worker of every pool"
 
 
 def _url_host(host: str) -> str:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.observability.probes import MetricsServer
 from pdserve.types.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -215,5 +216,4 @@ class SupervisorMetrics:
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve ``registry`` at ``http://host:port/metrics`` on a daemon thread; returns the bound port."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server.server_port
+    return MetricsServer.start(registry, host, port).port

@@ -102,6 +102,32 @@ def _service_port(name: str, port: int) -> dict[str, Any]:
     return {"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
 
 
+# Every pod's probes, on its metrics port (README: Health probes), in one place. /livez fails
+# until the model is loaded and warmed up (the port opens only after the load), so the startup
+# probe is what waits for a big model: 10 s apart, 30 minutes in all; liveness starts only once
+# it has passed, and restarts a pod after three misses in a row, on top of the worker's own
+# --liveness-deadline. /readyz passes once the worker is registered in etcd and not draining
+# (the frontend: once it sees a serving worker of each pool it needs).
+_PROBE_TIMEOUT_S = 5
+_STARTUP = {"periodSeconds": 10, "failureThreshold": 180}
+_LIVENESS = {"periodSeconds": 10, "failureThreshold": 3}
+_READINESS = {"periodSeconds": 5, "failureThreshold": 2}
+
+
+def probes() -> dict[str, dict[str, Any]]:
+    """The container's startup, liveness and readiness probes (keys of a container spec)."""
+
+    def get(path: str, timing: dict[str, int]) -> dict[str, Any]:
+        action = {"path": path, "port": cmd.METRICS_PORT, "scheme": "HTTP"}
+        return {"httpGet": action, "timeoutSeconds": _PROBE_TIMEOUT_S, **timing}
+
+    return {
+        "startupProbe": get("/livez", _STARTUP),
+        "livenessProbe": get("/livez", _LIVENESS),
+        "readinessProbe": get("/readyz", _READINESS),
+    }
+
+
 def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
     """``limits: {nvidia.com/gpu: 8}`` as ``"8"``: a quantity is a string in the API's schema."""
     return {
@@ -167,7 +193,7 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
         pool: PoolSpec = getattr(spec, component)
         container["args"] = argv + cmd.pod_worker_args()
         container["ports"].append(_port("grpc", cmd.WORKER_PORT))
-        container["readinessProbe"] = {"tcpSocket": {"port": cmd.WORKER_PORT}, "periodSeconds": 5}
+        container.update(probes())
         container["lifecycle"] = {"preStop": {"exec": {"command": cmd.prestop_command(pool, component)}}}
         if pool.resources:
             container["resources"] = _quantities(pool.resources)
@@ -178,7 +204,7 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
             pod["tolerations"] = pool.tolerations
     elif component == "frontend":
         container["ports"] += [_port("grpc", spec.frontend.grpc_port), _port("http", spec.frontend.http_port)]
-        container["readinessProbe"] = {"tcpSocket": {"port": spec.frontend.grpc_port}, "periodSeconds": 5}
+        container.update(probes())
     if component == "planner" and spec.planner.service_account_name:
         pod["serviceAccountName"] = spec.planner.service_account_name
     digest = hashlib.sha256(f"{spec.image}\n{files.get(f'{component}.args', '')}".encode()).hexdigest()[:16]

@@ -30,7 +30,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hold_s: prefill: how long a request's blocks stay pinned waiting for the decode side's pull.
     transfer_timeout_s: decode: the deadline of one KV pull.
     drain_timeout_s: SIGTERM or Drain: how long in-flight requests may take to finish.
-    metrics_port: Prometheus /metrics port (0: a free one, published in the registry; None: off).
+    metrics_port: Prometheus /metrics port, with the /readyz and /livez probes (0: a free one,
+        published in the registry; None: off).
+    liveness_deadline_s: /livez fails once the engine thread has not come round its loop for
+        this long: longer than the longest legitimate step (a big prefill on CPU).
     num_threads: torch CPU threads (None: torch's default).
     engine: how its engine runs the model.
     parallel: how many ranks (processes) the worker spreads its model over. Tensor
@@ -58,6 +61,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     transfer_timeout_s: float = 30.0
     drain_timeout_s: float = 60.0
     metrics_port: int | None = 0
+    liveness_deadline_s: float = 60.0
     num_threads: int | None = None
     engine: EngineConfig = EngineConfig()
     parallel: ParallelConfig = ParallelConfig()
@@ -69,7 +73,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         msgspec.structs.force_setattr(self, "role", Role.parse(self.role))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s"):
+        for name in ("lease_ttl_s", "hold_s", "transfer_timeout_s", "drain_timeout_s", "liveness_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:

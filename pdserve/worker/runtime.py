@@ -1,6 +1,7 @@
 """A worker process's parts and their lifecycle.
 
-Start-up order: the engine (already loaded) on its thread → the NIXL agent registering the KV
+Start-up order: the engine (already loaded) on its thread, warming up → the metrics port with
+its probes → the NIXL agent registering the KV
 pool (and, in a group of ranks, every other rank's agent, met over the ``GroupLink``) → the
 role's gRPC service → the model's live knobs, read once and then followed → the
 etcd registration (last, so that nothing is routed here before it can serve, with the knobs
@@ -8,6 +9,10 @@ in force). Shutdown is the reverse, after a drain: the worker reports itself dra
 (registry and health), refuses new requests, lets in-flight ones finish — bounded by
 ``drain_timeout_s`` — then revokes its lease and closes everything it owns. Everything that
 talks to etcd shares the runtime's one connection, closed last.
+
+Health has one owner, the runtime: ``readiness`` (``/readyz``: warmed up, registered, its lease
+live, not draining) and ``liveness`` (``/livez``: the engine thread comes round its loop within
+``liveness_deadline_s``) judge what the runtime and its engine loop already hold.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.kvtransfer import KVAgent, KVLayout, PeerInfo, encode_group
 from pdserve.lifecycle import install_stack_dump
-from pdserve.observability.metrics import WorkerMetrics, serve_metrics
+from pdserve.observability.metrics import WorkerMetrics
+from pdserve.observability.probes import MetricsServer, Probes, on_loop
 from pdserve.rpc.admin import AdminPolicy
 from pdserve.rpc.server import RpcServer
 from pdserve.rpc.status import DRAINING, refuse
@@ -39,6 +45,9 @@ from pdserve.worker.config import WorkerConfig
 from pdserve.worker.group.leader import WorkerGroup
 
 logger = logging.getLogger(__name__)
+
+# How long /readyz waits for the event loop to read the state it judges.
+_READINESS_ANSWER_S = 2.0
 
 WORKER_SERVICE = "pdserve.v1.Worker"
 
@@ -102,6 +111,7 @@ class WorkerRuntime:
             group.link.on_lost = self.fail  # a worker missing a rank cannot serve
         self.metrics = WorkerMetrics(config.role, self.worker_id, config.served_model_name, self._load)
         self.metrics_port: int | None = None
+        self._metrics_server: MetricsServer | None = None
         cluster = config.cluster_tls
         self.server = RpcServer(tls=None if cluster is None else cluster.server)
         self.admin = AdminPolicy(config.admin_key, verified_peers=cluster is not None)
@@ -117,6 +127,18 @@ class WorkerRuntime:
 
     async def start(self, make_servicer: Callable[[WorkerRuntime], WorkerServicer]) -> None:
         self.engine_loop.start()
+        if self.config.metrics_port is not None:
+            loop = asyncio.get_running_loop()
+            probes = Probes(ready=lambda: on_loop(loop, self.readiness, _READINESS_ANSWER_S), live=self.liveness)
+            self._metrics_server = MetricsServer.start(
+                self.metrics.registry, self.config.host, self.config.metrics_port, probes
+            )
+            self.metrics_port = self._metrics_server.port
+            print(
+                f"pdserve {self.config.role} worker {self.worker_id} probes at "
+                f"http://{self.config.host}:{self.metrics_port}/readyz and /livez",
+                flush=True,
+            )
         await self.agent.start()
         if self.group is not None:
             self.rank_peers = await self.group.wait_agents()
@@ -126,8 +148,6 @@ class WorkerRuntime:
         self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s), WORKER_SERVICE)
         port = await self.server.start(self.config.host, self.config.port)
         self.endpoint = f"{self.config.reachable_host}:{port}"
-        if self.config.metrics_port is not None:
-            self.metrics_port = serve_metrics(self.metrics.registry, self.config.host, self.config.metrics_port)
         self.knobs = self.servicer.knobs_follower(self.apply_knobs)
         await self.knobs.start()
         self.registration = WorkerRegistration(
@@ -169,6 +189,23 @@ class WorkerRuntime:
 
     def _load(self) -> EngineLoad:
         return self.engine_loop.load
+
+    def readiness(self) -> str | None:
+        """Why the worker must not be sent work now, None when it may: it is failing or draining,
+        its engine is warming up, or it is not (or no longer) registered. On the event loop."""
+        if self.failure is not None:
+            return f"failed: {self.failure}"
+        if self.draining or self._stop.is_set():
+            return "draining"
+        if not self.engine_loop.is_warm:
+            return "warming up"
+        if self.registration is None or not self.registration.is_registered:
+            return "not registered"
+        return None
+
+    def liveness(self) -> str | None:
+        """Why the worker should be restarted, None while its engine makes progress. Any thread."""
+        return self.engine_loop.stall(self.config.liveness_deadline_s)
 
     def _draining(self) -> bool:
         return self.draining
@@ -256,3 +293,5 @@ class WorkerRuntime:
         if self.group is not None:
             await self.group.close(self.engine)
         await self.etcd.close()  # last: the knobs, the registration and a decode worker's view use it
+        if self._metrics_server is not None:
+            self._metrics_server.close()

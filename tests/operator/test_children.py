@@ -89,6 +89,26 @@ def test_worker_pods_drain_before_they_stop() -> None:
     assert args[args.index("--data-parallel-size") + 1] == "8" and "--enable-expert-parallel" in args
 
 
+def test_worker_and_frontend_pods_probe_readyz_and_livez_on_the_metrics_port() -> None:
+    body = example("llama-small.yaml")
+    body["spec"]["planner"] = {"enabled": True, "profileConfigMap": "profile"}
+    objects = children(body)
+    for component in ("prefill", "decode", "frontend"):
+        [container] = objects[("Deployment", f"llama-{component}")]["spec"]["template"]["spec"]["containers"]
+        assert {"name": "metrics", "containerPort": cmd.METRICS_PORT, "protocol": "TCP"} in container["ports"]
+        paths = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+        assert paths == {
+            "startupProbe": {"path": "/livez", "port": cmd.METRICS_PORT, "scheme": "HTTP"},
+            "livenessProbe": {"path": "/livez", "port": cmd.METRICS_PORT, "scheme": "HTTP"},
+            "readinessProbe": {"path": "/readyz", "port": cmd.METRICS_PORT, "scheme": "HTTP"},
+        }, component
+        startup = container["startupProbe"]
+        # Liveness waits for the startup probe: a big model's load must fit in its allowance.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    planner = objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["containers"][0]
+    assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(planner)
+
+
 def test_a_group_larger_than_a_node_needs_a_leader_worker_set() -> None:
     body = example("deepseek-v3.yaml")
     body["spec"]["decode"]["dataParallelSize"] = 16
