@@ -41,7 +41,7 @@ command -v dpkg-source >/dev/null || missing+=(dpkg-dev)
 command -v unzip >/dev/null || missing+=(unzip)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    [ "$EUID" -eq 0 ] || sudo=sudo
     $sudo apt-get update
     $sudo apt-get install -y "${missing[@]}"
 fi

@@ -39,7 +39,7 @@ if [ "${PDSERVE_SKIP_K8S:-0}" != 1 ]; then
 fi
 if [ ${#packages[@]} -gt 0 ]; then
     sudo=()
-    [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+    [ "$EUID" -eq 0 ] || sudo=(sudo)
     if ! command -v apt-get >/dev/null 2>&1 || { [ ${#sudo[@]} -gt 0 ] && ! command -v sudo >/dev/null 2>&1; }; then
         # Without them pdserve still serves (on CPU through its slower torch reference without a
         # C compiler), but the tests that need them fail.

@@ -1,0 +1,337 @@
+"""Scenarios that check a pdserve deployment on a real Kubernetes cluster, end to end.
+
+Run it where the cluster's Services are reachable, with KUBECONFIG set and kubectl on PATH,
+against a cluster where the chart is installed (operator and etcd). On the one-node test cluster:
+
+    bash scripts/k8s_cluster.sh exec .venv/bin/python scripts/k8s_scenarios.py serve scale kill-decode
+
+Each scenario applies charts/pdserve/examples/default-model.yaml (or --example) in a namespace
+of its own, drives it with kubectl and the official OpenAI SDK, and deletes the namespace
+afterwards. It raises on the first broken promise; with --json the last line is one JSON
+object: each scenario's timings in seconds.
+
+- serve: every pod Running and Ready; the OpenAI SDK and ``pdserve generate --target`` through
+  the frontend get the offline engine's greedy tokens. Times apply → Available and → first token.
+- scale: decode 1 → 2 → 1 while 8 streams run: no request fails, the new worker serves, the
+  removed pod drains (its preStop) and no KV block stays held. Times both steps.
+- kill-decode: with 2 decode pods, one is deleted with --grace-period=0 --force mid-stream:
+  the streams migrate, a new pod registers, no request fails and no block leaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from pdserve.model.default_model import default_model_path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "charts" / "pdserve" / "examples" / "default-model.yaml"
+PROMPT = "The capital of France is"
+MAX_TOKENS = 16
+STREAM_TOKENS = 48
+T = TypeVar("T")
+
+
+class ScenarioFailed(AssertionError):
+    pass
+
+
+def kubectl(*args: str, stdin: str | None = None, timeout_s: float = 60) -> str:
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise ScenarioFailed(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def get_json(*args: str) -> Any:
+    return json.loads(kubectl("get", *args, "-o", "json"))
+
+
+def wait_for(probe: Callable[[], T], timeout_s: float, what: str, interval_s: float = 1.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise ScenarioFailed(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Deployment:
+    """One PDServeDeployment in a namespace of its own, deleted (with the namespace) on close."""
+
+    def __init__(self, example: Path) -> None:
+        self.namespace = f"pdserve-e2e-{uuid.uuid4().hex[:6]}"
+        self.body = yaml.safe_load(example.read_text())
+        self.name = self.body["metadata"]["name"]
+        kubectl("create", "namespace", self.namespace)
+
+    def apply(self) -> None:
+        kubectl("apply", "-n", self.namespace, "-f", "-", stdin=yaml.safe_dump(self.body))
+
+    def status(self) -> dict[str, Any]:
+        return get_json("pdservedeployment", self.name, "-n", self.namespace).get("status") or {}
+
+    def available(self) -> dict[str, Any] | None:
+        status = self.status()
+        conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+        return status if conditions.get("Available") == "True" and status.get("endpoints") else None
+
+    def pods(self, component: str) -> list[dict[str, Any]]:
+        selector = f"pdserve.io/deployment={self.name},app.kubernetes.io/component={component}"
+        return get_json("pods", "-n", self.namespace, "-l", selector)["items"]
+
+    def registered(self, pool: str) -> int:
+        return (self.status().get(pool) or {}).get("registered") or 0
+
+    def scale(self, pool: str, replicas: int) -> None:
+        patch = json.dumps({"spec": {pool: {"replicas": replicas}}})
+        kubectl("patch", "pdservedeployment", self.name, "-n", self.namespace, "--type", "merge", "-p", patch)
+
+    def close(self) -> None:
+        kubectl("delete", "namespace", self.namespace, "--wait=true", timeout_s=300)
+
+
+def all_ready(pods: list[dict[str, Any]]) -> bool:
+    def ready(pod: dict[str, Any]) -> bool:
+        conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions") or []}
+        return pod["status"].get("phase") == "Running" and conditions.get("Ready") == "True"
+
+    return bool(pods) and all(ready(pod) for pod in pods)
+
+
+def offline_greedy(model_path: str) -> dict[str, Any]:
+    """The offline engine's greedy completion of PROMPT, in a process of its own."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", "--model", model_path, "--prompt", PROMPT]
+        + ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class Streams:
+    """``count`` clients, each streaming completions one after another until stopped."""
+
+    def __init__(self, base_url: str, model: str, count: int) -> None:
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url, api_key="none", timeout=300, max_retries=0)
+        self.model = model
+        self.done = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int) -> None:
+        while not self._stop.is_set():
+            try:
+                text, finish = "", None
+                stream = self.client.completions.create(
+                    model=self.model,
+                    prompt=f"{index}: Once upon a time",
+                    max_tokens=STREAM_TOKENS,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for chunk in stream:
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                if finish != "length":
+                    raise ScenarioFailed(f"stream {index} ended with finish_reason={finish!r}")
+                with self._lock:
+                    self.done += 1
+            except Exception as error:
+                with self._lock:
+                    self.errors.append(f"stream {index}: {type(error).__name__}: {error}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=600)
+        if self.errors:
+            raise ScenarioFailed(f"{len(self.errors)} requests failed: {self.errors[:3]}")
+        if not self.done:
+            raise ScenarioFailed("no stream completed")
+
+
+def first_token_s(base_url: str, model: str, since: float) -> float:
+    """Seconds from ``since`` to the first streamed token of a completion (retried until one comes)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", timeout=60, max_retries=0)
+
+    def attempt() -> float | None:
+        try:
+            for _chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=1, stream=True):
+                return time.monotonic() - since
+        except Exception:
+            return None
+        return None
+
+    return wait_for(attempt, 300, "a first token through the frontend")
+
+
+def kv_settled(deployment: Deployment) -> bool:
+    """Every worker reports no block referenced and no request held for a pull."""
+    for pool in ("prefill", "decode"):
+        for pod in deployment.pods(pool):
+            ip = pod["status"].get("podIP")
+            if not ip:
+                return False
+            with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=5) as reply:
+                metrics = reply.read().decode()
+            for line in metrics.splitlines():
+                if line.startswith(("pdserve_kv_blocks_used{", "pdserve_held_requests{")) and float(line.split()[-1]):
+                    return False
+    return True
+
+
+def serve(example: Path) -> dict[str, float]:
+    deployment = Deployment(example)
+    try:
+        started = time.monotonic()
+        deployment.apply()
+        status = wait_for(deployment.available, 900, "the deployment to be Available")
+        available_s = time.monotonic() - started
+        base_url, grpc_target = status["endpoints"]["openai"], status["endpoints"]["grpc"]
+        model = served_name(deployment)
+        first_s = first_token_s(base_url, model, started)
+        for component in ("prefill", "decode", "frontend"):
+            if not all_ready(deployment.pods(component)):
+                raise ScenarioFailed(f"the {component} pods are not all Running and Ready")
+        from openai import OpenAI
+
+        reference = offline_greedy(str(default_model_path()))
+        client = OpenAI(base_url=base_url, api_key="none", timeout=120, max_retries=0)
+        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        if completion.choices[0].text != reference["text"]:
+            raise ScenarioFailed(f"OpenAI SDK: {completion.choices[0].text!r} != offline {reference['text']!r}")
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "generate", "--target", grpc_target, "--prompt", PROMPT]
+            + ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json", "--model-name", model],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise ScenarioFailed(f"pdserve generate --target {grpc_target}: {done.stderr.strip()[-500:]}")
+        remote = json.loads(done.stdout.strip().splitlines()[-1])
+        if remote["token_ids"] != reference["token_ids"]:
+            raise ScenarioFailed(f"pdserve generate: {remote['token_ids']} != offline {reference['token_ids']}")
+        return {"apply_to_available_s": round(available_s, 1), "apply_to_first_token_s": round(first_s, 1)}
+    finally:
+        deployment.close()
+
+
+def served_name(deployment: Deployment) -> str:
+    name = deployment.body["spec"]["model"].get("name")
+    if not name:
+        raise ScenarioFailed("the example must name its served model (spec.model.name)")
+    return name
+
+
+def start(example: Path) -> tuple[Deployment, str, str]:
+    deployment = Deployment(example)
+    deployment.apply()
+    status = wait_for(deployment.available, 900, "the deployment to be Available")
+    model = served_name(deployment)
+    first_token_s(status["endpoints"]["openai"], model, time.monotonic())
+    return deployment, status["endpoints"]["openai"], model
+
+
+def scale(example: Path) -> dict[str, float]:
+    deployment, base_url, model = start(example)
+    try:
+        streams = Streams(base_url, model, 8)
+        time.sleep(5)
+        asked = time.monotonic()
+        deployment.scale("decode", 2)
+        wait_for(lambda: deployment.registered("decode") == 2, 600, "a second decode worker to register")
+        scale_up_s = time.monotonic() - asked
+        time.sleep(10)  # the new worker takes streams
+        asked = time.monotonic()
+        deployment.scale("decode", 1)
+        wait_for(lambda: len(deployment.pods("decode")) == 1, 600, "the removed decode pod to go")
+        drain_s = time.monotonic() - asked
+        time.sleep(5)
+        streams.stop()
+        wait_for(lambda: kv_settled(deployment), 60, "every KV block to be released")
+        return {"scale_up_s": round(scale_up_s, 1), "drain_s": round(drain_s, 1), "streams_done": streams.done}
+    finally:
+        deployment.close()
+
+
+def kill_decode(example: Path) -> dict[str, float]:
+    deployment, base_url, model = start(example)
+    try:
+        deployment.scale("decode", 2)
+        wait_for(lambda: deployment.registered("decode") == 2, 600, "a second decode worker to register")
+        streams = Streams(base_url, model, 8)
+        time.sleep(8)
+        victim = deployment.pods("decode")[0]["metadata"]["name"]
+        killed = time.monotonic()
+        kubectl("delete", "pod", victim, "-n", deployment.namespace, "--grace-period=0", "--force")
+        wait_for(
+            lambda: (
+                deployment.registered("decode") == 2
+                and victim not in {p["metadata"]["name"] for p in deployment.pods("decode")}
+            ),
+            600,
+            "a new decode worker to replace the deleted one",
+        )
+        replaced_s = time.monotonic() - killed
+        time.sleep(5)
+        streams.stop()
+        wait_for(lambda: kv_settled(deployment), 60, "every KV block to be released")
+        return {"replaced_s": round(replaced_s, 1), "streams_done": streams.done}
+    finally:
+        deployment.close()
+
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, float]]] = {
+    "serve": serve,
+    "scale": scale,
+    "kill-decode": kill_decode,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS), help="scenarios to run, in order")
+    parser.add_argument("--example", type=Path, default=EXAMPLE, help="the PDServeDeployment to apply")
+    parser.add_argument("--json", action="store_true", help="print the timings as one JSON object last")
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    for name in args.scenarios:
+        started = time.monotonic()
+        print(f"k8s_scenarios: {name} ...", file=sys.stderr, flush=True)
+        results[name] = SCENARIOS[name](args.example)
+        results[name]["total_s"] = round(time.monotonic() - started, 1)
+        print(f"k8s_scenarios: {name} passed: {results[name]}", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
