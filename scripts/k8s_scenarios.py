@@ -16,6 +16,9 @@ object: each scenario's timings in seconds.
   removed pod drains (its preStop) and no KV block stays held. Times both steps.
 - kill-decode: with 2 decode pods, one is deleted with --grace-period=0 --force mid-stream:
   the streams migrate, a new pod registers, no request fails and no block leaks.
+- roll: an ``engineArgs`` change rolls the decode pool while 8 streams run: no request fails.
+- etcd-restart: the chart's etcd pod is deleted while 8 streams run: no request fails, and
+  the workers register again in the new etcd.
 """
 
 from __future__ import annotations
@@ -207,6 +210,19 @@ def kv_settled(deployment: Deployment) -> bool:
     return True
 
 
+def registered_roles(etcd_url: str) -> set[str]:
+    """The roles of the workers registered in the etcd at ``etcd_url`` (none if unreachable)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "workers", "--etcd", etcd_url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if done.returncode != 0:
+        return set()
+    return {worker["role"] for worker in json.loads(done.stdout)}
+
+
 def serve(example: Path) -> dict[str, float]:
     deployment = Deployment(example)
     try:
@@ -309,10 +325,68 @@ def kill_decode(example: Path) -> dict[str, float]:
         deployment.close()
 
 
+def roll(example: Path) -> dict[str, float]:
+    deployment, base_url, model = start(example)
+    try:
+        old = {p["metadata"]["name"] for p in deployment.pods("decode")}
+        streams = Streams(base_url, model, 8)
+        time.sleep(5)
+        asked = time.monotonic()
+        args = deployment.body["spec"]["decode"].setdefault("engineArgs", {})
+        args["maxNumSeqs"] = int(args.get("maxNumSeqs", 8)) + 1
+        deployment.apply()
+
+        def rolled() -> bool:
+            pods = deployment.pods("decode")
+            return bool(pods) and not old & {p["metadata"]["name"] for p in pods} and all_ready(pods)
+
+        wait_for(rolled, 900, "the decode pool to roll onto the new engineArgs")
+        wait_for(lambda: deployment.registered("decode") == 1, 300, "the new decode worker to register")
+        rolled_s = time.monotonic() - asked
+        time.sleep(5)
+        streams.stop()
+        wait_for(lambda: kv_settled(deployment), 60, "every KV block to be released")
+        return {"rolled_s": round(rolled_s, 1), "streams_done": streams.done}
+    finally:
+        deployment.close()
+
+
+def etcd_restart(example: Path) -> dict[str, float]:
+    """The chart's etcd pod is deleted: its data goes with it (an emptyDir), so every worker
+    must register again once it is back, and serving must not stop meanwhile."""
+    deployment, base_url, model = start(example)
+    try:
+        streams = Streams(base_url, model, 8)
+        time.sleep(5)
+        pods = get_json("pods", "-A", "-l", "app.kubernetes.io/component=etcd")["items"]
+        if len(pods) != 1:
+            raise ScenarioFailed(f"expected the chart's one etcd pod, found {len(pods)}")
+        etcd = pods[0]["metadata"]
+        (service,) = get_json("services", "-n", etcd["namespace"], "-l", "app.kubernetes.io/component=etcd")["items"]
+        url = f"http://{service['metadata']['name']}.{etcd['namespace']}.svc:2379"
+        killed = time.monotonic()
+        kubectl("delete", "pod", etcd["name"], "-n", etcd["namespace"], "--wait=false")
+
+        def new_etcd_ready() -> bool:
+            pods = get_json("pods", "-n", etcd["namespace"], "-l", "app.kubernetes.io/component=etcd")["items"]
+            return all_ready(pods) and pods[0]["metadata"]["uid"] != etcd["uid"]
+
+        wait_for(new_etcd_ready, 300, "the etcd pod to come back")
+        wait_for(lambda: registered_roles(url) >= {"prefill", "decode"}, 300, "the workers to register again")
+        back_s = time.monotonic() - killed
+        time.sleep(5)
+        streams.stop()
+        return {"registered_again_s": round(back_s, 1), "streams_done": streams.done}
+    finally:
+        deployment.close()
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, float]]] = {
     "serve": serve,
     "scale": scale,
     "kill-decode": kill_decode,
+    "roll": roll,
+    "etcd-restart": etcd_restart,
 }
 
 
