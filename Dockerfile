@@ -40,7 +40,10 @@ COPY README.md ./
 COPY pdserve ./pdserve
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# Stage 2a: CPU runtime. The CPU kernels are compiled at first use, hence gcc.
+# Stage 2a: CPU runtime. The CPU kernels are C compiled for the CPU that runs them, hence gcc;
+# they are compiled here too, into PDSERVE_KERNEL_DIR, so that a pod on a node with the build
+# machine's CPU loads them instead of compiling about 9 s at every start (its cache is an empty
+# volume); any other node compiles its own at first use.
 FROM ${PYTHON_IMAGE} AS cpu
 ARG TORCH_VERSION
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -48,7 +51,7 @@ ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-ENV VIRTUAL_ENV=/opt/pdserve PATH=/opt/pdserve/bin:$PATH PYTHONUNBUFFERED=1
+ENV VIRTUAL_ENV=/opt/pdserve PATH=/opt/pdserve/bin:$PATH PYTHONUNBUFFERED=1 PDSERVE_KERNEL_DIR=/opt/pdserve/cpu_kernels
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
@@ -58,7 +61,9 @@ RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"
 COPY --from=build /requirements/cpu.txt /tmp/requirements.txt
 RUN pip install --no-cache-dir -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels \
+    && python3 -c "from pdserve.kernels.cpu.build import prebuild; from pathlib import Path; prebuild(Path('$PDSERVE_KERNEL_DIR'))" \
+    && chmod -R a+rX "$PDSERVE_KERNEL_DIR"
 USER 1000:1000
 WORKDIR /home/pdserve
 ENTRYPOINT ["pdserve"]
