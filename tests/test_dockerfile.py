@@ -1,6 +1,8 @@
 """What can be checked of the Dockerfile without a Docker engine: pinned bases, the stages,
-a non-root user, the ``pdserve`` entrypoint, that everything it copies exists, and that the
-operator image's few packages are pyproject.toml's and all that the operator imports."""
+a non-root user, the ``pdserve`` entrypoint, that everything it copies exists, that the
+operator image's few packages are pyproject.toml's and all that the operator imports, and that
+every stage runs on a bare Debian base too (a venv, ``python3``, pip configured by build args),
+with the dependencies in layers above pdserve's own wheel. scripts/k8s_image.sh builds it."""
 
 from __future__ import annotations
 
@@ -151,3 +153,63 @@ def test_the_operator_image_holds_everything_the_operator_imports() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "usage: pdserve operator" in result.stdout
+
+
+PIP_ARGS = {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"}
+
+
+def test_every_stage_installs_into_the_venv_with_pip_configured_by_build_args() -> None:
+    """The stages run on a public Python image or a bare Debian one (python3 alone, externally
+    managed): pdserve goes into the venv /opt/pdserve, and a machine's own index reaches pip."""
+    for stage in ("build", "cpu", "operator", "cuda"):
+        found = stages()[stage]
+        assert PIP_ARGS <= {rest.split("=")[0] for op, rest in found if op == "ARG"}, stage
+        env = " ".join(rest for op, rest in found if op == "ENV")
+        assert "VIRTUAL_ENV=/opt/pdserve" in env and "PATH=/opt/pdserve/bin:$PATH" in env, stage
+        runs = [rest for op, rest in found if op == "RUN"]
+        assert "python3 -m venv /opt/pdserve" in runs[0], f"{stage}: its first step makes the venv"
+        for run in runs:
+            assert not re.search(r"(^|[\s&;|(])python\s", run), f"{stage}: `python` is not on a Debian base: {run}"
+
+
+def test_an_empty_torch_index_url_means_pips_configured_index() -> None:
+    cpu = stages()["cpu"]
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in cpu
+    (torch,) = [rest for op, rest in cpu if op == "RUN" and "torch==" in rest]
+    assert '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in torch
+
+
+def test_dependencies_are_installed_before_pdserves_wheel_is_copied() -> None:
+    """An edit to pdserve's source changes the wheel alone: the layers above it stay cached."""
+    for stage in ("cpu", "operator", "cuda"):
+        found = stages()[stage]
+        wheel = found.index(("COPY", "--from=build /wheels /wheels"))
+        installs = [i for i, (op, rest) in enumerate(found) if op == "RUN" and "pip install" in rest]
+        assert installs[-1] == wheel + 1 and "--no-deps /wheels/*.whl" in found[wheel + 1][1], stage
+        assert installs[:-1] and all(i < wheel for i in installs[:-1]), stage
+    build = stages()["build"]
+    source = build.index(("COPY", "pdserve ./pdserve"))
+    requirements = [i for i, (op, rest) in enumerate(build) if op == "RUN" and "requirements.py" in rest]
+    assert requirements and requirements[0] < source
+
+
+def test_the_dependency_layers_install_what_pyproject_pins() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    run = [rest for op, rest in stages()["build"] if op == "RUN" and "requirements.py" in rest][0]
+    assert "requirements.py k8s > /requirements/cpu.txt" in run
+    assert "requirements.py kernels k8s > /requirements/cuda.txt" in run
+    for extras in (["k8s"], ["kernels", "k8s"]):
+        printed = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "requirements.py"),
+                *extras,
+                "--pyproject",
+                str(ROOT / "pyproject.toml"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+        expected = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
+        assert printed == expected

@@ -84,3 +84,21 @@ def test_cache_dir_follows_xdg_when_pdserve_cache_dir_is_unset(monkeypatch, tmp_
     assert build.cache_dir() == tmp_path / "pdserve" / "cpu_kernels"
     monkeypatch.setenv("PDSERVE_CACHE_DIR", os.fspath(tmp_path / "x"))
     assert build.cache_dir() == tmp_path / "x" / "cpu_kernels"
+
+
+def test_a_prebuilt_kernel_is_loaded_without_compiling_or_writing_the_cache(source, monkeypatch, tmp_path):
+    (library,) = build.prebuild(tmp_path / "prebuilt", [source])
+    monkeypatch.setenv("PDSERVE_KERNEL_DIR", str(tmp_path / "prebuilt"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(blocker))  # a compile would fail: the cache is unwritable
+    assert load_library(source).pdserve_answer() == 42
+    assert library.is_file()
+
+
+def test_a_prebuilt_directory_without_this_build_falls_back_to_the_cache(source, monkeypatch, tmp_path):
+    build.prebuild(tmp_path / "prebuilt", [source])
+    monkeypatch.setenv("PDSERVE_KERNEL_DIR", str(tmp_path / "prebuilt"))
+    source.write_text(SOURCE.replace("42", "45"))  # another source: another name
+    assert load_library(source).pdserve_answer() == 45
+    assert len(list(build.cache_dir().glob("answer-*.so"))) == 1
