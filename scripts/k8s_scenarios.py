@@ -119,7 +119,7 @@ def all_ready(pods: list[dict[str, Any]]) -> bool:
 def offline_greedy(model_path: str) -> dict[str, Any]:
     """The offline engine's greedy completion of PROMPT, in a process of its own."""
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "generate", "--model", model_path, "--prompt", PROMPT]
+        [sys.executable, "-m", "pdserve", "generate", "--model", model_path, "--prompt", PROMPT]
         + ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"],
         capture_output=True,
         text=True,
@@ -213,7 +213,7 @@ def kv_settled(deployment: Deployment) -> bool:
 def registered_roles(etcd_url: str) -> set[str]:
     """The roles of the workers registered in the etcd at ``etcd_url`` (none if unreachable)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "workers", "--etcd", etcd_url, "--json"],
+        [sys.executable, "-m", "pdserve", "workers", "--etcd", etcd_url, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -244,7 +244,7 @@ def serve(example: Path) -> dict[str, float]:
         if completion.choices[0].text != reference["text"]:
             raise ScenarioFailed(f"OpenAI SDK: {completion.choices[0].text!r} != offline {reference['text']!r}")
         done = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "generate", "--target", grpc_target, "--prompt", PROMPT]
+            [sys.executable, "-m", "pdserve", "generate", "--target", grpc_target, "--prompt", PROMPT]
             + ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json", "--model-name", model],
             capture_output=True,
             text=True,
