@@ -23,6 +23,7 @@ from tests.utils.kube_server import KubeServer
 
 EXAMPLE = yaml.safe_load((CHART / "examples" / "llama-small.yaml").read_text())
 HOLD = "pdserve.io/test-hold"
+pytestmark = pytest.mark.slow
 
 
 def remove_deployments(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess:
