@@ -138,7 +138,7 @@ sys.meta_path[:] = [InTheImage(finder) for finder in sys.meta_path]
 import kopf
 from pdserve.cli import main
 from pdserve.observability import metrics
-from pdserve.operator import handlers, kube, reconcile
+from pdserve.operator import handlers, kube, reconcile, removal
 sys.exit(main(["operator", "--help"]))
 """
 

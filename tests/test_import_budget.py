@@ -106,9 +106,8 @@ def test_drain_loads_no_torch() -> None:
     assert heavy_imports(result.stderr) == []
 
 
-@pytest.mark.slow
-def test_operator_loads_no_torch(tmp_path: Path) -> None:
-    # An API server that is not there: the operator starts its handlers and keeps retrying.
+def unreachable_kubeconfig(tmp_path: Path) -> Path:
+    """A kubeconfig naming an API server that is not there."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         json.dumps(
@@ -122,6 +121,22 @@ def test_operator_loads_no_torch(tmp_path: Path) -> None:
             }
         )
     )
+    return kubeconfig
+
+
+def test_remove_deployments_loads_no_torch(tmp_path: Path) -> None:
+    # With no API server it retries each call until its deadline, then fails.
+    result = run_cli("remove-deployments", "--kubeconfig", str(unreachable_kubeconfig(tmp_path)), "--timeout", "2s")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "API call failed, retrying" in result.stdout
+    assert "pdserve remove-deployments: error: after 2 s, the API server never answered" in result.stderr
+    assert heavy_imports(result.stderr) == []
+
+
+@pytest.mark.slow
+def test_operator_loads_no_torch(tmp_path: Path) -> None:
+    # An API server that is not there: the operator starts its handlers and keeps retrying.
+    kubeconfig = unreachable_kubeconfig(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     process = subprocess.Popen(
         [

@@ -8,7 +8,7 @@
 - ``status``: ``pdserve status``, one screen per model;
 - ``operate``: ``pdserve workers|drain``, and what the commands that talk to etcd share;
 - ``planner``: ``pdserve planner``, the control plane's resizing loop;
-- ``kube_operator``: ``pdserve operator``, the Kubernetes operator;
+- ``kube_operator``: ``pdserve operator``, the Kubernetes operator, and ``pdserve remove-deployments``;
 - ``profile``: ``pdserve profile``, the engine's speed into a planner profile;
 - ``fetch_model``: ``pdserve fetch-model``, the default model into the cache.
 
@@ -41,6 +41,7 @@ COMMANDS = {
     "drain": "operate",
     "planner": "planner",
     "operator": "kube_operator",
+    "remove-deployments": "kube_operator",
     "profile": "profile",
     "fetch-model": "fetch_model",
 }

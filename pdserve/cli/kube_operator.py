@@ -1,4 +1,6 @@
-"""``pdserve operator``: the Kubernetes operator that deploys PDServeDeployments.
+"""``pdserve operator``: the Kubernetes operator that deploys PDServeDeployments; and
+``pdserve remove-deployments``, which deletes them all and waits until their pods are gone
+(what ``helm uninstall`` of the chart runs first).
 
 (Not ``operator.py``: that name would shadow the standard library's module.)
 """
@@ -6,9 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pdserve import environment
-
+from pdserve.cli.common import positive_duration
 from pdserve.extras import missing_extra
 
 DESCRIPTION = """Reconcile PDServeDeployment resources (pdserve.io/v1alpha1): for each, a ConfigMap
@@ -17,12 +20,35 @@ the planner (LeaderWorkerSets for groups larger than a node), and Services; its 
 ready replicas and the workers registered in etcd, with Available, Progressing and Degraded
 conditions. The CRD and the operator's RBAC come with the Helm chart (charts/pdserve).
 
-In a pod it uses its service account; elsewhere --kubeconfig, else $KUBECONFIG or ~/.kube/config."""
+In a pod it uses its service account; elsewhere --kubeconfig, else $KUBECONFIG or ~/.kube/config.
+`helm uninstall` first runs `pdserve remove-deployments` (a pre-delete hook) while the operator
+still runs, so no PDServeDeployment, and no pod of one, outlives the chart."""
 
 EXAMPLES = """examples:
   pdserve operator --all-namespaces --etcd http://pdserve-etcd:2379
   pdserve operator --kubeconfig ~/.kube/config --namespace llm
-  kubectl get pdservedeployments        # MODEL, PREFILL and DECODE ready/desired, AVAILABLE"""
+  kubectl get pdservedeployments        # MODEL, PREFILL and DECODE ready/desired, AVAILABLE
+  pdserve remove-deployments --namespace llm --timeout 5m   # delete them all and wait"""
+
+# A worker pod's grace period is its pool's drain deadline plus its KV deadline plus 15 s
+# (operator/args.py's grace_seconds: 105 s with the defaults); this leaves room for a second one.
+REMOVE_TIMEOUT = "240s"
+
+REMOVE_DESCRIPTION = """Delete every PDServeDeployment in the scope (every namespace unless --namespace) and wait
+until they and their children are gone: Deployments and LeaderWorkerSets, Services, ConfigMaps,
+and the pods, each of which drains first (its preStop). The garbage collector removes the
+children; the operator and etcd must still run meanwhile, for the drains. The chart's
+pre-delete hook runs this, so `helm uninstall` leaves no pdserve object or process behind
+(the CRD stays, as Helm leaves every CRD of a chart's crds/).
+
+It prints each deletion and, whenever it changes and every 10 s, what it still waits for.
+exit status: 0 all gone; 1 the deadline passed first (naming what is left), the API server
+kept failing, or it refused a call (403: the RBAC it needs is in the chart's uninstall-hook.yaml);
+2 bad arguments."""
+
+REMOVE_EXAMPLES = """examples:
+  pdserve remove-deployments --all-namespaces
+  pdserve remove-deployments --kubeconfig ~/.kube/config --namespace llm --timeout 5m"""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -56,6 +82,41 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="liveness endpoint http://0.0.0.0:PORT/healthz (default: 8081; -1: off)",
     )
     p.set_defaults(func=run)
+
+    r = commands.add_parser(
+        "remove-deployments",
+        help="delete every PDServeDeployment and wait until their pods are gone (helm uninstall's hook)",
+        description=REMOVE_DESCRIPTION,
+        epilog=REMOVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    scope = r.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", metavar="NS", help="only this namespace (the operator's --namespace)")
+    scope.add_argument("--all-namespaces", action="store_true", help="every namespace (the default)")
+    r.add_argument(
+        "--timeout",
+        type=positive_duration,
+        default=REMOVE_TIMEOUT,
+        metavar="DURATION",
+        help="how long to wait until everything is gone, e.g. 90s, 5m (default: %(default)s)",
+    )
+    r.set_defaults(func=remove)
+
+
+def remove(args: argparse.Namespace) -> int:
+    from pdserve.operator.kube import Kube, load_configuration
+    from pdserve.operator.removal import RemovalError, remove_deployments
+
+    kube = Kube(load_configuration(args.kubeconfig))
+    try:
+        remove_deployments(kube, args.namespace, args.timeout, lambda line: print(line, flush=True))
+    except RemovalError as error:
+        print(f"pdserve remove-deployments: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        kube.close()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

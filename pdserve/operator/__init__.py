@@ -5,7 +5,8 @@
 - ``children``: the desired children, computed from the spec alone;
 - ``status``: the status rebuilt from what was observed; ``registry``: what etcd says;
 - ``kube``: JSON calls to the API server; ``reconcile``: one reconcile, end to end;
-- ``handlers``: the thin kopf layer (``pdserve operator`` runs it); ``metrics``.
+- ``handlers``: the thin kopf layer (``pdserve operator`` runs it); ``metrics``;
+- ``removal``: delete every resource in a scope and wait until its pods are gone (``helm uninstall``'s hook).
 
 The CRD lives in ``charts/pdserve/crds/pdservedeployments.yaml``.
 """

@@ -28,6 +28,7 @@ CALL_TIMEOUT_S = 10.0
 # kind → (API path prefix, plural) of every kind the operator reads or writes.
 KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Pod": ("/api/v1", "pods"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Deployment": ("/apis/apps/v1", "deployments"),

@@ -1,6 +1,8 @@
 """The Helm chart: lint, render over a values matrix (every manifest checked against the
 Kubernetes schemas), refuse bad values naming them, install into the real API server, and run
-the operator under the chart's own service account without a single 403."""
+the operator under the chart's own service account without a single 403; render the uninstall
+hook (its Job, its deadlines, its RBAC) and run its command under that RBAC on the real server
+(which has no kubelet to run the Job itself)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ import pytest
 import yaml
 
 from pdserve.operator.kube import Kube, object_path
+from pdserve.types.duration import parse_duration
 from tests.operator.conftest import CHART, delete_key, make_pods_ready, put_worker, wait_for
 from tests.utils.kube_server import KubeServer, k8s_binary
 
 # The oldest schemas kubernetes-validate ships; v1.20-only objects (policy/v1beta1) are
 # checked by the real v1.20 server in the install test instead.
 SCHEMA_VERSION = "1.25"
-BUILTIN_GROUPS = {"v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
+BUILTIN_GROUPS = {"v1", "apps/v1", "batch/v1", "policy/v1", "rbac.authorization.k8s.io/v1"}
+# `helm uninstall --timeout`'s default: the hook Job must finish (or fail) before it.
+HELM_UNINSTALL_TIMEOUT_S = 300
 
 VALUES_MATRIX = {
     "defaults": [],
@@ -68,7 +73,7 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     assert has("ServiceMonitor") == (case == "prometheus-and-policy-v1")  # gated on the API being served
     assert has("PodDisruptionBudget") == (case == "prometheus-and-policy-v1")  # helm template serves no policy API
     assert has("StatefulSet") == (case != "external-etcd")
-    assert has("ServiceAccount") == (case != "own-service-account")
+    assert any(d["kind"] == "ServiceAccount" and not hook(d) for d in docs) == (case != "own-service-account")
     operator = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     env = {e["name"]: e["value"] for e in operator["containers"][0]["env"]}
     assert env["PDSERVE_ETCD"] == (
@@ -78,6 +83,10 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     assert ("--namespace=llm" in args) == (case == "one-namespace") and ("--all-namespaces" in args) != (
         case == "one-namespace"
     )
+
+
+def hook(doc: dict[str, Any]) -> str | None:
+    return (doc["metadata"].get("annotations") or {}).get("helm.sh/hook")
 
 
 def containers(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -222,3 +231,141 @@ def test_helm_install_and_the_operator_under_the_charts_service_account(
     output = log.read_text(errors="replace")
     assert "403" not in output and "Forbidden" not in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+
+
+def uninstall_hook(*values: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The uninstall hook's objects by (kind, name)."""
+    docs = render("--show-only", "templates/uninstall-hook.yaml", *values)
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def rules_for(role: dict[str, Any], group: str, resource: str) -> set[str]:
+    return {
+        verb for r in role["rules"] if group in r["apiGroups"] and resource in r["resources"] for verb in r["verbs"]
+    }
+
+
+@pytest.mark.parametrize("case", ["defaults", "one-namespace"])
+def test_the_uninstall_hook_removes_every_watched_resource_before_the_operator_goes(case: str) -> None:
+    objects = uninstall_hook(*VALUES_MATRIX[case])
+    name = "rel-pdserve-uninstall"
+    job = objects[("Job", name)]
+    # Before anything of the release is deleted (the operator and etcd still run), and gone after.
+    for obj in objects.values():
+        annotations = obj["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-delete"
+        assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == {"before-hook-creation", "hook-succeeded"}
+    weights = {kind: int(obj["metadata"]["annotations"]["helm.sh/hook-weight"]) for (kind, _), obj in objects.items()}
+    assert max(w for kind, w in weights.items() if kind != "Job") < weights["Job"]  # its RBAC first
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == containers(render(), "Deployment")["image"]  # the operator's image
+    assert pod["serviceAccountName"] == name and pod["restartPolicy"] == "Never"
+    scope = "--namespace=llm" if case == "one-namespace" else "--all-namespaces"
+    assert container["args"][:2] == ["remove-deployments", scope]
+    # Deadlines inside one another: the command's wait < the Job's < helm uninstall's.
+    (timeout,) = [a.removeprefix("--timeout=") for a in container["args"] if a.startswith("--timeout=")]
+    assert parse_duration(timeout) < job["spec"]["activeDeadlineSeconds"] < HELM_UNINSTALL_TIMEOUT_S
+    assert job["spec"]["backoffLimit"] == 0  # a retry would start a second full wait past the deadline
+    # Its own RBAC, only what it needs, in the operator's scope.
+    role = objects[("ClusterRole", name)]
+    assert rules_for(role, "pdserve.io", "pdservedeployments") == {"list", "delete"}
+    assert rules_for(role, "", "pods") == {"list"}
+    assert rules_for(role, "apps", "deployments") == {"list"}
+    assert all(set(r["verbs"]) <= {"list", "delete"} for r in role["rules"])
+    assert ("ServiceAccount", name) in objects
+    binding = objects[("RoleBinding" if case == "one-namespace" else "ClusterRoleBinding", name)]
+    assert binding["metadata"].get("namespace") == ("llm" if case == "one-namespace" else None)
+    assert binding["roleRef"]["name"] == name
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "pds"}]
+
+
+def test_the_uninstall_hook_follows_its_values() -> None:
+    job = uninstall_hook("--set", "uninstallHook.timeoutSeconds=600")[("Job", "rel-pdserve-uninstall")]
+    assert (
+        job["spec"]["activeDeadlineSeconds"] == 600
+        and "--timeout=570s" in job["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    # Without the chart's RBAC it runs as the operator's own service account, which must hold the rights.
+    objects = uninstall_hook("--set", "rbac.create=false", "--set", "serviceAccount.name=ops")
+    assert set(objects) == {("Job", "rel-pdserve-uninstall")}
+    assert objects[("Job", "rel-pdserve-uninstall")]["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    assert not [d for d in render("--set", "uninstallHook.enabled=false") if hook(d)]
+    result = helm("template", "rel", str(CHART), "--set", "uninstallHook.timeoutSeconds=10", check=False)
+    assert result.returncode != 0 and "/uninstallHook/timeoutSeconds" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["defaults", "one-namespace"])
+def test_the_uninstall_hooks_rbac_lets_its_command_run_in_its_scope_and_no_further(
+    kube: Kube, kube_server: KubeServer, tmp_path: Path, case: str
+) -> None:
+    release, release_ns = f"rm{case[:3]}", f"rm-{case[:3]}-system"
+    scoped, other = f"rm-{case[:3]}-a", f"rm-{case[:3]}-b"
+    for ns in (release_ns, scoped, other):
+        kube.request(
+            "POST", "/api/v1/namespaces", body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
+        )
+    values = ["--set", f"operator.watchNamespace={scoped}"] if case == "one-namespace" else []
+    docs = helm(
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        release_ns,
+        "--show-only",
+        "templates/uninstall-hook.yaml",
+        *values,
+    ).stdout
+    job = None
+    for doc in (d for d in yaml.safe_load_all(docs) if d):
+        if doc["kind"] == "Job":
+            job = doc
+            continue
+        namespace = doc["metadata"].get("namespace")
+        kube.request("POST", object_path_of(doc["apiVersion"], doc["kind"], namespace), body=doc)
+    assert job is not None
+    body = yaml.safe_load((CHART / "examples" / "llama-small.yaml").read_text())
+    for ns in (scoped, other):
+        body["metadata"]["namespace"] = ns
+        kube.request("POST", object_path("PDServeDeployment", ns), body=body)
+    name = body["metadata"]["name"]
+
+    # The Job's own command line, under the Job's service account (as its pod would hold it).
+    sa = job["spec"]["template"]["spec"]["serviceAccountName"]
+    token = kube.request(
+        "POST",
+        f"/api/v1/namespaces/{release_ns}/serviceaccounts/{sa}/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 600}},
+    )["status"]["token"]
+    kubeconfig = kube_server.write_kubeconfig(tmp_path / "hook.kubeconfig", token, f"system:serviceaccount:{sa}")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG" and not k.startswith("PDSERVE_")}
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pdserve", *command, "--kubeconfig", str(kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    if case == "one-namespace":
+        # Bound in its namespace only: everywhere else is refused at once, naming the permission.
+        refused = run("remove-deployments", "--all-namespaces", "--timeout", "60s")
+        assert refused.returncode == 1 and "403 Forbidden" in refused.stderr, refused.stdout + refused.stderr
+        assert "cannot list resource" in refused.stderr, refused.stderr
+    result = run(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Forbidden" not in result.stdout + result.stderr
+    assert kube.get(object_path("PDServeDeployment", scoped, name)) is None
+    assert (kube.get(object_path("PDServeDeployment", other, name)) is None) == (case == "defaults")
+    kube.delete(object_path("PDServeDeployment", other, name))
+
+
+def object_path_of(api_version: str, kind: str, namespace: str | None) -> str:
+    """Where to POST an object of the hook's kinds."""
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    plural = {"ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles"}.get(kind, kind.lower() + "s")
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
