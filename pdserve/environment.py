@@ -8,6 +8,8 @@ nowhere else; an option that defaults to one names it in its help. Standard libr
   frontend accepts, comma-separated (``api_keys``);
 - ``PDSERVE_ADMIN_KEY``: the key that drains a worker (``admin_key``);
 - ``PDSERVE_CACHE_DIR``: pdserve's cache directory (``cache_dir``);
+- ``PDSERVE_PLANNER_CLUSTER_ROLE``: the ClusterRole the operator binds planners to
+  (``planner_cluster_role``; the chart sets it);
 - ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``).
 """
 
@@ -48,6 +50,10 @@ def admin_key() -> str | None:
 
 def cache_dir() -> str | None:
     return _read("PDSERVE_CACHE_DIR")
+
+
+def planner_cluster_role() -> str | None:
+    return _read("PDSERVE_PLANNER_CLUSTER_ROLE")
 
 
 def parent_pid() -> str | None:
