@@ -10,6 +10,8 @@ nowhere else; an option that defaults to one names it in its help. Standard libr
 - ``PDSERVE_CACHE_DIR``: pdserve's cache directory (``cache_dir``);
 - ``PDSERVE_KERNEL_DIR``: a read-only directory of prebuilt CPU kernels, looked in before the
   cache (``kernel_dir``; the CPU image sets it);
+- ``PDSERVE_PLANNER_CLUSTER_ROLE``: the ClusterRole the operator binds planners to
+  (``planner_cluster_role``; the chart sets it);
 - ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``).
 """
 
@@ -54,6 +56,10 @@ def cache_dir() -> str | None:
 
 def kernel_dir() -> str | None:
     return _read("PDSERVE_KERNEL_DIR")
+
+
+def planner_cluster_role() -> str | None:
+    return _read("PDSERVE_PLANNER_CLUSTER_ROLE")
 
 
 def parent_pid() -> str | None:

@@ -70,6 +70,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="etcd for deployments whose spec.etcd names none, e.g. the chart's own (default: $PDSERVE_ETCD)",
     )
     p.add_argument(
+        "--planner-cluster-role",
+        default=environment.planner_cluster_role(),
+        metavar="NAME",
+        help="the ClusterRole a planner without spec.planner.serviceAccountName is bound to, under a "
+        "ServiceAccount NAME-planner the operator makes (the chart ships one and sets "
+        "$PDSERVE_PLANNER_CLUSTER_ROLE; default: that variable; unset, such a planner needs its serviceAccountName)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=8080,
@@ -130,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.operator.kube import load_configuration
     from pdserve.operator.reconcile import Settings
 
-    reconciler = handlers.Reconciler(load_configuration(args.kubeconfig), args.namespace, Settings(args.etcd))
+    reconciler = handlers.Reconciler(
+        load_configuration(args.kubeconfig),
+        args.namespace,
+        Settings(args.etcd, planner_cluster_role=args.planner_cluster_role),
+    )
     handlers.configure(reconciler)
     if args.metrics_port >= 0:
         serve_metrics(reconciler.metrics.registry, "0.0.0.0", args.metrics_port)

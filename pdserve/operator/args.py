@@ -24,6 +24,8 @@ CONFIG_DIR = "/etc/pdserve/config"
 TLS_DIR = "/etc/pdserve/tls"
 API_KEY_DIR = "/etc/pdserve/api-key"
 PROFILE_DIR = "/etc/pdserve/profile"
+# Without spec.planner.profileConfigMap: the profile pdserve ships for the model, in the ConfigMap.
+BUILTIN_PROFILE = "profile.json"
 WORKER_PORT = 50051
 METRICS_PORT = 9090
 # Beyond the drain: closing the server, the NIXL agent and the lease, and the preStop's own start.
@@ -138,7 +140,7 @@ def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> 
         "--deployment",
         f"{spec.model.served_name}={name}",
         "--profile",
-        f"{PROFILE_DIR}/profile.json",
+        f"{PROFILE_DIR}/profile.json" if spec.planner.profile_config_map else f"{CONFIG_DIR}/{BUILTIN_PROFILE}",
     ]
     if spec.planner.interval:
         argv += ["--planner-interval", spec.planner.interval]

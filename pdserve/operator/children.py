@@ -4,6 +4,12 @@ Pure functions: the same resource always gives the same objects (deterministic n
 references, labels), so applying them is idempotent. What rolls a pool is its pod template:
 it carries a hash of the pool's arguments file and image, so an ``engineArgs`` change makes a
 new template (a rolling update), while ``replicas`` lives outside the template and only scales.
+
+A planner without ``spec.planner.serviceAccountName`` runs as a ServiceAccount of its own,
+``NAME-planner``, which a RoleBinding of the same name binds to the planner ClusterRole that
+the chart ships (get and patch on PDServeDeployments, what its Kubernetes connector calls). A
+RoleBinding cannot name resources, so the grant covers the namespace's PDServeDeployments, not
+only this one; it ends with the resource (owner references) or with the planner (pruned).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 from pdserve.operator import args as cmd
 from pdserve.operator.spec import GROUP, KIND, VERSION, DeploymentSpec, PoolSpec
+from pdserve.planner.profile import builtin_profile
 
 DEPLOYMENT_LABEL = "pdserve.io/deployment"
 COMPONENT_LABEL = "app.kubernetes.io/component"
@@ -80,7 +87,12 @@ def config_files(spec: DeploymentSpec, owner: Owner, etcd: str) -> dict[str, str
     files["frontend"] = cmd.frontend_args(spec, etcd)
     if spec.planner.enabled:
         files["planner"] = cmd.planner_args(spec, owner.namespace, owner.name, etcd)
-    return {f"{component}.args": cmd.args_file(argv) for component, argv in files.items()}
+    data = {f"{component}.args": cmd.args_file(argv) for component, argv in files.items()}
+    if spec.planner.enabled and not spec.planner.profile_config_map:
+        profile = builtin_profile(spec.model.path)
+        assert profile is not None  # check_spec: a profileConfigMap, or a model with a profile shipped
+        data[cmd.BUILTIN_PROFILE] = profile.read_text()
+    return data
 
 
 def config_map(owner: Owner, files: dict[str, str]) -> dict[str, Any]:
@@ -162,7 +174,7 @@ def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[d
     if component == "frontend" and spec.api_keys is not None:
         volumes.append({"name": "api-key", "secret": {"secretName": spec.api_keys.secret_name}})
         mounts.append({"name": "api-key", "mountPath": cmd.API_KEY_DIR, "readOnly": True})
-    if component == "planner":
+    if component == "planner" and spec.planner.profile_config_map:
         volumes.append({"name": "profile", "configMap": {"name": spec.planner.profile_config_map}})
         mounts.append({"name": "profile", "mountPath": cmd.PROFILE_DIR, "readOnly": True})
     return volumes, mounts
@@ -205,8 +217,8 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
     elif component == "frontend":
         container["ports"] += [_port("grpc", spec.frontend.grpc_port), _port("http", spec.frontend.http_port)]
         container.update(probes())
-    if component == "planner" and spec.planner.service_account_name:
-        pod["serviceAccountName"] = spec.planner.service_account_name
+    if component == "planner":
+        pod["serviceAccountName"] = spec.planner.service_account_name or child_name(owner, "planner")
     digest = hashlib.sha256(f"{spec.image}\n{files.get(f'{component}.args', '')}".encode()).hexdigest()[:16]
     return {"metadata": {"labels": labels(owner, component), "annotations": {CONFIG_HASH: digest}}, "spec": pod}
 
@@ -259,6 +271,26 @@ def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(owner, name, component), "spec": body}
 
 
+def planner_service_account(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(owner, child_name(owner, "planner"), "planner"),
+    }
+
+
+def planner_role_binding(owner: Owner, cluster_role: str) -> dict[str, Any]:
+    """Binds the planner's own ServiceAccount to ``cluster_role`` in the resource's namespace."""
+    name = child_name(owner, "planner")
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(owner, name, "planner"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+
+
 @dataclass(frozen=True)
 class Desired:
     """Every child, plus the pools left out because they need a LeaderWorkerSet that is not installed."""
@@ -267,7 +299,10 @@ class Desired:
     needs_lws: list[str]
 
 
-def desired_children(spec: DeploymentSpec, owner: Owner, etcd: str, lws_installed: bool) -> Desired:
+def desired_children(
+    spec: DeploymentSpec, owner: Owner, etcd: str, lws_installed: bool, planner_role: str | None = None
+) -> Desired:
+    """``planner_role``: the ClusterRole a planner without a service account of its own is bound to."""
     files = config_files(spec, owner, etcd)
     objects = [config_map(owner, files)]
     needs_lws = []
@@ -282,6 +317,13 @@ def desired_children(spec: DeploymentSpec, owner: Owner, etcd: str, lws_installe
         else:
             objects.append(deployment(spec, owner, role, pool.replicas, files))
         objects.append(service(spec, owner, role))
+    if spec.planner.enabled and not spec.planner.service_account_name:
+        if planner_role is None:
+            raise ValueError(
+                "spec.planner.serviceAccountName is required: this operator has no planner ClusterRole to "
+                "bind one to (the chart gives it one: --planner-cluster-role, $PDSERVE_PLANNER_CLUSTER_ROLE)"
+            )
+        objects += [planner_service_account(owner), planner_role_binding(owner, planner_role)]
     if spec.planner.enabled:
         objects.append(deployment(spec, owner, "planner", 1, files))
     return Desired(objects, needs_lws)

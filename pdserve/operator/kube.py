@@ -31,6 +31,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PDServeDeployment": ("/apis/pdserve.io/v1alpha1", "pdservedeployments"),
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),

@@ -35,6 +35,8 @@ class Settings:
     default_etcd: str | None = None
     # Off in tests without etcd; on, the status counts registered workers and the SLO is mirrored.
     read_registry: bool = True
+    # The ClusterRole that planners without a service account of their own are bound to.
+    planner_cluster_role: str | None = None
 
 
 def now() -> str:
@@ -54,7 +56,7 @@ async def reconcile(kube: Kube, namespace: str, name: str, settings: Settings) -
         spec = parse_spec(body)
         etcd = etcd_url(spec, settings.default_etcd)
         lws = await asyncio.to_thread(kube.get, LWS_CRD) is not None
-        desired = ch.desired_children(spec, ch.Owner.of(body), etcd, lws)
+        desired = ch.desired_children(spec, ch.Owner.of(body), etcd, lws, settings.planner_cluster_role)
     except (SpecError, ValueError) as error:
         status = invalid_status(generation, "InvalidSpec", str(error), previous, now())
         await _write_status(kube, path, previous, status)
@@ -89,10 +91,12 @@ def _without_none(value: Any) -> Any:
 
 async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, Any]]) -> None:
     """Delete the workloads of this resource that the spec no longer asks for (a disabled
-    planner, a pool moved between a Deployment and a LeaderWorkerSet)."""
+    planner, a pool moved between a Deployment and a LeaderWorkerSet), and a planner's
+    ServiceAccount and RoleBinding once it is gone or runs under a service account of the spec's."""
     keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
     selector = f"{ch.DEPLOYMENT_LABEL}={name},{ch.MANAGED_BY}={ch.OPERATOR}"
-    kinds = ["Deployment"] + (["LeaderWorkerSet"] if any(o["kind"] == "LeaderWorkerSet" for o in wanted) else [])
+    kinds = ["Deployment", "ServiceAccount", "RoleBinding"]
+    kinds += ["LeaderWorkerSet"] if any(o["kind"] == "LeaderWorkerSet" for o in wanted) else []
     for kind in kinds:
         for obj in await asyncio.to_thread(kube.list, object_path(kind, namespace), selector):
             if (kind, obj["metadata"]["name"]) not in keep:

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdserve.planner.profile import builtin_profile
+
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
 KIND = "PDServeDeployment"
@@ -191,10 +193,11 @@ def check_spec(spec: DeploymentSpec) -> None:
             raise SpecError(
                 f"spec.slo: min{role.title()}Replicas ({low}) must be in [1, max{role.title()}Replicas ({high})]"
             )
-    if spec.planner.enabled and not spec.planner.profile_config_map:
+    if spec.planner.enabled and not spec.planner.profile_config_map and builtin_profile(spec.model.path) is None:
         raise SpecError(
-            "spec.planner.profileConfigMap is required when spec.planner.enabled is true: "
-            "a ConfigMap with the engine profile (`pdserve profile` writes one) under key profile.json"
+            "spec.planner.profileConfigMap is required when spec.planner.enabled is true (pdserve ships a "
+            "profile for its default model alone): a ConfigMap with the engine profile, measured on the "
+            "pools' hardware (`pdserve profile` writes one), under key profile.json"
         )
     if len(spec.etcd.endpoints) > 1:
         raise SpecError(

@@ -13,14 +13,24 @@ model, device and dtype, and stored as JSON. Two curves:
   reference backend a step of 64 sequences costs about 4 us a context token past ~16k
   tokens against 1 us below, and twice what 32 sequences of the same total context cost,
   so the best fit (relative error) missed the large steps by up to 57%.
+
+``builtin_profile`` gives the profiles shipped with pdserve, by model file: the default model's,
+measured on CPU with one thread (as ``charts/pdserve/examples/default-model.yaml`` runs it), so a
+planner for it needs no profile of the user's making.
 """
 
 from __future__ import annotations
 
 import bisect
+import posixpath
 from pathlib import Path
 
 import msgspec
+
+from pdserve.model.default_model import WHEEL_MEMBER
+
+# Model file name → the profile shipped for it (package data next to this module).
+_BUILTIN = {posixpath.basename(WHEEL_MEMBER): "default_model.cpu.profile.json"}
 
 
 class PrefillPoint(msgspec.Struct, frozen=True):
@@ -113,6 +123,12 @@ class EngineProfile(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.json.decode(Path(path).read_bytes(), type=EngineProfile)
         except msgspec.DecodeError as error:
             raise ValueError(f"{path}: not an engine profile ({error})") from None
+
+
+def builtin_profile(model_path: str) -> Path | None:
+    """The profile shipped for the model file at ``model_path`` (a path in a pod), or None."""
+    name = _BUILTIN.get(posixpath.basename(model_path.rstrip("/")))
+    return None if name is None else Path(__file__).with_name(name)
 
 
 def _segment(axis: list[int], x: float) -> tuple[int, float]:

@@ -52,8 +52,8 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def render(*args: str) -> list[dict[str, Any]]:
-    out = helm("template", "rel", str(CHART), "--namespace", "pds", *args).stdout
+def render(*args: str, release: str = "rel", namespace: str = "pds") -> list[dict[str, Any]]:
+    out = helm("template", release, str(CHART), "--namespace", namespace, *args).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
@@ -83,6 +83,29 @@ def test_every_rendered_manifest_is_a_valid_kubernetes_object(case: str) -> None
     assert ("--namespace=llm" in args) == (case == "one-namespace") and ("--all-namespaces" in args) != (
         case == "one-namespace"
     )
+    # Planners: their ClusterRole holds what the connector calls and no more; the operator is
+    # told its name, may bind it (and it alone), and makes and prunes the planners' accounts.
+    roles = {d["metadata"]["name"]: d["rules"] for d in docs if d["kind"] == "ClusterRole"}
+    assert roles["rel-pdserve-planner"] == [
+        {"apiGroups": ["pdserve.io"], "resources": ["pdservedeployments"], "verbs": ["get", "patch"]}
+    ]
+    assert env["PDSERVE_PLANNER_CLUSTER_ROLE"] == "rel-pdserve-planner"
+    granted = roles["rel-pdserve-operator"]
+    assert {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["clusterroles"],
+        "verbs": ["bind"],
+        "resourceNames": ["rel-pdserve-planner"],
+    } in granted
+    for group, resource in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "rolebindings")):
+        assert {
+            "apiGroups": [group],
+            "resources": [resource],
+            "verbs": ["list", "create", "patch", "delete"],
+        } in granted
+    assert not any("escalate" in rule["verbs"] or "*" in rule["verbs"] for rules in roles.values() for rule in rules)
+    binding = next(d for d in docs if d["metadata"]["name"] == "rel-pdserve-operator" and "roleRef" in d)
+    assert binding["kind"] == ("RoleBinding" if case == "one-namespace" else "ClusterRoleBinding")
 
 
 def hook(doc: dict[str, Any]) -> str | None:

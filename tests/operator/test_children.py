@@ -15,6 +15,7 @@ from pdserve.operator.spec import SpecError, parse_spec
 EXAMPLES = Path(__file__).parents[2] / "charts" / "pdserve" / "examples"
 OWNER = Owner("llama", "serving", "0b9c2f4e-1111-2222-3333-444455556666")
 ETCD = "http://etcd:2379"
+PLANNER_ROLE = "rel-pdserve-planner"
 
 
 def example(name: str) -> dict:
@@ -22,7 +23,7 @@ def example(name: str) -> dict:
 
 
 def children(body: dict, lws: bool = False) -> dict[tuple[str, str], dict]:
-    desired = desired_children(parse_spec(body), OWNER, ETCD, lws)
+    desired = desired_children(parse_spec(body), OWNER, ETCD, lws, PLANNER_ROLE)
     return {(o["kind"], o["metadata"]["name"]): o for o in desired.objects}
 
 
@@ -211,3 +212,52 @@ def test_the_default_model_example_runs_pdserves_default_model_on_two_cpus() -> 
     # The frontend tokenizes with the model the workers registered: it needs the files too.
     frontend = children(example("default-model.yaml"))[("Deployment", "llama-frontend")]["spec"]["template"]["spec"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in frontend["containers"][0]["volumeMounts"]
+
+
+def test_a_planner_without_a_service_account_gets_its_own_bound_to_the_planner_role() -> None:
+    body = example("llama-small.yaml")
+    body["spec"]["planner"] = {"enabled": True, "profileConfigMap": "profile"}
+    objects = children(body)
+    account, binding = objects[("ServiceAccount", "llama-planner")], objects[("RoleBinding", "llama-planner")]
+    for obj in (account, binding):
+        assert obj["metadata"]["namespace"] == "serving"
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": PLANNER_ROLE}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-planner", "namespace": "serving"}]
+    assert objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["serviceAccountName"] == "llama-planner"
+    # The spec's own service account: nothing to make, and the pod runs under it.
+    body["spec"]["planner"]["serviceAccountName"] = "mine"
+    objects = children(body)
+    assert not {("ServiceAccount", "llama-planner"), ("RoleBinding", "llama-planner")} & set(objects)
+    assert objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+    # An operator that has no planner role to bind says which field the spec then needs.
+    del body["spec"]["planner"]["serviceAccountName"]
+    with pytest.raises(ValueError, match=r"spec\.planner\.serviceAccountName"):
+        desired_children(parse_spec(body), OWNER, ETCD, False)
+
+
+def test_the_default_models_planner_runs_on_the_profile_pdserve_ships() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.cli.planner import load_planner
+    from pdserve.planner.profile import EngineProfile, builtin_profile
+
+    body = example("default-model.yaml")
+    body["spec"]["planner"] = {"enabled": True}
+    objects = children(body)
+    data = objects[("ConfigMap", "llama-config")]["data"]
+    shipped = builtin_profile(body["spec"]["model"]["path"])
+    assert shipped is not None and data[cmd.BUILTIN_PROFILE] == shipped.read_text()
+    # The planner's command line names it, in the ConfigMap the pod mounts; no other volume.
+    argv = data["planner.args"].splitlines()
+    path = argv[argv.index("--profile") + 1]
+    assert path == f"{cmd.CONFIG_DIR}/{cmd.BUILTIN_PROFILE}"
+    pod = objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["config", "cache"]
+    args = build_parser().parse_args(argv)
+    args.profile = str(shipped)  # the file the pod reads at `path`
+    profile, _config = load_planner(args)
+    assert profile == EngineProfile.load(shipped) and "SmolLM2-135M-Instruct.Q4_1.gguf" in profile.source
+    # Any other model needs a profile of the user's measuring, and the message says so.
+    body["spec"]["model"]["path"] = "/models/SmolLM2-135M-Instruct.Q8_0.gguf"
+    with pytest.raises(SpecError, match=r"spec\.planner\.profileConfigMap is required .*`pdserve profile`"):
+        parse_spec(body)
