@@ -19,6 +19,10 @@ object: each scenario's timings in seconds.
 - roll: an ``engineArgs`` change rolls the decode pool while 8 streams run: no request fails.
 - etcd-restart: the chart's etcd pod is deleted while 8 streams run: no request fails, and
   the workers register again in the new etcd.
+- planner: with the planner on and an ITL target one idle decode worker holds, 8 streams make
+  the planner raise decode to 2, and the new pod serves. Times load → decision → new worker.
+- uninstall (destructive: run it last): ``helm uninstall`` with a deployment serving leaves no
+  pdserve object but the CRD, and no pdserve process.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ EXAMPLE = REPO / "charts" / "pdserve" / "examples" / "default-model.yaml"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 STREAM_TOKENS = 48
+RELEASE = ["pdserve", "pdserve"]  # the chart's release and its namespace (--release, --release-namespace)
 T = TypeVar("T")
 
 
@@ -76,11 +81,13 @@ def wait_for(probe: Callable[[], T], timeout_s: float, what: str, interval_s: fl
 class Deployment:
     """One PDServeDeployment in a namespace of its own, deleted (with the namespace) on close."""
 
-    def __init__(self, example: Path) -> None:
-        self.namespace = f"pdserve-e2e-{uuid.uuid4().hex[:6]}"
+    def __init__(self, example: Path, namespace: str | None = None) -> None:
+        self.namespace = namespace or f"pdserve-e2e-{uuid.uuid4().hex[:6]}"
         self.body = yaml.safe_load(example.read_text())
         self.name = self.body["metadata"]["name"]
-        kubectl("create", "namespace", self.namespace)
+        self.own_namespace = namespace is None
+        if self.own_namespace:
+            kubectl("create", "namespace", self.namespace)
 
     def apply(self) -> None:
         kubectl("apply", "-n", self.namespace, "-f", "-", stdin=yaml.safe_dump(self.body))
@@ -105,7 +112,10 @@ class Deployment:
         kubectl("patch", "pdservedeployment", self.name, "-n", self.namespace, "--type", "merge", "-p", patch)
 
     def close(self) -> None:
-        kubectl("delete", "namespace", self.namespace, "--wait=true", timeout_s=300)
+        if self.own_namespace:
+            kubectl("delete", "namespace", self.namespace, "--wait=true", timeout_s=300)
+        else:
+            kubectl("delete", "pdservedeployment", self.name, "-n", self.namespace, "--ignore-not-found", timeout_s=300)
 
 
 def all_ready(pods: list[dict[str, Any]]) -> bool:
@@ -210,17 +220,35 @@ def kv_settled(deployment: Deployment) -> bool:
     return True
 
 
-def registered_roles(etcd_url: str) -> set[str]:
-    """The roles of the workers registered in the etcd at ``etcd_url`` (none if unreachable)."""
+def chart_etcd_url() -> str:
+    """The chart's etcd, by its Service."""
+    services = get_json("services", "-A", "-l", "app.kubernetes.io/component=etcd")["items"]
+    if len(services) != 1:
+        raise ScenarioFailed(f"expected the chart's one etcd Service, found {len(services)}")
+    meta = services[0]["metadata"]
+    return f"http://{meta['name']}.{meta['namespace']}.svc:2379"
+
+
+def registered_workers(etcd_url: str) -> list[dict[str, Any]]:
+    """The workers registered in the etcd at ``etcd_url`` (none if it cannot be read)."""
     done = subprocess.run(
         [sys.executable, "-m", "pdserve", "workers", "--etcd", etcd_url, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    if done.returncode != 0:
-        return set()
-    return {worker["role"] for worker in json.loads(done.stdout)}
+    return json.loads(done.stdout) if done.returncode == 0 else []
+
+
+def registered_roles(etcd_url: str) -> set[str]:
+    return {worker["role"] for worker in registered_workers(etcd_url)}
+
+
+def decode_pods_registered(deployment: Deployment, etcd_url: str, count: int) -> bool:
+    """``count`` decode pods, all Ready, each registered under its own name, and no other."""
+    pods = {p["metadata"]["name"] for p in deployment.pods("decode") if all_ready([p])}
+    workers = {w["worker_id"] for w in registered_workers(etcd_url) if w["role"] == "decode"}
+    return len(pods) == count and pods == workers
 
 
 def serve(example: Path) -> dict[str, float]:
@@ -267,8 +295,13 @@ def served_name(deployment: Deployment) -> str:
     return name
 
 
-def start(example: Path) -> tuple[Deployment, str, str]:
-    deployment = Deployment(example)
+def start(
+    example: Path, edit: Callable[[dict[str, Any]], None] | None = None, namespace: str | None = None
+) -> tuple[Deployment, str, str]:
+    """The example applied (after ``edit`` of its spec), Available, and through its first token."""
+    deployment = Deployment(example, namespace)
+    if edit is not None:
+        edit(deployment.body["spec"])
     deployment.apply()
     status = wait_for(deployment.available, 900, "the deployment to be Available")
     model = served_name(deployment)
@@ -308,13 +341,11 @@ def kill_decode(example: Path) -> dict[str, float]:
         victim = deployment.pods("decode")[0]["metadata"]["name"]
         killed = time.monotonic()
         kubectl("delete", "pod", victim, "-n", deployment.namespace, "--grace-period=0", "--force")
+        etcd_url = chart_etcd_url()
         wait_for(
-            lambda: (
-                deployment.registered("decode") == 2
-                and victim not in {p["metadata"]["name"] for p in deployment.pods("decode")}
-            ),
+            lambda: decode_pods_registered(deployment, etcd_url, 2),
             600,
-            "a new decode worker to replace the deleted one",
+            "a new decode worker to replace the deleted one (and the dead one's lease to end)",
         )
         replaced_s = time.monotonic() - killed
         time.sleep(5)
@@ -362,8 +393,7 @@ def etcd_restart(example: Path) -> dict[str, float]:
         if len(pods) != 1:
             raise ScenarioFailed(f"expected the chart's one etcd pod, found {len(pods)}")
         etcd = pods[0]["metadata"]
-        (service,) = get_json("services", "-n", etcd["namespace"], "-l", "app.kubernetes.io/component=etcd")["items"]
-        url = f"http://{service['metadata']['name']}.{etcd['namespace']}.svc:2379"
+        url = chart_etcd_url()
         killed = time.monotonic()
         kubectl("delete", "pod", etcd["name"], "-n", etcd["namespace"], "--wait=false")
 
@@ -381,12 +411,85 @@ def etcd_restart(example: Path) -> dict[str, float]:
         deployment.close()
 
 
+def served_requests(pod: dict[str, Any]) -> float:
+    """Requests a worker pod has ended, by its /metrics."""
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:9090/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_requests_total{"))
+
+
+def planner(example: Path) -> dict[str, float]:
+    """The planner, given an ITL target that one decode worker holds when idle (84 ms a step in
+    the default model's profile) but not under 8 streams (113 ms), raises decode to 2."""
+
+    def with_planner(spec: dict[str, Any]) -> None:
+        spec["planner"] = {"enabled": True, "interval": "10s"}
+        spec["slo"] = {"ttftP90": "10s", "itlP90": "100ms", "maxPrefillReplicas": 1, "maxDecodeReplicas": 2}
+
+    deployment, base_url, model = start(example, with_planner)
+    try:
+
+        def desired_decode() -> int:
+            spec = get_json("pdservedeployment", deployment.name, "-n", deployment.namespace)["spec"]
+            return spec["decode"]["replicas"]
+
+        wait_for(lambda: all_ready(deployment.pods("planner")), 300, "the planner pod to be Ready")
+        time.sleep(30)
+        if desired_decode() != 1:
+            raise ScenarioFailed(f"the planner scaled an idle deployment to {desired_decode()} decode replicas")
+        before = {p["metadata"]["name"] for p in deployment.pods("decode")}
+        streams = Streams(base_url, model, 8)
+        loaded = time.monotonic()
+        wait_for(lambda: desired_decode() == 2, 600, "the planner to raise decode replicas to 2")
+        decided_s = time.monotonic() - loaded
+        wait_for(lambda: deployment.registered("decode") == 2, 600, "the new decode worker to register")
+        serving_s = time.monotonic() - loaded
+        (new,) = [p for p in deployment.pods("decode") if p["metadata"]["name"] not in before]
+        wait_for(lambda: served_requests(new) > 0, 300, "the new decode pod to serve a request")
+        streams.stop()
+        return {"load_to_decision_s": round(decided_s, 1), "load_to_new_worker_s": round(serving_s, 1)}
+    finally:
+        deployment.close()
+
+
+def processes_left() -> list[str]:
+    """pdserve's pod processes still running on this machine."""
+    done = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    return [line for line in done.stdout.splitlines() if "/opt/pdserve/bin/pdserve" in line]
+
+
+def uninstall(example: Path) -> dict[str, float]:
+    """DESTRUCTIVE: ``helm uninstall`` of the chart's release (--release, --release-namespace)
+    with a deployment serving: nothing of pdserve stays but the CRD."""
+    deployment, _base_url, _model = start(example)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["helm", "uninstall", RELEASE[0], "-n", RELEASE[1], "--wait", "--timeout", "5m"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    if done.returncode != 0:
+        raise ScenarioFailed(f"helm uninstall: {done.stderr.strip()}")
+    uninstall_s = time.monotonic() - started
+    left = get_json("pdservedeployments", "-A")["items"]
+    if left:
+        raise ScenarioFailed(f"PDServeDeployments left: {[d['metadata']['name'] for d in left]}")
+    selector = "app.kubernetes.io/name=pdserve"
+    wait_for(lambda: not get_json("all", "-A", "-l", selector)["items"], 120, "every pdserve object to go")
+    wait_for(lambda: not processes_left(), 60, f"pdserve's processes to end: {processes_left()}")
+    kubectl("delete", "namespace", deployment.namespace, "--wait=true", timeout_s=300)
+    return {"uninstall_s": round(uninstall_s, 1)}
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, float]]] = {
     "serve": serve,
     "scale": scale,
     "kill-decode": kill_decode,
     "roll": roll,
     "etcd-restart": etcd_restart,
+    "planner": planner,
+    "uninstall": uninstall,
 }
 
 
@@ -395,7 +498,10 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS), help="scenarios to run, in order")
     parser.add_argument("--example", type=Path, default=EXAMPLE, help="the PDServeDeployment to apply")
     parser.add_argument("--json", action="store_true", help="print the timings as one JSON object last")
+    parser.add_argument("--release", default=RELEASE[0], help="the chart's Helm release (default: pdserve)")
+    parser.add_argument("--release-namespace", default=RELEASE[1], help="its namespace (default: pdserve)")
     args = parser.parse_args()
+    RELEASE[:] = [args.release, args.release_namespace]
     results: dict[str, Any] = {}
     for name in args.scenarios:
         started = time.monotonic()
