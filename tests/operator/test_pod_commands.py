@@ -58,7 +58,7 @@ def test_the_args_file_starts_a_worker_and_the_prestop_drains_it(etcd_url: str, 
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.2)
-        pre_stop = cmd.prestop_command(spec.decode, "decode")
+        pre_stop = cmd.prestop_command(spec, "decode")
         assert pre_stop[:4] == ["pdserve", "drain", "--endpoint", f"127.0.0.1:{cmd.WORKER_PORT}"]
         pre_stop[3] = f"127.0.0.1:{port}"
         drained = subprocess.run(
