@@ -4,6 +4,7 @@
 - ``args``: the one mapping from spec fields to the components' command lines;
 - ``children``: the desired children, computed from the spec alone;
 - ``status``: the status rebuilt from what was observed; ``registry``: what etcd says;
+- ``etcd_secrets``: the operator's credentials for a deployment's etcd, from its Secrets;
 - ``kube``: JSON calls to the API server; ``reconcile``: one reconcile, end to end;
 - ``handlers``: the thin kopf layer (``pdserve operator`` runs it); ``metrics``;
 - ``removal``: delete every resource in a scope and wait until its pods are gone (``helm uninstall``'s hook).

@@ -5,6 +5,11 @@ argument a line), and the pod runs ``pdserve @/etc/pdserve/config/ROLE.args`` pl
 arguments only the pod knows (its name and IP). A field that a worker or frontend option
 grows later is mapped here and nowhere else.
 
+Secrets never enter a command line or the ConfigMap: a Secret's files are mounted and named by
+path (``--cluster-ca``, ``--etcd-cacert``, ``--api-key-file``), and the etcd user and password
+reach the process as ``$PDSERVE_ETCD_USER`` and ``$PDSERVE_ETCD_PASSWORD`` from the Secret
+(``etcd_env``).
+
 Engine arguments are camelCase keys turned into the worker's options: ``maxNumSeqs: 64`` is
 ``--max-num-seqs 64``; ``true`` gives the bare flag, ``false`` leaves it out.
 """
@@ -12,6 +17,7 @@ Engine arguments are camelCase keys turned into the worker's options: ``maxNumSe
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -23,6 +29,8 @@ from pdserve.worker.config import WorkerConfig
 CONFIG_DIR = "/etc/pdserve/config"
 TLS_DIR = "/etc/pdserve/tls"
 API_KEY_DIR = "/etc/pdserve/api-key"
+CLUSTER_TLS_DIR = "/etc/pdserve/cluster-tls"
+ETCD_TLS_DIR = "/etc/pdserve/etcd-tls"
 PROFILE_DIR = "/etc/pdserve/profile"
 # Without spec.planner.profileConfigMap: the profile pdserve ships for the model, in the ConfigMap.
 BUILTIN_PROFILE = "profile.json"
@@ -57,6 +65,45 @@ def etcd_url(spec: DeploymentSpec, default: str | None) -> str:
     raise ValueError("spec.etcd.endpoints is empty and the operator has no default etcd (pdserve operator --etcd)")
 
 
+def cluster_tls_args(spec: DeploymentSpec) -> list[str]:
+    """``--cluster-*`` of a worker, the frontend and a worker's preStop drain, with ``spec.clusterTLS``."""
+    if spec.cluster_tls is None:
+        return []
+    return [
+        "--cluster-ca",
+        f"{CLUSTER_TLS_DIR}/ca.crt",
+        "--cluster-cert",
+        f"{CLUSTER_TLS_DIR}/tls.crt",
+        "--cluster-key",
+        f"{CLUSTER_TLS_DIR}/tls.key",
+    ]
+
+
+def etcd_tls_args(spec: DeploymentSpec) -> list[str]:
+    """``--etcd-cacert`` and the rest of etcd's TLS options, from ``spec.etcd``."""
+    etcd = spec.etcd
+    argv: list[str] = []
+    if etcd.tls is not None:
+        argv += ["--etcd-cacert", f"{ETCD_TLS_DIR}/ca.crt"]
+        if etcd.tls.client_certificate:
+            argv += ["--etcd-cert", f"{ETCD_TLS_DIR}/tls.crt", "--etcd-key", f"{ETCD_TLS_DIR}/tls.key"]
+    if etcd.server_name is not None:
+        argv += ["--etcd-server-name", etcd.server_name]
+    return argv
+
+
+def etcd_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """The container env that signs a component in to etcd as ``spec.etcd.auth``'s user: both
+    values taken from the Secret by the kubelet, so neither is written anywhere else."""
+    if spec.etcd.auth is None:
+        return []
+    secret = spec.etcd.auth.secret_name
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        for name, key in (("PDSERVE_ETCD_USER", "username"), ("PDSERVE_ETCD_PASSWORD", "password"))
+    ]
+
+
 def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
     """``pdserve prefill|decode`` arguments shared by every pod of the pool."""
     pool: PoolSpec = getattr(spec, role)
@@ -83,7 +130,7 @@ def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
         argv += ["--data-parallel-size", str(pool.data_parallel_size)]
     if pool.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
-    return argv + options(pool.engine_args)
+    return argv + cluster_tls_args(spec) + etcd_tls_args(spec) + options(pool.engine_args)
 
 
 def pod_worker_args() -> list[str]:
@@ -116,7 +163,7 @@ def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:
         argv += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
     if spec.api_keys is not None:
         argv += ["--api-key-file", f"{API_KEY_DIR}/{spec.api_keys.key}"]
-    return argv + options(fe.args)
+    return argv + cluster_tls_args(spec) + etcd_tls_args(spec) + options(fe.args)
 
 
 def disaggregation(spec: DeploymentSpec) -> Disaggregation:
@@ -144,7 +191,7 @@ def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> 
     ]
     if spec.planner.interval:
         argv += ["--planner-interval", spec.planner.interval]
-    return argv
+    return argv + etcd_tls_args(spec)
 
 
 def _worker_default(name: str) -> float:
@@ -178,10 +225,12 @@ def grace_seconds(pool: PoolSpec, role: str) -> int:
     return int(drain_seconds(pool, role) + kv + SHUTDOWN_MARGIN_S + 0.999)
 
 
-def prestop_command(pool: PoolSpec, role: str) -> list[str]:
-    """The preStop hook: drain the worker in this pod and wait until its work is done."""
-    wait = grace_seconds(pool, role) - SHUTDOWN_MARGIN_S
-    return ["pdserve", "drain", "--endpoint", f"127.0.0.1:{WORKER_PORT}", "--wait", "--timeout", f"{wait:g}s"]
+def prestop_command(spec: DeploymentSpec, role: str) -> list[str]:
+    """The preStop hook: drain the worker in this pod and wait until its work is done. A worker
+    serving the cluster's mTLS admits the drain by the pod's cluster certificate."""
+    wait = grace_seconds(getattr(spec, role), role) - SHUTDOWN_MARGIN_S
+    argv = ["pdserve", "drain", "--endpoint", f"127.0.0.1:{WORKER_PORT}", "--wait", "--timeout", f"{wait:g}s"]
+    return argv + cluster_tls_args(spec)
 
 
 def args_file(argv: list[str]) -> str:

@@ -2,8 +2,14 @@
 
 Pure functions: the same resource always gives the same objects (deterministic names, owner
 references, labels), so applying them is idempotent. What rolls a pool is its pod template:
-it carries a hash of the pool's arguments file and image, so an ``engineArgs`` change makes a
-new template (a rolling update), while ``replicas`` lives outside the template and only scales.
+it carries a hash of the pool's arguments file, image and the Secrets it mounts or reads, so an
+``engineArgs`` change or another Secret makes a new template (a rolling update), while
+``replicas`` lives outside the template and only scales.
+
+Secured deployments: ``spec.clusterTLS``'s Secret is mounted into every worker and frontend pod
+(the planner calls no worker), ``spec.etcd.tls``'s into every pod that talks to etcd (all of
+them), and ``spec.etcd.auth``'s user and password reach the container as env from the Secret.
+Secret volumes are readable by the pod's group alone (``fsGroup``).
 
 A planner without ``spec.planner.serviceAccountName`` runs as a ServiceAccount of its own,
 ``NAME-planner``, which a RoleBinding of the same name binds to the planner ClusterRole that
@@ -148,6 +154,15 @@ def _quantities(resources: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Secret files: read by the pod's user through fsGroup, by no one else in the container.
+_SECRET_MODE = 0o440
+
+
+def _secret_volume(volumes: list[dict], mounts: list[dict], name: str, secret: str, path: str) -> None:
+    volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": _SECRET_MODE}})
+    mounts.append({"name": name, "mountPath": path, "readOnly": True})
+
+
 def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[dict], list[dict]]:
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": child_name(owner, "config")}},
@@ -174,6 +189,10 @@ def _volumes(spec: DeploymentSpec, owner: Owner, component: str) -> tuple[list[d
     if component == "frontend" and spec.api_keys is not None:
         volumes.append({"name": "api-key", "secret": {"secretName": spec.api_keys.secret_name}})
         mounts.append({"name": "api-key", "mountPath": cmd.API_KEY_DIR, "readOnly": True})
+    if component in (*POOLS, "frontend") and spec.cluster_tls is not None:
+        _secret_volume(volumes, mounts, "cluster-tls", spec.cluster_tls.secret_name, cmd.CLUSTER_TLS_DIR)
+    if spec.etcd.tls is not None:
+        _secret_volume(volumes, mounts, "etcd-tls", spec.etcd.tls.secret_name, cmd.ETCD_TLS_DIR)
     if component == "planner" and spec.planner.profile_config_map:
         volumes.append({"name": "profile", "configMap": {"name": spec.planner.profile_config_map}})
         mounts.append({"name": "profile", "mountPath": cmd.PROFILE_DIR, "readOnly": True})
@@ -192,6 +211,7 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *cmd.etcd_env(spec),
         ],
         "volumeMounts": mounts,
         "ports": [_port("metrics", cmd.METRICS_PORT)],
@@ -206,7 +226,7 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
         container["args"] = argv + cmd.pod_worker_args()
         container["ports"].append(_port("grpc", cmd.WORKER_PORT))
         container.update(probes())
-        container["lifecycle"] = {"preStop": {"exec": {"command": cmd.prestop_command(pool, component)}}}
+        container["lifecycle"] = {"preStop": {"exec": {"command": cmd.prestop_command(spec, component)}}}
         if pool.resources:
             container["resources"] = _quantities(pool.resources)
         pod["terminationGracePeriodSeconds"] = cmd.grace_seconds(pool, component)
@@ -219,8 +239,22 @@ def pod_template(spec: DeploymentSpec, owner: Owner, component: str, files: dict
         container.update(probes())
     if component == "planner":
         pod["serviceAccountName"] = spec.planner.service_account_name or child_name(owner, "planner")
-    digest = hashlib.sha256(f"{spec.image}\n{files.get(f'{component}.args', '')}".encode()).hexdigest()[:16]
+    inputs = f"{spec.image}\n{files.get(f'{component}.args', '')}"
+    secrets = _secret_names(pod)
+    if secrets:  # without any, the hash of a deployment made before Secrets counted
+        inputs += "\nsecrets: " + ",".join(secrets)
+    digest = hashlib.sha256(inputs.encode()).hexdigest()[:16]
     return {"metadata": {"labels": labels(owner, component), "annotations": {CONFIG_HASH: digest}}, "spec": pod}
+
+
+def _secret_names(pod: dict[str, Any]) -> list[str]:
+    """Every Secret the pod mounts or takes env from."""
+    names = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    for container in pod["containers"]:
+        names |= {
+            e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})
+        }
+    return sorted(names)
 
 
 def deployment(spec: DeploymentSpec, owner: Owner, component: str, replicas: int, files: dict[str, str]) -> dict:

@@ -29,6 +29,7 @@ CALL_TIMEOUT_S = 10.0
 KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Pod": ("/api/v1", "pods"),
+    "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),

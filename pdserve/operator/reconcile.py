@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any
 
 from pdserve.operator import children as ch
 from pdserve.operator.args import disaggregation, etcd_url
+from pdserve.operator.etcd_secrets import etcd_auth
 from pdserve.operator.kube import Kube, object_path
 from pdserve.operator.registry import RegistryView, sync_registry
 from pdserve.operator.spec import DeploymentSpec, SpecError, parse_spec
@@ -68,13 +71,24 @@ async def reconcile(kube: Kube, namespace: str, name: str, settings: Settings) -
 
     observed = await _observe(kube, namespace, spec, desired, generation, body)
     if settings.read_registry:
-        view = await sync_registry(etcd, spec)
+        view = await _read_registry(kube, namespace, etcd, spec)
     else:
         view = RegistryView(None)
     observed = dataclasses.replace(observed, registered=view.registered, registry_error=view.error)
     status = build_status(observed, previous, now())
     await _write_status(kube, path, previous, status)
     return status
+
+
+async def _read_registry(kube: Kube, namespace: str, url: str, spec: DeploymentSpec) -> RegistryView:
+    """The registry as the deployment's own etcd credentials read it; a Secret the operator
+    cannot read leaves the registry unread, saying why."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-etcd-") as directory:
+        try:
+            auth = await asyncio.to_thread(etcd_auth, kube, namespace, spec.etcd, Path(directory))
+        except ValueError as error:
+            return RegistryView(None, str(error))
+        return await sync_registry(url, spec, auth)
 
 
 async def _write_status(kube: Kube, path: str, previous: dict | None, status: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role, list_workers
 from pdserve.discovery.slo import SLOTargets
 from pdserve.types.duration import parse_duration
@@ -44,11 +45,11 @@ def slo_targets(spec: DeploymentSpec) -> SLOTargets | None:
         raise ValueError(f"spec.slo: {error}") from None
 
 
-async def sync_registry(url: str, spec: DeploymentSpec) -> RegistryView:
-    """Count the model's workers and store its SLO targets when they changed; never raises
-    for an unreachable etcd (the status says so instead)."""
+async def sync_registry(url: str, spec: DeploymentSpec, auth: EtcdAuth = EtcdAuth()) -> RegistryView:
+    """Count the model's workers and store its SLO targets when they changed, as ``auth``'s
+    user; never raises for an unreachable etcd (the status says so instead)."""
     try:
-        client = await connect(url, ETCD_TIMEOUT_S)
+        client = await connect(url, ETCD_TIMEOUT_S, auth)
     except (RegistryUnavailable, ValueError) as error:
         return RegistryView(None, str(error))
     try:

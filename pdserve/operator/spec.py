@@ -118,12 +118,24 @@ class PlannerSpec(_Camel, frozen=True):
     service_account_name: str | None = None
 
 
-class EtcdSpec(_Camel, frozen=True):
-    endpoints: list[str] = []
-
-
 class TlsSpec(_Camel, frozen=True):
     secret_name: str
+
+
+class EtcdTlsSpec(_Camel, frozen=True):
+    """A Secret with the CA etcd's certificate chains to (``ca.crt``) and, with
+    ``client_certificate``, the certificate and key pdserve presents (``tls.crt``, ``tls.key``)."""
+
+    secret_name: str
+    client_certificate: bool = False
+
+
+class EtcdSpec(_Camel, frozen=True):
+    endpoints: list[str] = []
+    tls: EtcdTlsSpec | None = None
+    # A Secret with keys ``username`` and ``password``: the etcd user every component signs in as.
+    auth: TlsSpec | None = None
+    server_name: str | None = None
 
 
 class ApiKeySpec(_Camel, frozen=True):
@@ -144,6 +156,7 @@ class DeploymentSpec(_Camel, frozen=True):
     etcd: EtcdSpec = EtcdSpec()
     tls: TlsSpec | None = None
     api_keys: ApiKeySpec | None = None
+    cluster_tls: TlsSpec | None = msgspec.field(default=None, name="clusterTLS")
     tuning: dict[str, Any] = {}
 
 
@@ -199,11 +212,38 @@ def check_spec(spec: DeploymentSpec) -> None:
             "profile for its default model alone): a ConfigMap with the engine profile, measured on the "
             "pools' hardware (`pdserve profile` writes one), under key profile.json"
         )
-    if len(spec.etcd.endpoints) > 1:
+    _check_etcd(spec.etcd)
+    for where, ref in (
+        ("spec.tls", spec.tls),
+        ("spec.apiKeys", spec.api_keys),
+        ("spec.clusterTLS", spec.cluster_tls),
+        ("spec.etcd.tls", spec.etcd.tls),
+        ("spec.etcd.auth", spec.etcd.auth),
+    ):
+        if ref is not None and not ref.secret_name:
+            raise SpecError(f"{where}.secretName must name a Secret in the deployment's namespace")
+
+
+def _check_etcd(etcd: EtcdSpec) -> None:
+    if len(etcd.endpoints) > 1:
         raise SpecError(
             "spec.etcd.endpoints: pdserve connects to one etcd endpoint (a Service in front of "
-            f"the cluster); got {len(spec.etcd.endpoints)}"
+            f"the cluster); got {len(etcd.endpoints)}"
         )
+    secured = [name for name in ("tls", "auth", "server_name") if getattr(etcd, name) is not None]
+    if not etcd.endpoints:
+        if secured:
+            raise SpecError(
+                f"spec.etcd.{_camel(secured[0])} is for an etcd of the deployment's own: name it in spec.etcd.endpoints"
+            )
+        return
+    endpoint = etcd.endpoints[0]
+    if not endpoint.startswith("https://"):
+        for name in ("tls", "server_name"):
+            if getattr(etcd, name) is not None:
+                raise SpecError(
+                    f"spec.etcd.{_camel(name)} needs an https:// endpoint, but spec.etcd.endpoints names {endpoint!r}"
+                )
 
 
 def _check_options(values: dict[str, Any], where: str) -> None:
