@@ -250,10 +250,46 @@ def served_requests(pod: dict[str, Any]) -> float:
     """Requests a worker pod has ended, by its /metrics."""
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:9090/metrics", timeout=5) as reply:
         metrics = reply.read().decode()
-    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_requests_total{"))
+    return sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_worker_requests_total{")
+    )
 
 
 def processes_left() -> list[str]:
     """pdserve's pod processes still running on this machine."""
     done = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
     return [line for line in done.stdout.splitlines() if "/opt/pdserve/bin/pdserve" in line]
+
+
+def make_secured_secrets(namespace: str, name: str, workdir: Path) -> tuple[str, Path, Path]:
+    """The Secrets examples/secured.yaml names, less etcd's, made with openssl as its header
+    says, in ``namespace`` for the deployment ``name``: (the API key, the API's certificate,
+    the folder holding the cluster's ca.crt, tls.crt and tls.key)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
+    openssl("req", "-x509", *ec, "-subj", "/CN=pdserve cluster CA", "-keyout", "ca.key", "-out", "ca.crt")
+    openssl("req", *ec, "-subj", "/CN=pdserve-cluster", "-keyout", "tls.key", "-out", "tls.csr")
+    (workdir / "ext").write_text("subjectAltName=DNS:pdserve-cluster\nextendedKeyUsage=serverAuth,clientAuth\n")
+    sign = ["-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2", "-extfile", "ext"]
+    openssl("x509", "-req", "-in", "tls.csr", *sign, "-out", "tls.crt")
+    host = f"{name}.{namespace}.svc"
+    san = f"subjectAltName=DNS:{name},DNS:{host},DNS:{host}.cluster.local"
+    openssl("req", "-x509", *ec, "-subj", f"/CN={host}", "-addext", san, "-keyout", "api.key", "-out", "api.crt")
+    key = uuid.uuid4().hex
+    ns = ["-n", namespace]
+    kubectl(
+        "create",
+        "secret",
+        "generic",
+        f"{name}-cluster-tls",
+        *ns,
+        *(f"--from-file={workdir / f}" for f in ("ca.crt", "tls.crt", "tls.key")),
+    )
+    kubectl(
+        "create", "secret", "tls", f"{name}-tls", *ns, f"--cert={workdir / 'api.crt'}", f"--key={workdir / 'api.key'}"
+    )
+    kubectl("create", "secret", "generic", f"{name}-api-keys", *ns, f"--from-literal=api-key={key}")
+    return key, workdir / "api.crt", workdir
