@@ -23,6 +23,7 @@ import yaml
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
 STREAM_TOKENS = 48
+STREAMS = 8  # concurrent clients while a scenario changes the deployment
 T = TypeVar("T")
 
 
@@ -293,3 +294,31 @@ def make_secured_secrets(namespace: str, name: str, workdir: Path) -> tuple[str,
     )
     kubectl("create", "secret", "generic", f"{name}-api-keys", *ns, f"--from-literal=api-key={key}")
     return key, workdir / "api.crt", workdir
+
+
+class Shared:
+    """The deployment the scenarios share: made by the first that needs it, handed back to
+    each next one with one decode replica and every worker registered."""
+
+    def __init__(self, example: Path) -> None:
+        self.example = example
+        self.deployment: Deployment | None = None
+        self.base_url = ""
+        self.model = ""
+
+    def get(self) -> Deployment:
+        if self.deployment is None:
+            self.deployment, self.base_url, self.model = start(self.example)
+            return self.deployment
+        self.deployment.scale("decode", 1)
+        etcd_url = chart_etcd_url()
+        wait_for(lambda: decode_pods_registered(self.deployment, etcd_url, 1), 600, "one decode worker again")
+        return self.deployment
+
+    def streams(self) -> Streams:
+        return Streams(self.base_url, self.model, STREAMS)
+
+    def close(self) -> None:
+        if self.deployment is not None:
+            self.deployment.close()
+            self.deployment = None

@@ -26,6 +26,8 @@ scenario's timings in seconds.
   refuses a wrong one; a worker accepts only clients with a cluster certificate.
 - uninstall (destructive: run it last): ``helm uninstall`` with a deployment serving leaves no
   pdserve object but the CRD, and no pdserve process.
+- namespaced (after uninstall): the chart again with its operator watching only its namespace
+  (namespace-scoped RBAC): a deployment there serves, one elsewhere is left alone.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k8s_chart_scenarios import RELEASE, namespaced, secured, uninstall
 from k8s_e2e import (
+    STREAMS,
+    Shared,
     MAX_TOKENS,
     PROMPT,
     Deployment,
@@ -53,9 +57,7 @@ from k8s_e2e import (
     get_json,
     kubectl,
     kv_settled,
-    make_secured_secrets,
     offline_greedy,
-    processes_left,
     registered_roles,
     served_name,
     served_requests,
@@ -67,37 +69,6 @@ from pdserve.model.default_model import default_model_path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "charts" / "pdserve" / "examples" / "default-model.yaml"
-SECURED = REPO / "charts" / "pdserve" / "examples" / "secured.yaml"
-RELEASE = ["pdserve", "pdserve"]  # the chart's release and its namespace (--release, --release-namespace)
-STREAMS = 8
-
-
-class Shared:
-    """The deployment the scenarios share: made by the first that needs it, handed back to
-    each next one with one decode replica and every worker registered."""
-
-    def __init__(self, example: Path) -> None:
-        self.example = example
-        self.deployment: Deployment | None = None
-        self.base_url = ""
-        self.model = ""
-
-    def get(self) -> Deployment:
-        if self.deployment is None:
-            self.deployment, self.base_url, self.model = start(self.example)
-            return self.deployment
-        self.deployment.scale("decode", 1)
-        etcd_url = chart_etcd_url()
-        wait_for(lambda: decode_pods_registered(self.deployment, etcd_url, 1), 600, "one decode worker again")
-        return self.deployment
-
-    def streams(self) -> Streams:
-        return Streams(self.base_url, self.model, STREAMS)
-
-    def close(self) -> None:
-        if self.deployment is not None:
-            self.deployment.close()
-            self.deployment = None
 
 
 def serve(shared: Shared) -> dict[str, float]:
@@ -260,94 +231,6 @@ def planner(shared: Shared) -> dict[str, float]:
         deployment.close()
 
 
-def uninstall(shared: Shared) -> dict[str, float]:
-    """DESTRUCTIVE: ``helm uninstall`` of the chart's release (--release, --release-namespace)
-    with the shared deployment serving: nothing of pdserve stays but the CRD."""
-    deployment = shared.get()
-    started = time.monotonic()
-    done = subprocess.run(
-        ["helm", "uninstall", RELEASE[0], "-n", RELEASE[1], "--wait", "--timeout", "5m"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    if done.returncode != 0:
-        raise ScenarioFailed(f"helm uninstall: {done.stderr.strip()}")
-    uninstall_s = time.monotonic() - started
-    left = get_json("pdservedeployments", "-A")["items"]
-    if left:
-        raise ScenarioFailed(f"PDServeDeployments left: {[d['metadata']['name'] for d in left]}")
-    selector = "app.kubernetes.io/name=pdserve"
-    wait_for(lambda: not get_json("all", "-A", "-l", selector)["items"], 120, "every pdserve object to go")
-    wait_for(lambda: not processes_left(), 60, "pdserve's processes to end")
-    kubectl("delete", "namespace", deployment.namespace, "--wait=true", timeout_s=300)
-    shared.deployment = None
-    return {"uninstall_s": round(uninstall_s, 1)}
-
-
-def grpc_status(target: str, cluster: Path, with_certificate: bool) -> str:
-    """The status a call of a method no server has gets at ``target`` over the cluster's TLS:
-    UNIMPLEMENTED means the connection was accepted."""
-    import grpc
-
-    ca = (cluster / "ca.crt").read_bytes()
-    if with_certificate:
-        creds = grpc.ssl_channel_credentials(ca, (cluster / "tls.key").read_bytes(), (cluster / "tls.crt").read_bytes())
-    else:
-        creds = grpc.ssl_channel_credentials(ca)
-    with grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", "pdserve-cluster")]) as channel:
-        try:
-            channel.unary_unary("/pdserve.e2e.Nothing/Call")(b"", timeout=20)
-        except grpc.RpcError as error:
-            return error.code().name
-    return "OK"
-
-
-def secured(shared: Shared) -> dict[str, float]:
-    """examples/secured.yaml on the chart's etcd (etcd over TLS with auth is checked against a
-    real etcd in tests/operator/test_secured_operator.py): the API serves HTTPS to a client
-    with the key and refuses one without; a worker accepts only cluster certificates."""
-    import httpx
-    from openai import AuthenticationError, OpenAI
-
-    deployment = Deployment(SECURED)
-    deployment.body["spec"].pop("etcd", None)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            key, api_ca, cluster = make_secured_secrets(deployment.namespace, deployment.name, Path(tmp))
-            started = time.monotonic()
-            deployment.apply()
-            status = wait_for(deployment.available, 900, "the secured deployment to be Available")
-            base_url, model = status["endpoints"]["openai"], served_name(deployment)
-            if not base_url.startswith("https://"):
-                raise ScenarioFailed(f"a deployment with spec.tls gives {base_url}")
-            http = httpx.Client(verify=str(api_ca))
-            client = OpenAI(base_url=base_url, api_key=key, http_client=http, timeout=120, max_retries=0)
-
-            def complete() -> str | None:
-                try:
-                    return client.completions.create(model=model, prompt=PROMPT, max_tokens=4).choices[0].text
-                except Exception:
-                    return None
-
-            wait_for(complete, 300, "a completion with the API key")
-            first_s = time.monotonic() - started
-            stranger = OpenAI(base_url=base_url, api_key="not-the-key", http_client=http, max_retries=0)
-            try:
-                stranger.completions.create(model=model, prompt=PROMPT, max_tokens=4)
-                raise ScenarioFailed("a request with a wrong API key was served")
-            except AuthenticationError:
-                pass
-            target = f"{deployment.pods('decode')[0]['status']['podIP']}:50051"
-            if grpc_status(target, cluster, with_certificate=True) != "UNIMPLEMENTED":
-                raise ScenarioFailed(f"the decode worker at {target} refused the cluster certificate")
-            if grpc_status(target, cluster, with_certificate=False) != "UNAVAILABLE":
-                raise ScenarioFailed(f"the decode worker at {target} accepted a client without a certificate")
-            return {"apply_to_first_completion_s": round(first_s, 1)}
-    finally:
-        deployment.close()
-
-
 SCENARIOS: dict[str, Callable[[Shared], dict[str, float]]] = {
     "serve": serve,
     "scale": scale,
@@ -357,6 +240,7 @@ SCENARIOS: dict[str, Callable[[Shared], dict[str, float]]] = {
     "planner": planner,
     "secured": secured,
     "uninstall": uninstall,
+    "namespaced": namespaced,
 }
 
 

@@ -76,8 +76,8 @@ def kubeconfig() -> Iterator[str]:
 
 
 def test_scenarios(kubeconfig: str) -> None:
-    """Every scenario, uninstall last (it removes the chart)."""
-    names = ["serve", "scale", "kill-decode", "roll", "etcd-restart", "planner", "uninstall"]
+    """Every scenario; uninstall and namespaced last (they remove the chart and install it again)."""
+    names = ["serve", "scale", "kill-decode", "roll", "etcd-restart", "planner", "secured", "uninstall", "namespaced"]
     done = subprocess.run(
         ["bash", str(CLUSTER), "exec", sys.executable, str(REPO / "scripts" / "k8s_scenarios.py"), "--json", *names],
         capture_output=True,
