@@ -50,6 +50,8 @@ class RemovalTimeout(RemovalError):
 
 
 def _status_message(error: ApiException) -> str:
+    if not error.body:
+        return str(error.reason)
     try:
         return json.loads(error.body)["message"]
     except (TypeError, ValueError, KeyError):
