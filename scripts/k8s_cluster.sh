@@ -278,6 +278,8 @@ up() {
     rm -f "$k8s_log" "$images_log"
     mkdir -p "$STATE/logs" "$STATE/pids"
     echo "$K8S" >"$STATE/k8s-bin"
+    # A failed up leaves nothing running: its logs are copied out first.
+    trap 'failed_up' EXIT
     make_network
     make_certificates
     start_control_plane
@@ -285,7 +287,16 @@ up() {
     start_node
     install_model
     install_chart
+    trap - EXIT
     echo "$STATE/admin.kubeconfig"
+}
+
+failed_up() {
+    local logs
+    logs="$(mktemp -d "${TMPDIR:-/tmp}/pdserve-k8s-logs.XXXXXX")"
+    cp -r "$STATE/logs/." "$logs/" 2>/dev/null || true
+    down
+    echo "k8s_cluster: up failed; everything it started is stopped; its logs are in $logs" >&2
 }
 
 stop_daemon() {

@@ -132,6 +132,69 @@ def test_the_operator_runs_its_own_image_and_local_images_need_no_pull() -> None
     assert operator["imagePullPolicy"] == etcd["imagePullPolicy"] == "Never"
 
 
+# The keywords a structural schema may use (apiextensions.k8s.io/v1 JSONSchemaProps).
+SCHEMA_KEYWORDS = {
+    "type",
+    "description",
+    "properties",
+    "required",
+    "items",
+    "default",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "enum",
+    "format",
+    "additionalProperties",
+    "minProperties",
+    "maxProperties",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "nullable",
+    "oneOf",
+    "anyOf",
+    "allOf",
+    "not",
+    "title",
+    "example",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-embedded-resource",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-map-type",
+}
+
+
+def test_the_crd_schema_uses_only_schema_keywords() -> None:
+    """A YAML slip (an unquoted description with ", " in a flow mapping) adds a key that is a
+    sentence; helm's install of the CRD then fails on the server, while a plain create passes."""
+    crd = yaml.safe_load((CHART / "crds" / "pdservedeployments.yaml").read_text())
+
+    def unknown(schema: Any, path: str) -> list[str]:
+        if not isinstance(schema, dict):
+            return []
+        found = [f"{path}: {key!r}" for key in schema if key not in SCHEMA_KEYWORDS]
+        for key, value in (schema.get("properties") or {}).items():
+            found += unknown(value, f"{path}.{key}")
+        for key in ("items", "additionalProperties", "not"):
+            found += unknown(schema.get(key), f"{path}.{key}")
+        for key in ("oneOf", "anyOf", "allOf"):
+            for index, value in enumerate(schema.get(key) or []):
+                found += unknown(value, f"{path}.{key}[{index}]")
+        return found
+
+    for version in crd["spec"]["versions"]:
+        bad = unknown(version["schema"]["openAPIV3Schema"], version["name"])
+        assert not bad, bad
+
+
 def test_every_example_names_the_crds_group_and_kind() -> None:
     # test_operator applies each example to the real server; this says which CRD they belong to.
     crd = yaml.safe_load((CHART / "crds" / "pdservedeployments.yaml").read_text())
