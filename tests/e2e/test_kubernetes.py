@@ -24,7 +24,8 @@ STATE = Path("/var/lib/pdserve-k8s")
 UP_TIMEOUT_S = 3600  # a cold build of the node binaries and the images included
 SCENARIOS_TIMEOUT_S = 1800
 
-pytestmark = pytest.mark.slow
+# The whole module, a cold build of the node binaries and images included, under one deadline.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(UP_TIMEOUT_S + SCENARIOS_TIMEOUT_S + 600)]
 
 
 def cluster(command: str, timeout_s: float = UP_TIMEOUT_S) -> str:
