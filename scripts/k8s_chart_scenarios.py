@@ -54,8 +54,7 @@ def secured(shared: Shared) -> dict[str, float]:
     """examples/secured.yaml on the chart's etcd (etcd over TLS with auth is checked against a
     real etcd in tests/operator/test_secured_operator.py): the API serves HTTPS to a client
     with the key and refuses one without; a worker accepts only cluster certificates."""
-    import httpx
-    from openai import AuthenticationError, OpenAI
+    from openai import AuthenticationError, DefaultHttpxClient, OpenAI
 
     deployment = Deployment(SECURED)
     deployment.body["spec"].pop("etcd", None)
@@ -68,7 +67,7 @@ def secured(shared: Shared) -> dict[str, float]:
             base_url, model = status["endpoints"]["openai"], served_name(deployment)
             if not base_url.startswith("https://"):
                 raise ScenarioFailed(f"a deployment with spec.tls gives {base_url}")
-            http = httpx.Client(verify=str(api_ca))
+            http = DefaultHttpxClient(verify=str(api_ca))
             client = OpenAI(base_url=base_url, api_key=key, http_client=http, timeout=120, max_retries=0)
 
             def complete() -> str | None:

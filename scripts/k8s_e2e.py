@@ -247,9 +247,12 @@ def start(
     return deployment, status["endpoints"]["openai"], model
 
 
-def served_requests(pod: dict[str, Any]) -> float:
-    """Requests a worker pod has ended, by its /metrics."""
-    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:9090/metrics", timeout=5) as reply:
+def served_requests(namespace: str, pod: str) -> float:
+    """Requests the worker in ``pod`` has ended, by its /metrics (0 before it has an address)."""
+    address = get_json("pod", pod, "-n", namespace)["status"].get("podIP")
+    if not address:
+        return 0.0
+    with urllib.request.urlopen(f"http://{address}:9090/metrics", timeout=5) as reply:
         metrics = reply.read().decode()
     return sum(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_worker_requests_total{")
