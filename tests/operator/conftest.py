@@ -16,6 +16,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from pdserve.discovery.etcd import close_quietly, connect
+from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.operator import handlers
 from pdserve.operator.kube import Kube
@@ -115,8 +116,8 @@ def make_pods_ready(kube: Kube, namespace: str, selector: str) -> int:
     return len(pods)
 
 
-async def put_worker(url: str, model: str, worker_id: str, role: str = "decode") -> str:
-    """A worker's registry entry, as a worker writes it; its key."""
+async def put_worker(url: str, model: str, worker_id: str, role: str = "decode", auth: EtcdAuth | None = None) -> str:
+    """A worker's registry entry, as a worker writes it (as ``auth``'s etcd user, if given); its key."""
     entry = WorkerEntry(
         worker_id=worker_id,
         role=role,
@@ -131,7 +132,7 @@ async def put_worker(url: str, model: str, worker_id: str, role: str = "decode")
         max_num_seqs=64,
         started_at=time.time(),
     )
-    client = await connect(url)
+    client = await connect(url, auth=auth)
     try:
         await client.put(entry.key.encode(), encode_entry(entry))
     finally:
@@ -139,8 +140,8 @@ async def put_worker(url: str, model: str, worker_id: str, role: str = "decode")
     return entry.key
 
 
-async def delete_key(url: str, key: str) -> None:
-    client = await connect(url)
+async def delete_key(url: str, key: str, auth: EtcdAuth | None = None) -> None:
+    client = await connect(url, auth=auth)
     try:
         await client.delete(key.encode())
     finally:

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from pdserve.discovery.etcd import close_quietly, connect
-from pdserve.discovery.etcd_auth import EtcdAuth
-from pdserve.discovery.registry import WorkerEntry, encode_entry
 from pdserve.operator.kube import Kube, object_path
 from pdserve.operator.reconcile import Settings, reconcile
 from tests.conftest import OPERATOR_PASSWORD, SecureEtcd
-from tests.operator.conftest import CHART
+from tests.operator.conftest import CHART, delete_key, put_worker
 from tests.operator.test_operator import pruned
 from tests.operator.test_planner_rbac import chart_rbac, token  # noqa: F401 (chart_rbac: a fixture)
 from tests.utils.kube_server import KubeServer
@@ -36,38 +32,6 @@ def secret(kube: Kube, namespace: str, name: str, data: dict[str, bytes]) -> Non
         "data": {key: base64.b64encode(value).decode() for key, value in data.items()},
     }
     kube.request("POST", object_path("Secret", namespace), body=body)
-
-
-async def register(url: str, auth: EtcdAuth, model: str, worker_id: str) -> str:
-    """A decode worker's registry entry, written as the worker's own etcd user; its key."""
-    entry = WorkerEntry(
-        worker_id=worker_id,
-        role="decode",
-        model=model,
-        model_path="/models/x",
-        endpoint="10.1.0.1:50051",
-        nixl=b"",
-        block_size=16,
-        num_kv_blocks=64,
-        max_model_len=2048,
-        vocab_size=320,
-        max_num_seqs=64,
-        started_at=time.time(),
-    )
-    client = await connect(url, auth=auth)
-    try:
-        await client.put(entry.key.encode(), encode_entry(entry))
-    finally:
-        await close_quietly(client)
-    return entry.key
-
-
-async def unregister(url: str, auth: EtcdAuth, key: str) -> None:
-    client = await connect(url, auth=auth)
-    try:
-        await client.delete(key.encode())
-    finally:
-        await close_quietly(client)
 
 
 def problem(status: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +56,7 @@ def test_the_operator_counts_the_workers_of_a_secured_etcd_with_the_deployments_
     operator = Kube(kube_server.configuration(token(kube, release_ns, f"{release}-pdserve")))
     settings = Settings(read_registry=True, planner_cluster_role=f"{release}-pdserve-planner")
     worker = secure_etcd.auth("pdserve-worker")  # the worker's user: its certificate's name
-    key = asyncio.run(register(secure_etcd.url, worker, "SmolLM2-135M-Instruct", f"decode-{namespace}"))
+    key = asyncio.run(put_worker(secure_etcd.url, "SmolLM2-135M-Instruct", f"decode-{namespace}", auth=worker))
     try:
         # Without its Secrets the registry stays unread, and the status names the field.
         status = asyncio.run(reconcile(operator, namespace, name, settings))
@@ -118,5 +82,5 @@ def test_the_operator_counts_the_workers_of_a_secured_etcd_with_the_deployments_
         assert status["decode"]["registered"] == 1
         assert status["endpoints"]["openai"].startswith("https://")
     finally:
-        asyncio.run(unregister(secure_etcd.url, worker, key))
+        asyncio.run(delete_key(secure_etcd.url, key, auth=worker))
         operator.close()
