@@ -187,8 +187,11 @@ def kv_settled(deployment: Deployment) -> bool:
             ip = pod["status"].get("podIP")
             if not ip:
                 return False
-            with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=5) as reply:
-                metrics = reply.read().decode()
+            try:
+                with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=5) as reply:
+                    metrics = reply.read().decode()
+            except OSError:  # a pod still starting: not settled yet
+                return False
             for line in metrics.splitlines():
                 if line.startswith(("pdserve_kv_blocks_used{", "pdserve_held_requests{")) and float(line.split()[-1]):
                     return False
@@ -248,12 +251,15 @@ def start(
 
 
 def served_requests(namespace: str, pod: str) -> float:
-    """Requests the worker in ``pod`` has ended, by its /metrics (0 before it has an address)."""
+    """Requests the worker in ``pod`` has ended, by its /metrics (0 before it answers)."""
     address = get_json("pod", pod, "-n", namespace)["status"].get("podIP")
     if not address:
         return 0.0
-    with urllib.request.urlopen(f"http://{address}:9090/metrics", timeout=5) as reply:
-        metrics = reply.read().decode()
+    try:
+        with urllib.request.urlopen(f"http://{address}:9090/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+    except OSError:  # not listening yet
+        return 0.0
     return sum(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_worker_requests_total{")
     )
