@@ -132,7 +132,7 @@ async def put_worker(url: str, model: str, worker_id: str, role: str = "decode",
         max_num_seqs=64,
         started_at=time.time(),
     )
-    client = await connect(url, auth=auth)
+    client = await connect(url, auth=auth or EtcdAuth())
     try:
         await client.put(entry.key.encode(), encode_entry(entry))
     finally:
@@ -141,7 +141,7 @@ async def put_worker(url: str, model: str, worker_id: str, role: str = "decode",
 
 
 async def delete_key(url: str, key: str, auth: EtcdAuth | None = None) -> None:
-    client = await connect(url, auth=auth)
+    client = await connect(url, auth=auth or EtcdAuth())
     try:
         await client.delete(key.encode())
     finally:
