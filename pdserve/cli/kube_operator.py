@@ -51,6 +51,14 @@ REMOVE_EXAMPLES = """examples:
   pdserve remove-deployments --kubeconfig ~/.kube/config --namespace llm --timeout 5m"""
 
 
+def add_scope_args(parser: argparse.ArgumentParser, one: str, every: str) -> None:
+    """Where the API server is and which namespaces a command acts on."""
+    parser.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", metavar="NS", help=one)
+    scope.add_argument("--all-namespaces", action="store_true", help=every)
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "operator",
@@ -59,10 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
-    scope = p.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", metavar="NS", help="watch only this namespace")
-    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    add_scope_args(p, "watch only this namespace", "watch every namespace (the default)")
     p.add_argument(
         "--etcd",
         default=environment.etcd_url(),
@@ -98,10 +103,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=REMOVE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument("--kubeconfig", metavar="PATH", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
-    scope = r.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", metavar="NS", help="only this namespace (the operator's --namespace)")
-    scope.add_argument("--all-namespaces", action="store_true", help="every namespace (the default)")
+    add_scope_args(r, "only this namespace (the operator's --namespace)", "every namespace (the default)")
     r.add_argument(
         "--timeout",
         type=positive_duration,
