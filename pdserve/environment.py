@@ -13,6 +13,9 @@ nowhere else; an option that defaults to one names it in its help. Standard libr
 - ``PDSERVE_PLANNER_CLUSTER_ROLE``: the ClusterRole the operator binds planners to
   (``planner_cluster_role``; the chart sets it);
 - ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``).
+
+Beside them, the three a LeaderWorkerSet sets in its pods, which place a worker's rank in a group
+across hosts (``group_setting``): ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from __future__ import annotations
 import os
 
 PARENT_PID = "PDSERVE_PARENT_PID"
+GROUP_SETTINGS = {
+    "leader_address": "LWS_LEADER_ADDRESS",
+    "group_size": "LWS_GROUP_SIZE",
+    "group_index": "LWS_WORKER_INDEX",
+}
 ETCD_AUTH_SETTINGS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_server_name", "etcd_user", "etcd_password")
 
 
@@ -64,3 +72,8 @@ def planner_cluster_role() -> str | None:
 
 def parent_pid() -> str | None:
     return _read(PARENT_PID)
+
+
+def group_setting(setting: str) -> str | None:
+    """The LeaderWorkerSet variable behind ``setting`` (a key of ``GROUP_SETTINGS``)."""
+    return _read(GROUP_SETTINGS[setting])

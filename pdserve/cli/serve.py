@@ -11,7 +11,10 @@ import asyncio
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
+
 from pdserve import environment
+from pdserve.cli.group_args import add_group_args, group_placement
 from pdserve.cli.common import (
     absolute,
     add_cluster_tls_args,
@@ -171,6 +174,7 @@ def add_worker_args(parser: argparse.ArgumentParser, role: Role) -> None:
         action="store_true",
         help="spread each MoE layer's experts over the ranks",
     )
+    add_group_args(parser)
     option(
         "--metrics-port",
         "metrics_port",
@@ -346,7 +350,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
             raise ValueError(
                 f"--config {args.config} configures a {config.role} worker; run it with `pdserve {config.role}`"
             )
-        return config
+        # A rank's place is its own, not the group's: it may come beside the shared file.
+        placement = group_placement(args)
+        return config if placement is None else msgspec.structs.replace(config, placement=placement)
     return from_options(
         args,
         WorkerConfig,
@@ -355,6 +361,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         etcd=_require_etcd(args),
         engine=from_options(args, EngineConfig),
         parallel=from_options(args, ParallelConfig),
+        placement=group_placement(args),
         **worker_security(args),
     )
 
@@ -431,9 +438,9 @@ def _config_file(args: argparse.Namespace, struct: type[Config]) -> Config:
 
 def run_worker(args: argparse.Namespace) -> int:
     config = worker_config(args)  # a bad one fails before torch is imported
-    from pdserve.worker.main import serve
+    from pdserve.worker.main import run
 
-    return asyncio.run(serve(config))
+    return run(config)
 
 
 def run_frontend(args: argparse.Namespace) -> int:

@@ -1,18 +1,27 @@
 """Starting a group of ranks together and tearing it down together.
 
-Rank 0 lives in the process that owns the group (an ``LLM``, or a worker); it starts ranks
-1..N-1 as child processes running ``python -m <entry_module>``, each handed its rank, the
-rendezvous address and an opaque msgspec payload on stdin. Nothing is pickled. The group
-meets on a TCP store rank 0 opens on an ephemeral port, within the rendezvous deadline.
+Rank 0 lives in the process that owns the group (an ``LLM``, or a worker). Each other rank
+gets a ``RankStart``: its rank, the rendezvous address, the program to run
+(``entry_module``) and that program's opaque msgspec payload. Nothing is pickled. Two modes:
 
-A child that loses its parent exits (it polls its parent's pid), and every collective has the
-group's timeout, so no rank outlives its group or waits on it forever.
+- one host (no placement): rank 0 starts ranks 1..N-1 as child processes running
+  ``python -m <entry_module>``, hands each its start on stdin, and the group meets on a TCP
+  store rank 0 opens on an ephemeral loopback port;
+- across hosts (a ``GroupPlacement``): ranks 1..N-1 are started by someone else, anywhere.
+  Rank 0 opens the store on the placement's port on every address and leaves each rank's
+  start in it; each rank fetches its own there (``pdserve.distributed.follower``).
+
+Either way the group forms within the rendezvous deadline or rank 0 raises ``RankFailed``,
+and from then on both modes run the same code. A child that loses its parent exits (it polls
+its parent's pid); a rank on another host exits when rank 0's store goes away; and every
+collective has the group's timeout, so no rank outlives its group or waits on it forever.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +34,9 @@ import torch.distributed as dist
 
 from pdserve.distributed.channel import Channel
 from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.interfaces import pin_collectives_to
 from pdserve.distributed.parallel_state import ParallelState, RankFailed
+from pdserve.distributed.placement import GroupPlacement
 
 logger = logging.getLogger("pdserve.distributed")
 
@@ -38,66 +49,123 @@ class RankStart(msgspec.Struct, frozen=True, kw_only=True):
     store_host: str
     store_port: int
     device: str  # "cpu" or "cuda"
+    entry_module: str  # the rank's program (a rank started elsewhere runs it by this name)
     payload: bytes
 
 
+# Keys of the group's store. Rank 0 sets STOP_KEY when it tears a group across hosts down: a
+# rank there has no parent to lose, so it watches for this key (or for the store to vanish).
+STOP_KEY = "pdserve/stop"
+
+
+def start_key(rank: int) -> str:
+    return f"pdserve/start/{rank}"
+
+
+def joined_key(rank: int) -> str:
+    return f"pdserve/joined/{rank}"
+
+
 class RankGroup:
-    """Ranks 1..N-1 of a group, as child processes of rank 0, which owns them."""
+    """Ranks 1..N-1 of a group: child processes of rank 0, which owns them, or (with a
+    ``placement``) processes elsewhere that rank 0 meets and stops but does not own.
+
+    ``host``: the address rank 0 advertises; with a placement its collectives use the
+    interface that holds it."""
 
     def __init__(
-        self, config: ParallelConfig, entry_module: str, payload: bytes, device: str = "cpu", host: str = "127.0.0.1"
+        self,
+        config: ParallelConfig,
+        entry_module: str,
+        payload: bytes,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        placement: GroupPlacement | None = None,
     ) -> None:
         self.config = config
         self.entry_module = entry_module
         self.payload = payload
         self.device = device
         self.host = host
+        self.placement = placement
         self.processes: list[subprocess.Popen] = []
         self.state: ParallelState | None = None
+        self.store: dist.TCPStore | None = None
 
     def start(self) -> ParallelState:
-        """Start the children and join the group as rank 0; raises ``RankFailed`` if the group
-        does not form within the rendezvous deadline (the children are stopped then)."""
+        """Start (or wait for) ranks 1..N-1 and join the group as rank 0; raises ``RankFailed``
+        if the group does not form within the rendezvous deadline (children are stopped then)."""
         config = self.config
         timeout = timedelta(seconds=config.rendezvous_timeout_s)
-        store = dist.TCPStore(self.host, 0, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        port = 0 if self.placement is None else self.placement.leader_port
+        # Across hosts the store listens on every address (torch binds the master so).
+        store_host = "127.0.0.1" if self.placement is None else self.host
+        try:
+            store = dist.TCPStore(
+                store_host, port, config.world_size, is_master=True, timeout=timeout, wait_for_workers=False
+            )
+        except Exception as error:
+            raise RankFailed(f"the group's rendezvous could not listen on port {port}: {error}") from error
+        self.store = store
         for rank in range(1, config.world_size):
             start = RankStart(
                 rank=rank,
                 config=config,
-                store_host=self.host,
+                store_host=store_host,
                 store_port=store.port,
                 device=self.device,
+                entry_module=self.entry_module,
                 payload=self.payload,
             )
-            process = subprocess.Popen([sys.executable, "-m", self.entry_module], stdin=subprocess.PIPE)
-            assert process.stdin is not None  # stdin=PIPE
-            process.stdin.write(msgspec.msgpack.encode(start))
-            process.stdin.close()
-            self.processes.append(process)
+            if self.placement is None:
+                self._start_child(start)
+            else:
+                store.set(start_key(rank), msgspec.msgpack.encode(start))  # type: ignore[arg-type]
         try:
-            self._wait_for_children(store, time.monotonic() + config.rendezvous_timeout_s)
+            self._wait_for_ranks(store, time.monotonic() + config.rendezvous_timeout_s)
+            if self.placement is not None:
+                pin_collectives_to(self.host)
             self.state = join_group(0, config, store, self.device)
         except Exception as error:
             self.close()
+            where = "" if self.placement is None else f" at port {port}"
             raise RankFailed(
-                f"the group of {config.world_size} ranks did not form within {config.rendezvous_timeout_s:.0f} s: "
-                f"{error}; ranks exited: {self.exit_codes()}"
+                f"the group of {config.world_size} ranks did not form{where} within "
+                f"{config.rendezvous_timeout_s:.0f} s: {error}; ranks exited: {self.exit_codes()}"
             ) from error
         return self.state
 
-    def _wait_for_children(self, store: dist.Store, deadline: float) -> None:
-        """Until every child has reached the store; a child that exits first fails the start
+    def _start_child(self, start: RankStart) -> None:
+        process = subprocess.Popen([sys.executable, "-m", self.entry_module], stdin=subprocess.PIPE)
+        assert process.stdin is not None  # stdin=PIPE
+        process.stdin.write(msgspec.msgpack.encode(start))
+        process.stdin.close()
+        self.processes.append(process)
+
+    def _wait_for_ranks(self, store: dist.Store, deadline: float) -> None:
+        """Until every rank has reached the store; a child that exits first fails the start
         at once (rather than at the deadline, inside the process-group set-up)."""
         pending = set(range(1, self.config.world_size))
         while pending:
-            pending = {rank for rank in pending if not store.check([_joined_key(rank)])}
+            pending = {rank for rank in pending if not store.check([joined_key(rank)])}
             dead = self.dead_ranks()
             if dead:
                 raise RankFailed(f"ranks {dead} exited before the group formed")
             if pending and time.monotonic() > deadline:
                 raise RankFailed(f"ranks {sorted(pending)} did not reach the rendezvous")
             time.sleep(0.02)
+
+    def stop_ranks(self) -> None:
+        """Ask ranks 1..N-1 to stop as a worker stops (SIGTERM): children by signal, ranks
+        elsewhere through the store they watch."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        if self.placement is not None and self.store is not None:
+            try:
+                self.store.set(STOP_KEY, "1")
+            except Exception:  # the store is rank 0's own: this fails only as the process ends
+                logger.warning("could not tell the group's ranks to stop", exc_info=True)
 
     def exit_codes(self) -> dict[int, int | None]:
         """Each child rank's exit code (None: still running)."""
@@ -155,14 +223,26 @@ def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str
     )
 
 
-def start_group(config: ParallelConfig, entry_module: str, payload: bytes, device: str) -> RankGroup | None:
-    """Start ranks 1..N-1 of ``config`` (``python -m entry_module``, handed ``payload``) and join
-    the group as rank 0; None when the group is a single rank. ``device`` is an engine's device
-    option (auto, cpu or cuda): the group runs gloo on CPU and NCCL on CUDA."""
+def group_device(device: str) -> str:
+    """The device an engine's device option (auto, cpu or cuda) puts a group on."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def start_group(
+    config: ParallelConfig,
+    entry_module: str,
+    payload: bytes,
+    device: str,
+    placement: GroupPlacement | None = None,
+    host: str = "127.0.0.1",
+) -> RankGroup | None:
+    """Start ranks 1..N-1 of ``config`` (``python -m entry_module``, handed ``payload``), or with a
+    ``placement`` wait for them to come, and join the group as rank 0; None when the group is a
+    single rank. ``device`` is an engine's device option: the group runs gloo on CPU and NCCL on
+    CUDA. ``host``: the address rank 0 advertises to ranks on other hosts."""
     if config.world_size == 1:
         return None
-    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    group = RankGroup(config, entry_module, payload, device="cuda" if on_cuda else "cpu")
+    group = RankGroup(config, entry_module, payload, device=group_device(device), host=host, placement=placement)
     group.start()
     return group
 
@@ -173,12 +253,8 @@ def child_start() -> tuple[RankStart, ParallelState]:
     _exit_with_parent()
     timeout = timedelta(seconds=start.config.rendezvous_timeout_s)
     store = dist.TCPStore(start.store_host, start.store_port, start.config.world_size, is_master=False, timeout=timeout)
-    store.set(_joined_key(start.rank), "1")
+    store.set(joined_key(start.rank), "1")
     return start, join_group(start.rank, start.config, store, start.device)
-
-
-def _joined_key(rank: int) -> str:
-    return f"pdserve/joined/{rank}"
 
 
 def _exit_with_parent() -> None:

@@ -1,6 +1,7 @@
 """The one skeleton of every child rank's program (ranks 1..N-1 of a group).
 
-Contract: ``run_rank`` sets up logging, joins the group (``child_start``), decodes the msgspec
+Contract: ``run_rank`` sets up logging, joins the group (``child_start``; a rank started on
+another host passes the group it already joined, ``joined``), decodes the msgspec
 payload rank 0 handed ``start_group``, sets this process's torch CPU threads from it, and runs
 ``body(payload, parallel)``. It returns the process's exit status:
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_state import ParallelState
-from pdserve.distributed.rank_group import child_start
+from pdserve.distributed.rank_group import RankStart, child_start
 
 # A follower rank logs little, and names itself by its pid (its parent's log names the group).
 RANK_LOG_FORMAT = "%(asctime)s rank %(process)d %(levelname)s %(message)s"
@@ -48,10 +49,11 @@ def run_rank(
     logger: logging.Logger,
     log_level: int = logging.WARNING,
     log_format: str = RANK_LOG_FORMAT,
+    joined: tuple[RankStart, ParallelState] | None = None,
 ) -> int:
-    """Run this child rank's ``body`` in its group; its exit status (see the module's contract)."""
+    """Run this rank's ``body`` in its group; its exit status (see the module's contract)."""
     logging.basicConfig(level=log_level, format=log_format)
-    start, parallel = child_start()
+    start, parallel = child_start() if joined is None else joined
     try:
         payload = msgspec.msgpack.decode(start.payload, type=payload_type)
         if payload.num_threads is not None:

@@ -9,5 +9,6 @@
 - ``data_parallel``: data-parallel attention ranks, each a worker of its own, and their ranks' program;
 - ``config``: the worker's options;
 - ``main``: the worker's process (one rank, a tensor-parallel group, or data-parallel ranks);
+- ``follower``: a worker process that is rank 1..N-1 of a group across hosts, following its rank 0;
 - ``group``: a tensor-parallel worker group: its other ranks' program and its KV side channel.
 """

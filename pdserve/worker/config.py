@@ -11,6 +11,7 @@ import msgspec
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
 from pdserve.distributed.parallel_config import ParallelConfig
+from pdserve.distributed.placement import GroupPlacement
 from pdserve.model.default_model import served_name
 from pdserve.rpc.tls import ClusterTLS
 from pdserve.types.engine_config import EngineConfig
@@ -41,6 +42,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Data-parallel attention with expert parallelism: one worker per rank (its own
         scheduler, KV cache and registry entry, ``{worker_id}-dp{rank}`` past rank 0), the
         ranks sharing the experts and stepping together.
+    placement: this process's rank in a group whose ranks run as separate processes, possibly
+        on other hosts (None: rank 0 starts the other ranks itself, on its own host). Every
+        rank of such a group gets the same configuration but its placement's index.
     cluster_tls: the cluster's certificate set: the gRPC server then serves mTLS only, to
         clients with a certificate from the cluster CA.
     admin_key: the key a ``Drain`` caller without a cluster certificate must send; with
@@ -65,6 +69,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_threads: int | None = None
     engine: EngineConfig = EngineConfig()
     parallel: ParallelConfig = ParallelConfig()
+    placement: GroupPlacement | None = None
     cluster_tls: ClusterTLS | None = None
     admin_key: str | None = None
     etcd_auth: EtcdAuth = EtcdAuth()
@@ -80,6 +85,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.admin_key is not None and not self.admin_key:
             raise ValueError("admin_key must not be empty")
+        if self.placement is not None and self.placement.group_size != self.parallel.world_size:
+            raise ValueError(
+                f"group size {self.placement.group_size} does not match the group's ranks: tensor_parallel_size "
+                f"{self.parallel.tensor_parallel_size} x data_parallel_size {self.parallel.data_parallel_size} = "
+                f"{self.parallel.world_size}"
+            )
 
     @property
     def served_model_name(self) -> str:

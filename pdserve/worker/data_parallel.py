@@ -7,8 +7,9 @@ attention is: each rank attends over its own requests. What makes them one group
 experts: every rank holds a share of each MoE layer's, and their engines step together
 (``EngineLoop``'s lockstep) so that each step's all-to-all has every rank.
 
-Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``)
-and they meet within the rendezvous deadline. A stop (SIGTERM, Drain) reaching rank 0 is passed
+Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``),
+or with a placement meets ranks started on other hosts (``pdserve.worker.follower``), and they
+meet within the rendezvous deadline. A stop (SIGTERM, Drain) reaching rank 0 is passed
 on to the others, and the engines leave their lockstep together. A rank that dies fails its
 peers' next step: every rank then leaves the registry and exits with status 1, and the
 supervisor starts the group again (ranks also exit when rank 0 does).
@@ -18,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from collections.abc import Callable
 
 import msgspec
 
 from pdserve.distributed.parallel_state import ParallelState
-from pdserve.distributed.rank_group import start_group
+from pdserve.distributed.rank_group import RankStart, start_group
 from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
@@ -63,16 +63,12 @@ async def serve_data_parallel(config: WorkerConfig) -> int:
     config = msgspec.structs.replace(config, worker_id=config.id)  # one id for the group, this pid's
     payload = msgspec.msgpack.encode(DataParallelStart(config))
     # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
-    ranks = start_group(config.parallel, __name__, payload, config.engine.device)
+    ranks = start_group(
+        config.parallel, __name__, payload, config.engine.device, config.placement, config.reachable_host
+    )
     assert ranks is not None and ranks.state is not None
-
-    def pass_on_stop() -> None:
-        for process in ranks.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-
     try:
-        return await serve_rank(config, ranks.state, announce=True, on_stop=pass_on_stop)
+        return await serve_rank(config, ranks.state, announce=True, on_stop=ranks.stop_ranks)
     finally:
         await asyncio.to_thread(ranks.close, config.drain_timeout_s + 10)
 
@@ -96,12 +92,21 @@ async def serve_rank(
     return 0 if runtime.failure is None else 1
 
 
-def main() -> int:
-    return run_rank(DataParallelStart, _run, logger=logger, log_level=logging.INFO, log_format=_WORKER_LOG_FORMAT)
+def main(joined: tuple[RankStart, ParallelState] | None = None, own: WorkerConfig | None = None) -> int:
+    """Ranks 1..D-1's program: a child of rank 0, or (``joined``) a rank started on another host,
+    which serves at its ``own`` configuration's addresses rather than rank 0's."""
 
+    def run(start: DataParallelStart, parallel: ParallelState) -> int:
+        config = rank_config(start.config, parallel.rank)
+        if own is not None:
+            config = msgspec.structs.replace(
+                config, host=own.host, advertise_host=own.advertise_host, port=own.port, metrics_port=own.metrics_port
+            )
+        return asyncio.run(serve_rank(config, parallel, announce=own is not None))
 
-def _run(start: DataParallelStart, parallel: ParallelState) -> int:
-    return asyncio.run(serve_rank(rank_config(start.config, parallel.rank), parallel, announce=False))
+    return run_rank(
+        DataParallelStart, run, logger=logger, log_level=logging.INFO, log_format=_WORKER_LOG_FORMAT, joined=joined
+    )
 
 
 if __name__ == "__main__":

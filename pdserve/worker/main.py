@@ -1,22 +1,39 @@
 """Run one worker process: start its other ranks (if any), load the engine, start the role's
-service, serve until stopped."""
+service, serve until stopped; or, as rank 1..N-1 of a group across hosts, follow its rank 0."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
 
+from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_state import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.data_parallel import serve_data_parallel
+from pdserve.worker.follower import run_follower
 from pdserve.worker.group.leader import WorkerGroup
 from pdserve.worker.roles import SERVICES
 from pdserve.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
+
+
+def run(config: WorkerConfig) -> int:
+    """The worker process's program: a rank of another host's group (``run_follower``), or a
+    worker with its own ranks, if any (``serve``). Returns the exit status."""
+    if config.placement is not None and not config.placement.is_leader:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        try:
+            return run_follower(config)
+        except RankFailed as error:
+            logger.error("rank %d could not join its group: %s", config.placement.group_index, error)
+            return 1
+    return asyncio.run(serve(config))
 
 
 async def serve(config: WorkerConfig) -> int:

@@ -1,7 +1,8 @@
 """A worker of several ranks: its child processes and rank 0's link to their NIXL agents.
 
 Start-up: rank 0 (the worker process) opens its ``GroupLink``, starts ranks 1..N-1
-(``pdserve.worker.group.rank_main``, handed the link's address), and joins their group; the engine
+(``pdserve.worker.group.rank_main``, handed the link's address) or, across hosts, waits for
+them to come, and joins their group; the engine
 it builds next sends them the KV cache's size, after which each rank starts its agent and
 says hello. Shutdown: the engine stops the ranks' steps, the link closes (their KV services
 end with it), and the processes are waited for, then killed.
@@ -42,7 +43,10 @@ class WorkerGroup:
         """Start ranks 1..N-1 of ``config``'s group and join it as rank 0 (blocks while they load)."""
         parallel = config.parallel
         link = GroupLink(parallel.world_size)
-        host, port = await link.open()
+        # Across hosts the link listens where the worker does, and the ranks dial its advertised address.
+        across = config.placement is not None
+        _, port = await link.open(config.host if across else "127.0.0.1")
+        host = config.reachable_host if across else "127.0.0.1"
         payload = msgspec.msgpack.encode(
             ServingRank(
                 model=config.model,
@@ -58,7 +62,14 @@ class WorkerGroup:
         )
         try:
             # Synchronous on purpose: the rendezvous binds this thread to its device (CUDA).
-            ranks = start_group(parallel, "pdserve.worker.group.rank_main", payload, config.engine.device)
+            ranks = start_group(
+                parallel,
+                "pdserve.worker.group.rank_main",
+                payload,
+                config.engine.device,
+                config.placement,
+                config.reachable_host,
+            )
         except BaseException:
             await link.close()
             raise

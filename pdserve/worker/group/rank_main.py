@@ -17,6 +17,7 @@ import msgspec
 
 from pdserve.discovery.registry import Role
 from pdserve.distributed.parallel_state import ParallelState
+from pdserve.distributed.rank_group import RankStart
 from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import GroupStart
@@ -51,8 +52,9 @@ def agent_name(rank0_name: str, rank: int) -> str:
     return rank0_name if rank == 0 else f"{rank0_name}.rank{rank}"
 
 
-def main() -> int:
-    return run_rank(ServingRank, _run, logger=logger)
+def main(joined: tuple[RankStart, ParallelState] | None = None) -> int:
+    """The rank's program: a child of rank 0, or (``joined``) a rank started on another host."""
+    return run_rank(ServingRank, _run, logger=logger, joined=joined)
 
 
 def _run(program: ServingRank, parallel: ParallelState) -> int:
