@@ -57,7 +57,7 @@ def serve_split(checkpoints, etcd_url, arch: str, parallel: ParallelConfig, opti
         rank1.kill()
         rank1.wait()
         raise
-    return deployment, hf_model, rank1
+    return deployment, hf_model, rank1, port
 
 
 def check_greedy(deployment: Deployment, hf_model, batch: list[list[int]]) -> None:
@@ -83,7 +83,7 @@ def stop(deployment: Deployment, rank1: subprocess.Popen) -> int:
 
 
 def test_a_tensor_parallel_group_with_its_rank_started_separately(checkpoints, etcd_url):
-    deployment, hf_model, rank1 = serve_split(
+    deployment, hf_model, rank1, _ = serve_split(
         checkpoints, etcd_url, "llama", ParallelConfig(tensor_parallel_size=2), ("--tensor-parallel-size", "2")
     )
     try:
@@ -98,7 +98,7 @@ def test_a_tensor_parallel_group_with_its_rank_started_separately(checkpoints, e
 def test_a_data_parallel_group_with_its_rank_started_separately(checkpoints, etcd_url):
     parallel = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
     options = ("--data-parallel-size", "2", "--enable-expert-parallel")
-    deployment, hf_model, rank1 = serve_split(checkpoints, etcd_url, "deepseek_v3", parallel, options)
+    deployment, hf_model, rank1, _ = serve_split(checkpoints, etcd_url, "deepseek_v3", parallel, options)
     try:
         deadline = time.monotonic() + 60
         while len([w for w in deployment.registered() if w.role == "decode"]) < 2:
@@ -110,3 +110,26 @@ def test_a_data_parallel_group_with_its_rank_started_separately(checkpoints, etc
     finally:
         status = stop(deployment, rank1)
     assert status == 0, "rank 1 should drain and stop when rank 0 does"
+
+
+def test_a_lost_rank_fails_its_group_and_a_lost_leader_stops_its_rank(checkpoints, etcd_url):
+    """Either side's death ends the group within seconds: rank 0 leaves the registry and exits
+    non-zero when rank 1 dies; rank 1 exits non-zero when rank 0 dies. Nothing waits on."""
+    deployment, _, rank1, port = serve_split(
+        checkpoints, etcd_url, "llama", ParallelConfig(tensor_parallel_size=2), ("--tensor-parallel-size", "2")
+    )
+    try:
+        leader = deployment.worker("decode")
+        rank1.kill()
+        rank1.wait(10)
+        status = deployment.run(leader.process.wait(), timeout=30)
+        assert status == 1
+        deployment.wait_registered(lambda ws: all(w.role != "decode" for w in ws), 10, "the group leaves the registry")
+        # The group again, its rank 1 first; then rank 0 dies under it.
+        rank1 = start_rank(str(checkpoints("llama")[0]), etcd_url, port, 1, "--tensor-parallel-size", "2")
+        leader = deployment.restart(leader)
+        deployment.wait_registered(lambda ws: any(w.role == "decode" for w in ws), 30, "the group serves again")
+        deployment.kill(leader)
+        assert rank1.wait(30) == 1
+    finally:
+        stop(deployment, rank1)
