@@ -95,8 +95,8 @@ def _leader_only(probe: dict[str, Any]) -> dict[str, Any]:
     action = probe["httpGet"]
     url = f"http://127.0.0.1:{action['port']}{action['path']}"
     script = f'{_IS_FOLLOWER} || exec python -c "$1" "$2"'
-    probe = {k: v for k, v in probe.items() if k != "httpGet"}
-    return {"exec": {"command": ["sh", "-c", script, "probe", _GET, url]}, **probe}
+    timing = {k: v for k, v in probe.items() if k != "httpGet"}
+    return {"exec": {"command": ["sh", "-c", script, "probe", _GET, url]}, **timing}
 
 
 def stateful_set(
