@@ -36,6 +36,8 @@ PROFILE_DIR = "/etc/pdserve/profile"
 BUILTIN_PROFILE = "profile.json"
 WORKER_PORT = 50051
 METRICS_PORT = 9090
+# Where a multi-pod group's leader (rank 0) takes its ranks' rendezvous (the worker's default).
+RENDEZVOUS_PORT = 29500
 # Beyond the drain: closing the server, the NIXL agent and the lease, and the preStop's own start.
 SHUTDOWN_MARGIN_S = 15
 
@@ -136,6 +138,13 @@ def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
 def pod_worker_args() -> list[str]:
     """What only the pod knows; Kubernetes expands ``$(VAR)`` from the container's env."""
     return ["--worker-id", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+
+
+def group_args(leader_host: str, group_size: int) -> list[str]:
+    """What a rank of a multi-pod group adds to its pool's arguments when nothing sets the
+    LeaderWorkerSet env for it: where its leader listens and how many ranks meet there. The
+    rank's own index (``--group-index``) is the pod's to know."""
+    return ["--leader-address", f"{leader_host}:{RENDEZVOUS_PORT}", "--group-size", str(group_size)]
 
 
 def frontend_args(spec: DeploymentSpec, etcd: str) -> list[str]:

@@ -20,12 +20,13 @@ only this one; it ends with the resource (owner references) or with the planner 
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.operator import args as cmd
+from pdserve.operator import groups
 from pdserve.operator.spec import GROUP, KIND, VERSION, DeploymentSpec, PoolSpec
 from pdserve.planner.profile import builtin_profile
 
@@ -273,19 +274,29 @@ def deployment(spec: DeploymentSpec, owner: Owner, component: str, replicas: int
     }
 
 
-def leader_worker_set(spec: DeploymentSpec, owner: Owner, role: str, files: dict[str, str]) -> dict:
-    """A pool whose group spans nodes: one LeaderWorkerSet group per replica, a pod per node."""
+def group_workloads(spec: DeploymentSpec, owner: Owner, role: str, lws: bool, files: dict[str, str]) -> list[dict]:
+    """A pool whose group spans pods (``groups``): its LeaderWorkerSet, else each group's
+    StatefulSet and headless Service (``replicas`` of each: scaling adds or removes groups)."""
     pool: PoolSpec = getattr(spec, role)
     template = pod_template(spec, owner, role, files)
-    return {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": metadata(owner, child_name(owner, role), role),
-        "spec": {
-            "replicas": pool.replicas,
-            "leaderWorkerTemplate": {"size": math.ceil(pool.ranks / pool.gpus_per_node), "workerTemplate": template},
-        },
-    }
+    if lws:
+        return [
+            groups.leader_worker_set(
+                metadata(owner, child_name(owner, role), role), pool.replicas, pool.ranks, template
+            )
+        ]
+    objects = []
+    for index in range(pool.replicas):
+        name = groups.group_name(child_name(owner, role), index)
+        group = {groups.GROUP_LABEL: str(index)}
+        meta = metadata(owner, name, role)
+        meta["labels"] |= group
+        pods = copy.deepcopy(template)
+        pods["metadata"]["labels"] |= group
+        chosen = selector(owner, role) | group
+        objects.append(groups.stateful_set(meta, chosen, pool.ranks, pods, owner.namespace))
+        objects.append(groups.headless_service(copy.deepcopy(meta), chosen))
+    return objects
 
 
 def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any]:
@@ -325,29 +336,20 @@ def planner_role_binding(owner: Owner, cluster_role: str) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Desired:
-    """Every child, plus the pools left out because they need a LeaderWorkerSet that is not installed."""
-
-    objects: list[dict[str, Any]]
-    needs_lws: list[str]
-
-
 def desired_children(
     spec: DeploymentSpec, owner: Owner, etcd: str, lws_installed: bool, planner_role: str | None = None
-) -> Desired:
-    """``planner_role``: the ClusterRole a planner without a service account of its own is bound to."""
+) -> list[dict[str, Any]]:
+    """Every child. ``lws_installed``: whether a pool whose group spans pods runs as a
+    LeaderWorkerSet (else as a StatefulSet per group); ``planner_role``: the ClusterRole a
+    planner without a service account of its own is bound to."""
     files = config_files(spec, owner, etcd)
     objects = [config_map(owner, files)]
-    needs_lws = []
     objects.append(deployment(spec, owner, "frontend", spec.frontend.replicas, files))
     objects.append(service(spec, owner, "frontend"))
     for role in POOLS:
         pool: PoolSpec = getattr(spec, role)
-        if pool.multi_node and not lws_installed:
-            needs_lws.append(role)
-        elif pool.multi_node:
-            objects.append(leader_worker_set(spec, owner, role, files))
+        if pool.multi_node:
+            objects += group_workloads(spec, owner, role, lws_installed, files)
         else:
             objects.append(deployment(spec, owner, role, pool.replicas, files))
         objects.append(service(spec, owner, role))
@@ -360,4 +362,4 @@ def desired_children(
         objects += [planner_service_account(owner), planner_role_binding(owner, planner_role)]
     if spec.planner.enabled:
         objects.append(deployment(spec, owner, "planner", 1, files))
-    return Desired(objects, needs_lws)
+    return objects

@@ -1,7 +1,8 @@
 """The kopf layer: which events trigger a reconcile, how the operator logs in, and the resync.
 
-Every trigger (an event of a PDServeDeployment, an event of a Deployment the operator owns,
-the periodic resync) only names a resource to reconcile; ``Reconciler`` runs at most one
+Every trigger (an event of a PDServeDeployment, an event of a Deployment or StatefulSet the
+operator owns, the periodic resync; a LeaderWorkerSet, an API that may not be installed, is
+seen on the resync) only names a resource to reconcile; ``Reconciler`` runs at most one
 reconcile per resource at a time and folds triggers that arrive meanwhile into one more run.
 The handlers are event handlers, which keep no state on the resource: the operator writes
 nothing to a PDServeDeployment but its status, and needs no finalizer.
@@ -161,8 +162,9 @@ async def resource_event(name: str, namespace: str | None, type: str | None, **_
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY: OPERATOR})
+@kopf.on.event("apps", "v1", "statefulsets", labels={MANAGED_BY: OPERATOR})
 async def child_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    assert namespace is not None  # Deployments are namespaced
+    assert namespace is not None  # Deployments and StatefulSets are namespaced
     owner = labels.get(DEPLOYMENT_LABEL)
     if owner:
         _current().trigger(namespace, owner)

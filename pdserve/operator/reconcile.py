@@ -65,9 +65,9 @@ async def reconcile(kube: Kube, namespace: str, name: str, settings: Settings) -
         await _write_status(kube, path, previous, status)
         return status
 
-    for obj in desired.objects:
+    for obj in desired:
         await asyncio.to_thread(kube.apply, obj)
-    await _prune(kube, namespace, name, desired.objects)
+    await _prune(kube, namespace, name, desired, lws)
 
     observed = await _observe(kube, namespace, spec, desired, generation, body)
     if settings.read_registry:
@@ -103,14 +103,15 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, Any]]) -> None:
-    """Delete the workloads of this resource that the spec no longer asks for (a disabled
-    planner, a pool moved between a Deployment and a LeaderWorkerSet), and a planner's
-    ServiceAccount and RoleBinding once it is gone or runs under a service account of the spec's."""
+async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, Any]], lws: bool) -> None:
+    """Delete the children of this resource that the spec no longer asks for (a disabled
+    planner, a pool moved between a Deployment and a kind for groups that span pods, a group
+    scaled away with its Service), and a planner's ServiceAccount and RoleBinding once it is
+    gone or runs under a service account of the spec's. LeaderWorkerSets only where that API is."""
     keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
     selector = f"{ch.DEPLOYMENT_LABEL}={name},{ch.MANAGED_BY}={ch.OPERATOR}"
-    kinds = ["Deployment", "ServiceAccount", "RoleBinding"]
-    kinds += ["LeaderWorkerSet"] if any(o["kind"] == "LeaderWorkerSet" for o in wanted) else []
+    kinds = ["Deployment", "StatefulSet", "Service", "ServiceAccount", "RoleBinding"]
+    kinds += ["LeaderWorkerSet"] if lws else []
     for kind in kinds:
         for obj in await asyncio.to_thread(kube.list, object_path(kind, namespace), selector):
             if (kind, obj["metadata"]["name"]) not in keep:
@@ -121,50 +122,47 @@ async def _prune(kube: Kube, namespace: str, name: str, wanted: list[dict[str, A
 
 
 async def _observe(
-    kube: Kube, namespace: str, spec: DeploymentSpec, desired: ch.Desired, generation: int, body: dict[str, Any]
+    kube: Kube, namespace: str, spec: DeploymentSpec, desired: list[dict[str, Any]], generation: int, body: dict
 ) -> Observed:
+    """Each component's replicas as its workloads report them. A pool's replicas are its
+    groups: a Deployment's pods, a LeaderWorkerSet's groups, or its StatefulSets, each one group
+    that counts ready (updated) once all its pods are."""
     wanted: dict[str, int] = {}
     ready: dict[str, int] = {}
     updated: dict[str, int] = {}
     stale: list[str] = []
-    for obj in desired.objects:
-        if obj["kind"] not in ("Deployment", "LeaderWorkerSet"):
+    for obj in desired:
+        if obj["kind"] not in ("Deployment", "LeaderWorkerSet", "StatefulSet"):
             continue
         component = obj["metadata"]["labels"][ch.COMPONENT_LABEL]
         live = await asyncio.to_thread(kube.get, object_path(obj["kind"], namespace, obj["metadata"]["name"]))
         live_status = (live or {}).get("status") or {}
-        wanted[component] = obj["spec"]["replicas"]
-        ready[component] = live_status.get("readyReplicas", 0)
-        updated[component] = live_status.get("updatedReplicas", 0)
-        if live is None or live_status.get("observedGeneration", 0) < live["metadata"].get("generation", 0):
+        if obj["kind"] == "StatefulSet":
+            size = obj["spec"]["replicas"]
+            counts = (
+                1,
+                int(live_status.get("readyReplicas", 0) >= size),
+                int(live_status.get("updatedReplicas", 0) >= size),
+            )
+        else:
+            counts = (
+                obj["spec"]["replicas"],
+                live_status.get("readyReplicas", 0),
+                live_status.get("updatedReplicas", 0),
+            )
+        for tally, count in zip((wanted, ready, updated), counts):
+            tally[component] = tally.get(component, 0) + count
+        # A LeaderWorkerSet's status has no observedGeneration.
+        seen = live_status.get("observedGeneration", 0 if obj["kind"] != "LeaderWorkerSet" else None)
+        if live is None or (seen is not None and seen < live["metadata"].get("generation", 0)):
             stale.append(component)
     # Endpoints only once the frontend Service is there: a client can reach nothing before.
     frontend = await asyncio.to_thread(kube.get, object_path("Service", namespace, body["metadata"]["name"]))
     endpoints = None if frontend is None else service_endpoints(frontend, spec.tls is not None)
     problems = []
-    for role in desired.needs_lws:
-        pool = getattr(spec, role)
-        wanted[role] = pool.replicas
-        problems.append(
-            (
-                "LeaderWorkerSetRequired",
-                f"spec.{role}: a group of {pool.ranks} ranks spans more than one node "
-                f"({pool.gpus_per_node} GPUs each); install LeaderWorkerSet (leaderworkerset.x-k8s.io) "
-                f"to run it",
-            )
-        )
     for role in ("prefill", "decode"):
         pool = getattr(spec, role)
-        if pool.multi_node:
-            problems.append(
-                (
-                    "MultiNodeGroupUnsupported",
-                    f"spec.{role}: a group of {pool.ranks} ranks spans nodes ({pool.gpus_per_node} GPUs "
-                    f"each), but a worker's ranks run as processes of its one pod; use at most "
-                    f"{pool.gpus_per_node} ranks a group",
-                )
-            )
-        elif pool.tensor_parallel_size > 1 and pool.data_parallel_size > 1:
+        if pool.tensor_parallel_size > 1 and pool.data_parallel_size > 1:
             problems.append(
                 (
                     "MultiRankUnsupported",

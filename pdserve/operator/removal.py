@@ -3,7 +3,7 @@
 while the operator and etcd still run, so each worker pod's preStop drain can finish.
 
 Contract: ``remove_deployments`` returns once no PDServeDeployment is left in the scope and no
-child of one it deleted (Deployment, LeaderWorkerSet, Service, ConfigMap, pod) is left either;
+child of one it deleted (Deployment, StatefulSet, LeaderWorkerSet, Service, ConfigMap, pod) is left either;
 it raises ``RemovalTimeout`` naming what is still there when its deadline passes first, and
 ``RemovalError`` at once when the API server refuses it a call (401, 403: its RBAC). It
 deletes only the PDServeDeployments: their children go through the garbage collector (they
@@ -36,7 +36,7 @@ POLL_S = 1.0
 # While nothing changes, the wait is reported again this often.
 REPORT_EVERY_S = 10.0
 # Children the garbage collector removes after their PDServeDeployment, in the order reported.
-CHILD_KINDS = ("Deployment", "LeaderWorkerSet", "Service", "ConfigMap", "Pod")
+CHILD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet", "Service", "ConfigMap", "Pod")
 # What a call raises when no answer comes (refused, reset, past its deadline).
 NO_ANSWER = (urllib3.exceptions.HTTPError, OSError, TimeoutError)
 

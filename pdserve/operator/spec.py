@@ -83,7 +83,8 @@ class PoolSpec(_Camel, frozen=True):
 
     @property
     def multi_node(self) -> bool:
-        """Whether one group needs more GPUs than a node has."""
+        """Whether one group needs more GPUs than a node has: then it runs one rank a pod
+        (``operator/groups.py``), else all its ranks in one pod."""
         return self.ranks > self.gpus_per_node
 
 
@@ -198,6 +199,8 @@ def check_spec(spec: DeploymentSpec) -> None:
                 "MoE models: it needs enableExpertParallel: true"
             )
         _check_options(pool.engine_args, f"spec.{role}.engineArgs")
+        if pool.multi_node:
+            _check_one_gpu_a_pod(pool, role)
     _check_options(spec.frontend.args, "spec.frontend.args")
     slo = spec.slo
     for role in ("prefill", "decode"):
@@ -243,6 +246,18 @@ def _check_etcd(etcd: EtcdSpec) -> None:
             if getattr(etcd, name) is not None:
                 raise SpecError(
                     f"spec.etcd.{_camel(name)} needs an https:// endpoint, but spec.etcd.endpoints names {endpoint!r}"
+                )
+
+
+def _check_one_gpu_a_pod(pool: PoolSpec, role: str) -> None:
+    """A group larger than a node runs one rank a pod: ``resources`` asks for one rank's GPUs."""
+    for kind in ("limits", "requests"):
+        quantities = pool.resources.get(kind) or {}
+        for key, value in quantities.items() if isinstance(quantities, dict) else ():
+            if key.endswith("/gpu") and str(value) != "1":
+                raise SpecError(
+                    f"spec.{role}.resources.{kind}.{key}: a group of {pool.ranks} ranks is larger than a node "
+                    f"({pool.gpus_per_node} GPUs) and runs one rank a pod, so a pod takes 1 GPU; got {value}"
                 )
 
 

@@ -26,8 +26,8 @@ class Observed:
     """What one reconcile saw. ``registered`` is None when etcd could not be read."""
 
     generation: int
-    desired: dict[str, int]  # component → replicas asked for
-    ready: dict[str, int]  # component → ready replicas its workload reports
+    desired: dict[str, int]  # component → replicas asked for (a pool's: its groups)
+    ready: dict[str, int]  # component → ready replicas its workloads report (a group: all its pods ready)
     updated: dict[str, int]  # component → replicas on the current pod template
     stale: list[str] = field(default_factory=list)  # workloads whose controller has not seen the latest spec
     registered: dict[str, int] | None = None  # role → workers serving (not draining) in etcd

@@ -24,7 +24,7 @@ def example(name: str) -> dict:
 
 def children(body: dict, lws: bool = False) -> dict[tuple[str, str], dict]:
     desired = desired_children(parse_spec(body), OWNER, ETCD, lws, PLANNER_ROLE)
-    return {(o["kind"], o["metadata"]["name"]): o for o in desired.objects}
+    return {(o["kind"], o["metadata"]["name"]): o for o in desired}
 
 
 def template_hash(objects: dict, name: str) -> str:
@@ -108,17 +108,6 @@ def test_worker_and_frontend_pods_probe_readyz_and_livez_on_the_metrics_port() -
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
     planner = objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["containers"][0]
     assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(planner)
-
-
-def test_a_group_larger_than_a_node_needs_a_leader_worker_set() -> None:
-    body = example("deepseek-v3.yaml")
-    body["spec"]["decode"]["dataParallelSize"] = 16
-    desired = desired_children(parse_spec(body), OWNER, ETCD, lws_installed=False)
-    assert desired.needs_lws == ["decode"]
-    assert not any(o["metadata"]["name"] == "llama-decode" and o["kind"] != "Service" for o in desired.objects)
-    objects = children(body, lws=True)
-    lws = objects[("LeaderWorkerSet", "llama-decode")]
-    assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
 
 
 def test_engine_args_become_options() -> None:

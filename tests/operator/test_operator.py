@@ -12,7 +12,8 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.operator.children import CONFIG_HASH, DEPLOYMENT_LABEL
+from pdserve.operator.children import COMPONENT_LABEL, CONFIG_HASH, DEPLOYMENT_LABEL
+from pdserve.operator.groups import GROUP_LABEL
 from pdserve.operator.kube import Kube, object_path
 from tests.operator.conftest import CHART, delete_key, make_pods_ready, put_worker, wait_for
 
@@ -230,18 +231,64 @@ def test_a_spec_the_schema_cannot_check_is_degraded_naming_the_field(kube, opera
     assert deployment(kube, namespace, f"{name}-decode") is None
 
 
-def test_a_group_larger_than_a_node_says_it_needs_leader_worker_set(kube, operator, namespace) -> None:
+def wide_decode() -> dict[str, Any]:
+    """deepseek-v3.yaml with decode groups of 4 ranks on nodes of 2 GPUs: one rank a pod."""
     body = load(CHART / "examples" / "deepseek-v3.yaml")
-    body["spec"]["decode"]["dataParallelSize"] = 16
-    name = create(kube, namespace, body)["metadata"]["name"]
-    degraded = wait_for(
-        lambda: (c := condition(resource(kube, namespace, name), "Degraded")) and c["status"] == "True" and c,
-        30,
-        "Degraded",
-    )
-    assert degraded["reason"] == "LeaderWorkerSetRequired" and "spec.decode" in degraded["message"]
-    assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node still deploys
+    body["spec"]["decode"] |= {"dataParallelSize": 4, "gpusPerNode": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    return body
+
+
+def test_a_group_larger_than_a_node_runs_as_a_stateful_set_per_group(kube, operator, namespace) -> None:
+    name = create(kube, namespace, wide_decode())["metadata"]["name"]
+    groups = [f"{name}-decode-g{i}" for i in (0, 1)]
+    for group in groups:
+        for kind in ("StatefulSet", "Service"):
+            wait_for(lambda: kube.get(object_path(kind, namespace, group)), 30, f"{kind} {group}")
+    assert deployment(kube, namespace, f"{name}-prefill") is not None  # the pool that fits a node: as before
     assert deployment(kube, namespace, f"{name}-decode") is None
+    # The StatefulSet controller makes each group's pods, named by ordinal, all at once.
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    wait_for(lambda: len(kube.list(pods, f"{GROUP_LABEL}")) == 8, 30, "two groups of 4 pods")
+    assert sorted(p["metadata"]["name"] for p in kube.list(pods, f"{GROUP_LABEL}=1")) == [
+        f"{groups[1]}-{r}" for r in range(4)
+    ]
+    body = wait_for(
+        lambda: condition(resource(kube, namespace, name), "Degraded") and resource(kube, namespace, name),
+        30,
+        "the status",
+    )
+    assert condition(body, "Degraded")["status"] == "False", condition(body, "Degraded")
+    assert body["status"]["decode"]["readyOfDesired"] == "0/2"
+
+    # A group is ready once all its pods are: 3 of 4 is not.
+    decode = f"{DEPLOYMENT_LABEL}={name},{COMPONENT_LABEL}=decode"
+    for pod in kube.list(pods, f"{decode},{GROUP_LABEL}=0")[:3]:
+        make_pods_ready(kube, namespace, f"statefulset.kubernetes.io/pod-name={pod['metadata']['name']}")
+    make_pods_ready(kube, namespace, f"{decode},{GROUP_LABEL}=1")
+    wait_for(
+        lambda: kube.get(object_path("StatefulSet", namespace, groups[0])).get("status", {}).get("readyReplicas") == 3,
+        30,
+        "3 ready pods in group 0",
+    )
+    body = wait_for(
+        lambda: (b := resource(kube, namespace, name)) and b["status"]["decode"]["ready"] == 1 and b,
+        30,
+        "one ready group",
+    )
+    make_pods_ready(kube, namespace, f"{decode},{GROUP_LABEL}=0")
+    wait_for(
+        lambda: resource(kube, namespace, name)["status"]["decode"]["readyOfDesired"] == "2/2", 30, "two ready groups"
+    )
+
+    # Scaling to one group removes the second group's StatefulSet and Service, not the first's.
+    kube.merge_patch(object_path("PDServeDeployment", namespace, name), {"spec": {"decode": {"replicas": 1}}})
+    for kind in ("StatefulSet", "Service"):
+        wait_for(lambda: kube.get(object_path(kind, namespace, groups[1])) is None, 30, f"{kind} {groups[1]} pruned")
+        assert kube.get(object_path(kind, namespace, groups[0])) is not None
+    wait_for(
+        lambda: resource(kube, namespace, name)["status"]["decode"]["readyOfDesired"] == "1/1", 30, "one group of one"
+    )
+    assert kube.get(object_path("Service", namespace, f"{name}-decode")) is not None  # the pool's metrics Service
 
 
 LWS_CRD = {
@@ -271,9 +318,7 @@ def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, op
     kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=LWS_CRD)
     try:
         wait_for(lambda: kube.get(object_path("LeaderWorkerSet", namespace)) is not None, 30, "the LWS API")
-        body = load(CHART / "examples" / "deepseek-v3.yaml")
-        body["spec"]["decode"]["dataParallelSize"] = 16
-        created = create(kube, namespace, body)
+        created = create(kube, namespace, wide_decode())
         name = created["metadata"]["name"]
         lws = wait_for(
             lambda: kube.get(object_path("LeaderWorkerSet", namespace, f"{name}-decode")),
@@ -281,9 +326,16 @@ def test_with_leader_worker_set_installed_a_multi_node_pool_runs_as_one(kube, op
             "the decode LeaderWorkerSet",
         )
         assert lws["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
-        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2 and lws["spec"]["replicas"] == 2
-        degraded = wait_for(lambda: condition(resource(kube, namespace, name), "Degraded"), 30, "the status")
-        # LeaderWorkerSet is no longer the problem; a group larger than a pod's node still is.
-        assert degraded["reason"] == "MultiNodeGroupUnsupported" and "16 ranks" in degraded["message"], degraded
+        group = lws["spec"]["leaderWorkerTemplate"]
+        assert (group["size"], group["restartPolicy"], lws["spec"]["replicas"]) == (4, "RecreateGroupOnPodRestart", 2)
+        assert kube.list(object_path("StatefulSet", namespace)) == []
+        body = wait_for(
+            lambda: condition(resource(kube, namespace, name), "Degraded") and resource(kube, namespace, name),
+            30,
+            "the status",
+        )
+        assert condition(body, "Degraded")["status"] == "False", condition(body, "Degraded")
+        # No LWS controller here: its status reports no ready group, and the pool says so.
+        assert body["status"]["decode"]["readyOfDesired"] == "0/2"
     finally:
         kube.delete(crd_path)

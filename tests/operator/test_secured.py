@@ -31,10 +31,10 @@ def pods(body: dict) -> tuple[dict[str, dict], dict[str, str]]:
     desired = desired_children(parse_spec(body), OWNER, ETCD, False, "planner-role")
     templates = {
         o["metadata"]["labels"]["app.kubernetes.io/component"]: o["spec"]["template"]
-        for o in desired.objects
+        for o in desired
         if o["kind"] == "Deployment"
     }
-    (config,) = [o for o in desired.objects if o["kind"] == "ConfigMap"]
+    (config,) = [o for o in desired if o["kind"] == "ConfigMap"]
     return templates, config["data"]
 
 
@@ -197,5 +197,5 @@ def test_https_etcd_without_a_ca_trusts_the_system_roots() -> None:
 def test_every_secured_child_is_a_valid_kubernetes_object() -> None:
     import kubernetes_validate
 
-    for obj in desired_children(parse_spec(secured()), OWNER, ETCD, False, "planner-role").objects:
+    for obj in desired_children(parse_spec(secured()), OWNER, ETCD, False, "planner-role"):
         kubernetes_validate.validate(obj, "1.25", strict=True)

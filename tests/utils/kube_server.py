@@ -1,5 +1,5 @@
 """A real Kubernetes control plane on loopback for tests: etcd, kube-apiserver and the
-kube-controller-manager's garbage collector, deployment, replicaset and namespace controllers.
+kube-controller-manager's garbage collector, deployment, replicaset, statefulset and namespace controllers.
 
 The v1.20.2 binaries are built once per machine by ``scripts/k8s_test_env.sh`` (``scripts/setup.sh``
 runs it). Without them the tests that need a server fail with the command to run, never skip.
@@ -102,7 +102,7 @@ class KubeServer:
                 "--leader-elect=false",
                 "--port=0",
                 "--secure-port=0",
-                "--controllers=garbagecollector,deployment,replicaset,namespace",
+                "--controllers=garbagecollector,deployment,replicaset,statefulset,namespace",
                 "--profiling=false",
                 "--concurrent-gc-syncs=5",
             ],
