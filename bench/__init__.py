@@ -6,6 +6,7 @@
 - ``chaos``: a soak under steady load while workers are killed and paused and etcd restarts.
 - ``cpu_attention`` / ``cpu_linear``: the CPU attention and linear kernels, against another build.
 - ``default_model``: the default model's load time and ``pdserve generate``, end to end.
+- ``hosts``: a KV pull and a small gloo all_reduce between two hosts (network namespaces) against within one.
 - ``kernels``: the GPU kernels against the device's roofline.
 - ``kv_transfer``: NIXL transfer bandwidth of the KV layouts.
 - ``migration``: a decode worker SIGKILLed under streams of ``pdserve up``.

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -109,10 +110,21 @@ async def contiguous_read(agent: KVAgent, peer: PeerInfo, num_bytes: int) -> flo
     return seconds
 
 
-async def bench_layout(cfg: BenchConfig, reps: int, seed: int) -> dict:
+async def bench_layout(cfg: BenchConfig, reps: int, seed: int, prefill_prefix: Sequence[str] = ()) -> dict:
+    """Pull one request's blocks ``reps`` times from a prefill child started as ``prefill_prefix`` + its argv
+    (``bench.hosts`` gives a prefix that starts it on another host)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))  # the child imports this package from any working directory
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.kv_transfer",
+        "--role",
+        "prefill",
+        "--config",
+        msgspec.json.encode(cfg).decode(),
+    ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.kv_transfer", "--role", "prefill", "--config", msgspec.json.encode(cfg).decode()],
+        [*prefill_prefix, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -170,6 +182,7 @@ def main() -> None:
     )
     parser.add_argument("--role", default="decode", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-prefix", default="[]", help=argparse.SUPPRESS)  # JSON argv list
     args = parser.parse_args()
     # Our output goes to the saved stdout; anything native code prints goes to stderr.
     out = os.fdopen(os.dup(1), "wb")
@@ -185,7 +198,8 @@ def main() -> None:
     results = []
     for name in args.layouts.split(","):
         cfg = BenchConfig(name, args.pool_factor * args.tokens // BLOCK_SIZE, args.progress_delay_us, args.tokens)
-        results.append(asyncio.run(bench_layout(cfg, args.reps, seed=0)))
+        prefix = msgspec.json.decode(args.prefill_prefix, type=list[str])
+        results.append(asyncio.run(bench_layout(cfg, args.reps, seed=0, prefill_prefix=prefix)))
         if not args.json:
             print(results[-1], file=sys.stderr)
     out.write(msgspec.json.encode(results) + b"\n")

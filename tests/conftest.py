@@ -1,5 +1,5 @@
 """Shared fixtures: tiny checkpoints of every architecture, written once per session; real etcd servers
-(plain, and with TLS client certificates and auth)."""
+(plain, and with TLS client certificates and auth); separate hosts as network namespaces."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.hosts import Hosts
+from bench.lib.hosts import unavailable as hosts_unavailable
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.rpc.tls import ClientTLS
 from tests.utils.aio import run_scenario
@@ -105,3 +107,14 @@ def smollm2_reference():
     from tests.utils.gguf_files import Reference, default_model
 
     return Reference(default_model())
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[Hosts]:
+    """Two separate hosts (network namespaces, each with its own address, loopback and /dev/shm);
+    skipped where they cannot be made (not root, no ``ip netns``)."""
+    reason = hosts_unavailable()
+    if reason is not None:
+        pytest.skip(f"separate hosts unavailable: {reason}")
+    with Hosts(2) as hosts:
+        yield hosts

@@ -6,4 +6,5 @@
 - ``report``: medians, ratios, percentiles, and printing a report as JSON or lines.
 - ``kernel_copy``: another version of a CPU kernel's C file, built on its own (``--against``).
 - ``checkpoints``: random-weight checkpoints of named model shapes, written with transformers.
+- ``hosts``: separate hosts on one machine (network namespaces with their own address, loopback and /dev/shm).
 """

@@ -7,7 +7,9 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import numpy as np
@@ -20,15 +22,22 @@ START_TIMEOUT_S = 60.0  # torch import + NIXL/UCX start-up on a busy 2-core mach
 
 
 class PeerProcess:
-    """One peer (``tests.kvtransfer.peer_main``) in a subprocess; owns the process."""
+    """One peer (``tests.kvtransfer.peer_main``) in a subprocess; owns the process.
 
-    def __init__(self, cfg: p.PeerConfig) -> None:
+    ``prefix`` starts it through another program (``Host.enter_argv``: on another host);
+    ``env`` adds to the environment; ``stderr`` is where its native output goes.
+    """
+
+    def __init__(
+        self, cfg: p.PeerConfig, prefix: Sequence[str] = (), env: dict[str, str] | None = None, stderr: IO | None = None
+    ) -> None:
         self.cfg = cfg
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kvtransfer.peer_main", msgspec.json.encode(cfg).decode()],
+            [*prefix, sys.executable, "-m", "tests.kvtransfer.peer_main", msgspec.json.encode(cfg).decode()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=stderr,
             cwd=ROOT,
             env=env,
         )
