@@ -1,0 +1,127 @@
+"""Worker groups whose ranks run on separate hosts, served end to end.
+
+Two hosts (bench/lib/hosts.py: network namespaces with their own address, loopback and
+/dev/shm), so that the rendezvous, gloo and NIXL's pulls cross a network as between machines.
+Host A runs etcd, the frontend, and rank 0 of each group; host B runs rank 1 of whichever
+pool is split. Every process is ``pdserve`` as a user starts it; the client is
+``pdserve generate --target`` on host A, and transformers the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from subprocess import PIPE, STDOUT, Popen
+
+import pytest
+import torch
+
+from bench.lib.hosts import Host, Hosts
+from pdserve.launch.etcd_process import find_etcd
+from tests.utils.checkpoints import VOCAB, reference_greedy
+
+pytestmark = pytest.mark.slow
+PDSERVE = [sys.executable, "-m", "pdserve"]
+ETCD_PORT, FRONTEND_PORT = 2379, 50051
+
+
+@dataclass
+class Server:
+    """A process on a host, its output read on a thread and kept for a failure's report."""
+
+    name: str
+    process: Popen
+    lines: list[str] = field(default_factory=list)
+    listening: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def start(cls, host: Host, name: str, argv: list[str]) -> Server:
+        server = cls(name, host.popen(argv, stdout=PIPE, stderr=STDOUT, text=True))
+        threading.Thread(target=server._read, daemon=True).start()
+        return server
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if "listening on" in line:
+                self.listening.set()
+
+    def wait_listening(self, timeout: float = 180) -> None:
+        if not self.listening.wait(timeout):
+            raise AssertionError(f"{self.name} did not come up:\n{''.join(self.lines[-40:])}")
+
+
+class Cluster:
+    """etcd, frontend, one prefill and one decode group over two hosts."""
+
+    def __init__(self, hosts: Hosts, model: str, prefill: list[str], decode: list[str], split: str) -> None:
+        self.hosts = hosts
+        a, b = hosts[0], hosts[1]
+        self.etcd_url = f"http://{a.address}:{ETCD_PORT}"
+        self.servers: list[Server] = []
+        etcd = [str(find_etcd()), "--data-dir", f"/dev/shm/etcd-{a.namespace}"]
+        etcd += ["--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url]
+        etcd += ["--listen-peer-urls", f"http://{a.address}:2380"]
+        self.servers.append(Server.start(a, "etcd", etcd))
+        common = ["--model", model, "--etcd", self.etcd_url, "--num-threads", "1", "--rendezvous-timeout", "120"]
+        for role, options in (("prefill", prefill), ("decode", decode)):
+            if role != split:
+                self.servers.append(Server.start(a, role, [*PDSERVE, role, *common, "--host", a.address, *options]))
+                continue
+            for index, host in enumerate((a, b)):
+                place = ["--leader-address", a.address, "--group-size", "2", "--group-index", str(index)]
+                argv = [*PDSERVE, role, *common, "--host", host.address, *options, *place]
+                self.servers.append(Server.start(host, f"{role}-rank{index}", argv))
+        frontend = ["--etcd", self.etcd_url, "--host", a.address, "--port", str(FRONTEND_PORT), "--http-port", "0"]
+        self.servers.append(Server.start(a, "frontend", [*PDSERVE, "frontend", *frontend]))
+        for server in self.servers:
+            if server.name in ("prefill", "decode", "prefill-rank0", "decode-rank0", "frontend"):
+                server.wait_listening()
+
+    def generate(self, prompt: list[int], max_tokens: int, deadline_s: float = 60) -> dict:
+        """The completion, retried while the pools are still registering."""
+        argv = [*PDSERVE, "generate", "--target", f"{self.hosts[0].address}:{FRONTEND_PORT}", "--json"]
+        argv += ["--token-ids", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens)]
+        argv += ["--temperature", "0", "--ignore-eos", "--timeout", "60"]
+        deadline = time.monotonic() + deadline_s
+        while True:
+            done = self.hosts[0].run(argv, timeout=90)
+            if done.returncode == 0:
+                return json.loads(done.stdout)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"generate failed: {done.stderr}\n{self.report()}")
+            time.sleep(1)
+
+    def report(self) -> str:
+        return "\n".join(f"--- {s.name} (exit {s.process.poll()}):\n{''.join(s.lines[-20:])}" for s in self.servers)
+
+
+TP2 = ["--tensor-parallel-size", "2"]
+DP2_EP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
+CASES = {
+    # name: (architecture, prefill options, decode options, the pool whose ranks are split)
+    "llama-decode-tp2-over-2-hosts": ("llama", [], TP2, "decode"),
+    "llama-prefill-tp2-over-2-hosts": ("llama", TP2, [], "prefill"),
+    "deepseek-v3-decode-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "decode"),
+    "deepseek-v3-prefill-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "prefill"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_transformers_with_a_group_over_two_hosts(case, checkpoints, two_hosts):
+    arch, prefill, decode, split = CASES[case]
+    path, hf_model = checkpoints(arch)
+    cluster = Cluster(two_hosts, str(path), prefill, decode, split)
+    generator = torch.Generator().manual_seed(17)
+    compared = 0
+    for n in (9, 21, 33, 14):
+        prompt = torch.randint(3, VOCAB, (n,), generator=generator).tolist()
+        result = cluster.generate(prompt, 8)
+        reference, num_clear = reference_greedy(hf_model, prompt, 8)
+        assert result["token_ids"][:num_clear] == reference[:num_clear], (prompt, cluster.report())
+        compared += num_clear
+    assert compared >= 12
