@@ -125,3 +125,55 @@ def test_greedy_tokens_equal_transformers_with_a_group_over_two_hosts(case, chec
         assert result["token_ids"][:num_clear] == reference[:num_clear], (prompt, cluster.report())
         compared += num_clear
     assert compared >= 12
+
+
+def test_a_lost_host_fails_its_group_whose_streams_migrate_and_the_group_comes_back(checkpoints, two_hosts):
+    """Rank 1's host loses its process mid-stream: rank 0 leaves the registry and exits 1 within
+    seconds, the streams it carried finish on the other decode worker with the same greedy
+    tokens, and the group, started again on both hosts, serves."""
+    path, hf_model = checkpoints("llama")
+    cluster = Cluster(two_hosts, str(path), [], TP2, "decode")
+    a = two_hosts[0]
+    spare = ["--model", str(path), "--etcd", cluster.etcd_url, "--num-threads", "1", "--host", a.address]
+    cluster.servers.append(Server.start(a, "spare-decode", [*PDSERVE, "decode", *spare]))
+    cluster.servers[-1].wait_listening()
+    generator = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (9, 13, 17, 21, 25, 29)]
+    results: dict[int, dict] = {}
+
+    def stream(i: int) -> None:
+        results[i] = cluster.generate(prompts[i], 400, deadline_s=120)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)  # the streams are decoding
+    rank0, rank1 = (next(s for s in cluster.servers if s.name == f"decode-rank{i}") for i in (0, 1))
+    killed = time.monotonic()
+    rank1.process.kill()
+    assert rank0.process.wait(30) == 1, cluster.report()
+    lost_after = time.monotonic() - killed
+    for thread in threads:
+        thread.join(180)
+    assert len(results) == len(prompts), cluster.report()
+    migrated = [r for r in results.values() if r["breakdown"].get("migrations", 0) > 0]
+    assert migrated, "no stream was on the group when its rank died"
+    assert all(r["breakdown"]["decode_worker"].startswith("decode-") for r in migrated)
+    for i, result in results.items():
+        assert len(result["token_ids"]) == 400
+        reference, num_clear = reference_greedy(hf_model, prompts[i], 24)
+        assert result["token_ids"][:num_clear] == reference[:num_clear], (i, result["breakdown"])
+    assert lost_after < 30
+    # The group again, on both hosts: it rejoins and serves.
+    common = ["--model", str(path), "--etcd", cluster.etcd_url, "--num-threads", "1", *TP2]
+    for index, host in enumerate(two_hosts):
+        place = ["--leader-address", a.address, "--group-size", "2", "--group-index", str(index)]
+        again = Server.start(
+            host, f"decode-again{index}", [*PDSERVE, "decode", *common, "--host", host.address, *place]
+        )
+        cluster.servers.append(again)
+    cluster.servers[-2].wait_listening()  # rank 0 listens once the group formed and registered
+    assert cluster.servers[-1].process.poll() is None, cluster.report()
+    next(s for s in cluster.servers if s.name == "spare-decode").process.terminate()
+    result = cluster.generate(prompts[0], 8)
+    assert result["breakdown"]["decode_worker"].startswith("decode-") and len(result["token_ids"]) == 8
