@@ -44,7 +44,8 @@ WORKERS_EXAMPLES = f"""examples:
 
 columns: RUN/WAIT requests running and queued; KV the share of KV blocks in use; HELD prompts
 whose KV a prefill worker keeps pinned for a decode worker to pull; UP time since the worker
-started; LEASE seconds left of its etcd lease / its TTL (a live worker renews it every second).
+started; LEASE seconds left of its etcd lease / its TTL (a live worker renews it every second);
+GROUP, for a rank of a data-parallel group, the group (rank 0's id) [this rank/its ranks].
 
 {EXIT_STATUS}
 """
@@ -273,9 +274,11 @@ def run_workers(args: argparse.Namespace) -> int:
                     "draining" if e.draining else "ready",
                     fmt_age(now - e.started_at),
                     f"{ttl[0]}s/{ttl[1]}s" if ttl else None,
+                    f"{e.group_id}[{e.group_rank}/{e.group_size}]" if e.group_id else None,
                 ]
             )
-        print(table(["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE"], rows))
+        headers = ["ROLE", "WORKER", "ENDPOINT", "MODEL", "RUN", "WAIT", "KV", "HELD", "STATE", "UP", "LEASE", "GROUP"]
+        print(table(headers, rows))
         return 0
 
     return run_with_etcd(args, body)

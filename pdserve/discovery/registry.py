@@ -107,11 +107,21 @@ class WorkerEntry(msgspec.Struct, kw_only=True, frozen=True):
     # the model's KV heads (0: MLA, whose latent every rank holds whole) over this many ranks.
     tensor_parallel_size: int = 1
     num_kv_heads: int = 0
+    # The data-parallel group this worker is a rank of, which fails and restarts as a whole:
+    # rank 0's worker id ("" for a worker of no such group, a tensor-parallel group included,
+    # which registers once), how many ranks register in it, and this one's place among them.
+    group_id: str = ""
+    group_size: int = 1
+    group_rank: int = 0
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "role", Role.parse(self.role))  # a str given in code becomes a Role
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
+        if not 0 <= self.group_rank < self.group_size:
+            raise ValueError(f"group_rank must be in [0, group_size={self.group_size}), got {self.group_rank}")
+        if self.group_size > 1 and not self.group_id:
+            raise ValueError(f"group_id must be set for a group of {self.group_size} ranks")
 
     @property
     def key(self) -> str:

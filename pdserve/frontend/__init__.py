@@ -10,6 +10,7 @@
 - ``catalog``: ``ModelCatalog``, the models served and the checks a request passes before routing;
 - ``routing``: ``Routing``, what every flow shares: registry view, router, channels, migration limits;
 - ``router``: ``Router``, which prefill worker (or none) and which decode worker serve a request;
+- ``groups``: ``available``, the workers a new request may go to, a data-parallel group one failure domain;
 - ``kv_fit``: ``kv_misfit``, whether a prefill worker's KV can move to a decode worker at all;
 - ``prefix_index``: ``PrefixIndex``, which prompt prefixes each prefill worker probably has cached;
 - ``channels``: ``WorkerChannels``, one gRPC channel per worker, and ``unavailable_if_closed``;

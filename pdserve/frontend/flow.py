@@ -18,9 +18,9 @@ computes the prompt itself. Every call carries what is left of the request's dea
 
 A decode worker's stream that breaks before the request ends (the worker died, its call
 failed, its pull failed) migrates the request: the flow routes it again, excluding the
-workers that failed it, with the prompt plus every token already streamed
-(``generated_token_ids``), so the KV is rebuilt there or on a prefill worker, and the next
-token continues the client's one stream; the engine counts those tokens for ``max_tokens``
+workers that failed it and their data-parallel groups (``groups``), with the prompt plus
+every token already streamed (``generated_token_ids``), so the KV is rebuilt there or on a
+prefill worker, and the next token continues the client's one stream; the engine counts those tokens for ``max_tokens``
 and the penalties and skips a seeded request's draws for them, so the tokens are those an
 unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
 deadline; then UNAVAILABLE naming every worker tried. Each attempt has its own request id

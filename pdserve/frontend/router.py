@@ -11,6 +11,10 @@
   ``always`` and ``off`` force either way. The model's live knobs, when stored, set the
   threshold in place of the config's.
 
+Every choice is among the workers ``groups.available`` leaves: a data-parallel group is one
+failure domain, so a request that failed on a rank never goes to its siblings, and a group
+missing a rank or draining one gets nothing new.
+
 Registry loads are up to a second old, so the router also counts what it dispatched itself
 since, and takes the larger of the two.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.groups import available
 from pdserve.frontend.kv_fit import KVMisfit, kv_misfit
 from pdserve.frontend.prefix_index import PrefixIndex, block_hashes
 
@@ -50,7 +55,8 @@ class Router:
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose_decode(self, workers: Sequence[WorkerEntry], exclude: Sequence[str] = ()) -> WorkerEntry:
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
+        """The decode worker for a new request; never one of the group of a worker in ``exclude``."""
+        candidates = available(workers, exclude)
         if not candidates:
             raise NoWorker(Role.DECODE)
         return min(candidates, key=lambda w: (self._decode_score(w), self._random.random()))
@@ -73,11 +79,12 @@ class Router:
         ``knobs``: the model's live knobs, if any are stored. ``decode``: the decode worker the
         KV goes to: only prefill workers whose KV heads can move there are candidates
         (``kv_fit``); raises ``KVMisfit``, naming the sizes, when none of the others can.
+        ``exclude``: workers that failed the request; their groups' workers are never chosen.
         """
         mode = self.config.disaggregation
         if mode == "off":
             return None
-        candidates = [w for w in workers if w.worker_id not in exclude and not w.draining]
+        candidates = available(workers, exclude)
         if decode is not None and candidates:
             misfits = [reason for w in candidates if (reason := kv_misfit(w, decode)) is not None]
             if len(misfits) == len(candidates):

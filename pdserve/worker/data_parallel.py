@@ -1,10 +1,11 @@
 """A worker of data-parallel attention ranks (DeepSeek-class models with expert parallelism).
 
 Each rank is a worker of its own: its engine (its own scheduler and KV cache), NIXL agent, gRPC
-server and registry entry — rank 0 under the worker's id, rank r as ``{worker_id}-dp{r}``.
+server and registry entry — rank 0 under the worker's id, rank r as ``{worker_id}-dp{r}``, each
+entry naming the group (``group_id``: rank 0's id; ``group_size``, ``group_rank``).
 Routers choose among them as among any workers of the pool, which is what data-parallel
-attention is: each rank attends over its own requests. What makes them one group is the
-experts: every rank holds a share of each MoE layer's, and their engines step together
+attention is: each rank attends over its own requests, but treat the group as one failure
+domain (``pdserve.frontend.groups``). What makes them one group is the experts: every rank holds a share of each MoE layer's, and their engines step together
 (``EngineLoop``'s lockstep) so that each step's all-to-all has every rank.
 
 Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``),
@@ -68,17 +69,23 @@ async def serve_data_parallel(config: WorkerConfig) -> int:
     )
     assert ranks is not None and ranks.state is not None
     try:
-        return await serve_rank(config, ranks.state, announce=True, on_stop=ranks.stop_ranks)
+        return await serve_rank(config, ranks.state, config.id, announce=True, on_stop=ranks.stop_ranks)
     finally:
         await asyncio.to_thread(ranks.close, config.drain_timeout_s + 10)
 
 
 async def serve_rank(
-    config: WorkerConfig, parallel: ParallelState, *, announce: bool, on_stop: Callable[[], None] | None = None
+    config: WorkerConfig,
+    parallel: ParallelState,
+    group_id: str,
+    *,
+    announce: bool,
+    on_stop: Callable[[], None] | None = None,
 ) -> int:
-    """One rank's worker, until it stops; its exit status (1: it could not serve)."""
+    """One rank's worker of the group whose rank 0 is ``group_id``, until it stops; its exit
+    status (1: it could not serve)."""
     engine = await build_engine(lambda: LLMEngine(config.model, config.engine, parallel=parallel))
-    runtime = WorkerRuntime(config, engine)
+    runtime = WorkerRuntime(config, engine, data_parallel_id=group_id)
     try:
         await runtime.start(SERVICES[config.role])
     except BaseException:
@@ -102,7 +109,7 @@ def main(joined: tuple[RankStart, ParallelState] | None = None, own: WorkerConfi
             config = msgspec.structs.replace(
                 config, host=own.host, advertise_host=own.advertise_host, port=own.port, metrics_port=own.metrics_port
             )
-        return asyncio.run(serve_rank(config, parallel, announce=own is not None))
+        return asyncio.run(serve_rank(config, parallel, start.config.id, announce=own is not None))
 
     return run_rank(
         DataParallelStart, run, logger=logger, log_level=logging.INFO, log_format=_WORKER_LOG_FORMAT, joined=joined

@@ -92,11 +92,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 class WorkerRuntime:
     """Owns a worker's engine loop, NIXL agent, gRPC server, etcd connection and registration."""
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, group: WorkerGroup | None = None) -> None:
-        """``group``: the worker's other ranks, when it has several (``engine`` is rank 0's)."""
+    def __init__(
+        self, config: WorkerConfig, engine: LLMEngine, group: WorkerGroup | None = None, data_parallel_id: str = ""
+    ) -> None:
+        """``group``: the worker's other ranks, when it has several (``engine`` is rank 0's).
+        ``data_parallel_id``: the id of rank 0 of the data-parallel group this worker is a rank of
+        (its registry entry's ``group_id``); "" when it is none."""
         self.config = config
         self.engine = engine
         self.group = group
+        self.data_parallel_id = data_parallel_id
         self.worker_id = config.id
         self.engine_loop = EngineLoop(engine)
         parallel = engine.parallel
@@ -185,6 +190,9 @@ class WorkerRuntime:
             draining=self.draining,
             tensor_parallel_size=engine.parallel.tp_size,
             num_kv_heads=0 if engine.kv_cache_spec.is_mla else engine.model_config.num_kv_heads,
+            group_id=self.data_parallel_id,
+            group_size=engine.parallel.dp_size if self.data_parallel_id else 1,
+            group_rank=engine.parallel.dp_rank if self.data_parallel_id else 0,
         )
 
     def _load(self) -> EngineLoad:

@@ -159,7 +159,10 @@ def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> No
     busy = EngineLoad(running=3, waiting=2, kv_blocks_used=25, kv_blocks_total=100, held_requests=4)
 
     async def scenario() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-        workers = [msgspec.structs.replace(prefill, load=busy), msgspec.structs.replace(decode, draining=True)]
+        workers = [
+            msgspec.structs.replace(prefill, load=busy),
+            msgspec.structs.replace(decode, draining=True, group_id=decode.worker_id, group_size=2),
+        ]
         async with registered(etcd_url, *workers):
             as_json = await pdserve_async("workers", "--model", model, "--json", etcd=etcd_url)
             as_table = await pdserve_async("workers", "--model", model, etcd=etcd_url)
@@ -179,6 +182,8 @@ def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> No
     assert 0 < first["lease_ttl_s"] <= first["lease_granted_ttl_s"] == 5
     assert first["uptime_s"] == pytest.approx(75, abs=30)
     assert workers[1]["draining"] is True
+    assert (first["group_id"], first["group_size"]) == ("", 1)
+    assert (workers[1]["group_id"], workers[1]["group_size"], workers[1]["group_rank"]) == (decode.worker_id, 2, 0)
 
     lines = as_table.stdout.splitlines()
     assert lines[0].split() == [
@@ -193,9 +198,11 @@ def test_workers_json_lists_a_live_registration(etcd_url: str, model: str) -> No
         "STATE",
         "UP",
         "LEASE",
+        "GROUP",
     ]
     assert lines[1].split()[:9] == ["prefill", prefill.worker_id, "10.0.0.1:7001", model, "3", "2", "25%", "4", "ready"]
     assert lines[2].split()[:9] == ["decode", decode.worker_id, "10.0.0.2:7002", model, "0", "0", "0%", "-", "draining"]
+    assert lines[1].split()[-1] == "-" and lines[2].split()[-1] == f"{decode.worker_id}[0/2]"
 
 
 def test_status_shows_pools_latency_against_the_slo_and_the_planners_reasons(etcd_url: str, model: str) -> None:

@@ -126,6 +126,20 @@ def test_roles_are_typed_in_code_and_plain_strings_in_etcd() -> None:
         decode_entry(encode_entry(entry).replace(b'"decode"', b'"chef"'))
 
 
+def test_an_entry_names_its_group_and_one_written_before_groups_still_decodes() -> None:
+    rank = msgspec.structs.replace(make_entry("m", "w-dp1", "decode"), group_id="w", group_size=2, group_rank=1)
+    assert decode_entry(encode_entry(rank)) == rank
+    older = msgspec.json.decode(encode_entry(make_entry("m", "w", "decode")))
+    for field in ("group_id", "group_size", "group_rank"):
+        del older[field]
+    alone = decode_entry(msgspec.json.encode(older))
+    assert (alone.group_id, alone.group_size, alone.group_rank) == ("", 1, 0)
+    with pytest.raises(ValueError, match=r"group_rank must be in \[0, group_size=2\), got 2"):
+        msgspec.structs.replace(rank, group_rank=2)
+    with pytest.raises(ValueError, match="group_id must be set for a group of 2 ranks"):
+        msgspec.structs.replace(rank, group_id="")
+
+
 def test_the_registry_and_the_metrics_read_the_engine_load_without_torch() -> None:
     code = "import sys, pdserve.discovery.registry, pdserve.observability.metrics; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

@@ -54,8 +54,10 @@ def test_every_rank_registers_as_a_worker(groups):
     deployment, _ = groups
     workers = deployment.registered()
     for role in ("prefill", "decode"):
-        ids = sorted(w.worker_id for w in workers if w.role == role)
+        ranks = sorted((w for w in workers if w.role == role), key=lambda w: w.worker_id)
+        ids = [w.worker_id for w in ranks]
         assert len(ids) == 2 and ids[1] == f"{ids[0]}-dp1", ids
+        assert [(w.group_id, w.group_size, w.group_rank) for w in ranks] == [(ids[0], 2, 0), (ids[0], 2, 1)]
 
 
 def test_greedy_tokens_equal_transformers_with_kv_moved_on_every_rank(groups):
@@ -116,6 +118,7 @@ def test_a_dead_rank_takes_its_whole_group_down(checkpoints, etcd_url):
 def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoints, etcd_url):
     hf_model, deployment, rank = _restarting_group(checkpoints, etcd_url, "restart", DP2_EP)
     try:
+        dying = {w.worker_id for w in deployment.registered() if w.role == "decode"}
         prompts = _prompts(12)
         # The whole decode group goes once every stream is under way; its supervisor starts it again.
         results = _streams_across_a_kill(deployment, prompts, rank, after_responses=3)
@@ -124,9 +127,10 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
             tokens, final = result
             reference, num_clear = reference_greedy(hf_model, prompt, STREAM_TOKENS)
             assert tokens[:num_clear] == reference[:num_clear]
-            # Every stream was on the group that died; one may first have moved to the dying
-            # group's other rank (still registered for a moment) and then on again.
+            # Every stream was on the group that died, and moved on to it restarted (new ids),
+            # never to the dying group's other rank, still registered for a moment.
             assert 1 <= final.breakdown.migrations <= 2
+            assert not {m.to_worker for m in final.breakdown.migration_history} & dying, final.breakdown
         deployment.wait_registered(
             lambda ws: (
                 sorted(w.role for w in ws) == ["decode", "decode", "prefill"]
@@ -134,6 +138,55 @@ def test_streams_on_a_group_that_loses_a_rank_migrate_to_it_restarted(checkpoint
             ),
             30,
             "the decode group back, both ranks, and no block held anywhere",
+        )
+    finally:
+        deployment.close()
+
+
+def test_streams_on_a_group_that_loses_a_rank_migrate_to_another_group_never_to_a_sibling(checkpoints, etcd_url):
+    """Two decode groups of 2 DP ranks, streams on all four ranks: killing group A's rank 1 fails
+    A as a whole. Its streams move to group B's ranks, never to A's rank 0, which the router
+    still sees registered (and idle, once its own streams broke) until its lease is gone."""
+    path, hf_model = checkpoints("deepseek_v3")
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=2,
+        model_name=f"{MODEL}-two-groups",
+        disaggregation="always",
+        # Group B must keep its leases on this loaded machine: a stream that broke on a rank
+        # whose lease lapsed would rightly avoid B's other rank too, and with A gone find no group.
+        decode_fields={**DP2_EP, "lease_ttl_s": 10.0},
+    )
+    try:
+        child = deployment.worker("decode", 0)
+        (rank,) = rank_children([child.process.pid], "pdserve.worker.data_parallel")
+        decode = [w for w in deployment.registered() if w.role == "decode"]
+        (leader,) = [w for w in decode if w.endpoint == child.address]
+        group_a = {w.worker_id for w in decode if w.group_id == leader.group_id}
+        assert len(group_a) == 2 and len(decode) == 4, decode
+        prompts = _prompts(14)
+        results = _streams_across_a_kill(deployment, prompts, rank, after_responses=3)
+        moved = 0
+        for prompt, result in zip(prompts, results):
+            assert result is not None, "a stream did not end by its deadline"
+            tokens, final = result
+            reference, num_clear = reference_greedy(hf_model, prompt, STREAM_TOKENS)
+            assert len(tokens) == STREAM_TOKENS and tokens[:num_clear] == reference[:num_clear]
+            b = final.breakdown
+            assert b.decode_worker not in group_a, b
+            assert not {m.to_worker for m in b.migration_history} & group_a, b
+            moved += b.migrations > 0
+        assert moved >= 1, "no stream was on group A when its rank died: the case was not reached"
+        deployment.wait_registered(
+            lambda ws: (
+                sorted(w.role for w in ws) == ["decode", "decode", "prefill"]
+                and not {w.worker_id for w in ws} & group_a
+                and all(w.load.kv_blocks_used == 0 and w.load.held_requests == 0 for w in ws)
+            ),
+            30,
+            "group A gone, group B whole, and no block held anywhere",
         )
     finally:
         deployment.close()

@@ -108,9 +108,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         load: EngineLoad = EngineLoad(),
         tensor_parallel_size: int = 1,
         num_kv_heads: int = 0,
+        group: tuple[str, int, int] = ("", 1, 0),
     ) -> None:
-        """``tensor_parallel_size`` and ``num_kv_heads``: the KV heads' spread its entry reports."""
+        """``tensor_parallel_size`` and ``num_kv_heads``: the KV heads' spread its entry reports;
+        ``group``: its data-parallel group's id and size, and its rank there, as its entry reports."""
         self.worker_id = worker_id
+        self.group = group
         self.tensor_parallel_size = tensor_parallel_size
         self.num_kv_heads = num_kv_heads
         self.role = role
@@ -150,6 +153,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             started_at=time.time(),
             tensor_parallel_size=self.tensor_parallel_size,
             num_kv_heads=self.num_kv_heads,
+            group_id=self.group[0],
+            group_size=self.group[1],
+            group_rank=self.group[2],
         )
         self._etcd = EtcdConnection(etcd_url)
         self._registration = WorkerRegistration(self._etcd, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)

@@ -73,6 +73,24 @@ def test_a_stream_that_breaks_mid_request_goes_on_on_another_decode_worker(
         assert list(continued.generated_token_ids) == EXPECTED[:streamed] and not continued.HasField("kv_source")
 
 
+def test_a_stream_on_a_rank_that_breaks_migrates_to_another_group_never_to_a_sibling(etcd_url: str, model: str) -> None:
+    """d1 and d1-dp1 are one data-parallel group: d1's stream breaks, and the request goes to d2,
+    busier than the idle sibling, which is failing with d1."""
+    failing = FakeWorker("d1", "decode", Script(counting=True, fail_after=3), group=("d1", 2, 0))
+    sibling = FakeWorker("d1-dp1", "decode", Script(counting=True), load=BUSY_DECODE, group=("d1", 2, 1))
+    other = _decode("d2", busy=2)
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [failing, sibling, other], "off") as routing:
+            return await run_flow(await new_flow(routing, model))
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED
+    b = final_of(responses).breakdown
+    assert [(m.from_worker, m.to_worker) for m in b.migration_history] == [("d1", "d2")]
+    assert sibling.decodes == [] and b.decode_worker == "d2"
+
+
 def test_migration_gives_up_after_max_migrations_naming_every_worker_tried(etcd_url: str, model: str) -> None:
     workers = [_decode("d1", fail_after=1), _decode("d2", fail_after=1, busy=1), _decode("d3", fail_after=1, busy=2)]
     received: list[inference_pb2.GenerateResponse] = []
