@@ -1,9 +1,11 @@
-"""The cluster DNS of the one-node test cluster (scripts/k8s_cluster.sh): Service names only.
+"""The cluster DNS of the one-node test cluster (scripts/k8s_cluster.sh): Services and the pods behind headless ones.
 
 A real cluster runs CoreDNS, whose image cannot be had here; the pods of the test cluster
 need only what CoreDNS would tell them about Services: ``NAME.NAMESPACE.svc.CLUSTER_DOMAIN``
 is the Service's cluster IP, or, for a headless Service, the addresses of its ready
-endpoints. Every other name is answered NXDOMAIN at once: nothing on the test cluster may
+endpoints; and ``HOSTNAME.NAME.NAMESPACE.svc.CLUSTER_DOMAIN`` is the address of each endpoint
+that names its pod's hostname (a StatefulSet's pods, whose ``serviceName`` is that headless
+Service). Every other name is answered NXDOMAIN at once: nothing on the test cluster may
 reach another address, and a fast "no" keeps a resolver's search list from waiting.
 
 Usage: python3 k8s_dns.py ADDRESS KUBECTL KUBECONFIG [CLUSTER_DOMAIN]. It re-reads the
@@ -43,18 +45,24 @@ class Names:
             ).stdout
             return json.loads(out)["items"]
 
-        endpoints: dict[tuple[str, str], list[str]] = {}
+        endpoints: dict[tuple[str, str], list[dict]] = {}
         for item in get("endpoints"):
             meta = item["metadata"]
             endpoints[meta["namespace"], meta["name"]] = [
-                address["ip"] for subset in item.get("subsets") or [] for address in subset.get("addresses") or []
+                address for subset in item.get("subsets") or [] for address in subset.get("addresses") or []
             ]
         table: dict[str, list[str]] = {}
         for item in get("services"):
             meta, ip = item["metadata"], item["spec"].get("clusterIP")
-            key = (meta["namespace"], meta["name"])
-            addresses = endpoints.get(key, []) if ip in (None, "", "None") else [ip]
-            table[f"{meta['name']}.{meta['namespace']}.svc.{domain}"] = addresses
+            service = f"{meta['name']}.{meta['namespace']}.svc.{domain}"
+            if ip not in (None, "", "None"):
+                table[service] = [ip]
+                continue
+            addresses = endpoints.get((meta["namespace"], meta["name"]), [])
+            table[service] = [address["ip"] for address in addresses]
+            for address in addresses:
+                if address.get("hostname"):
+                    table[f"{address['hostname']}.{service}"] = [address["ip"]]
         self.table = table
 
 

@@ -28,6 +28,9 @@ scenario's timings in seconds.
   pdserve object but the CRD, and no pdserve process.
 - namespaced (after uninstall): the chart again with its operator watching only its namespace
   (namespace-scoped RBAC): a deployment there serves, one elsewhere is left alone.
+- group: the decode pool as a tensor-parallel group of 3 pods (a StatefulSet, k8s_group_scenarios.py)
+  serves the offline engine's greedy tokens, fails as a whole when a follower pod is deleted,
+  and serves again once its pods are back.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from k8s_chart_scenarios import RELEASE, namespaced, secured, uninstall
+from k8s_group_scenarios import group
 from k8s_e2e import (
     STREAMS,
     Shared,
@@ -246,6 +251,7 @@ SCENARIOS: dict[str, Callable[[Shared], dict[str, float]]] = {
     "secured": secured,
     "uninstall": uninstall,
     "namespaced": namespaced,
+    "group": lambda shared: group(shared.example, Path(tempfile.mkdtemp(prefix="pdserve-group-"))),
 }
 
 

@@ -37,6 +37,15 @@ def add_group_args(parser: argparse.ArgumentParser) -> None:
         help="how long the ranks wait for each other to start, on one host or several "
         "(default: {default:g}s; raise it where the ranks' hosts start far apart)",
     )
+    add_field_option(
+        group,
+        "--collective-timeout",
+        ParallelConfig,
+        "collective_timeout_s",
+        type=duration,
+        help="longest one collective may take: a rank silent for longer (hung, stopped, cut off) fails "
+        "the whole group (default: {default:g}s)",
+    )
 
 
 def group_placement(args: argparse.Namespace) -> GroupPlacement | None:

@@ -38,6 +38,11 @@ WORKER_PORT = 50051
 METRICS_PORT = 9090
 # Where a multi-pod group's leader (rank 0) takes its ranks' rendezvous (the worker's default).
 RENDEZVOUS_PORT = 29500
+# How long a multi-pod group's ranks wait for each other. The kubelet restarts a crashed
+# container after a back-off that grows to 5 minutes, separately for each pod, so after a
+# failure the ranks of a group come back minutes apart: the window must outlast that back-off
+# for them ever to meet (engineArgs.rendezvousTimeout overrides it).
+POD_GROUP_RENDEZVOUS_S = 900
 # Beyond the drain: closing the server, the NIXL agent and the lease, and the preStop's own start.
 SHUTDOWN_MARGIN_S = 15
 
@@ -132,6 +137,8 @@ def worker_args(spec: DeploymentSpec, role: str, etcd: str) -> list[str]:
         argv += ["--data-parallel-size", str(pool.data_parallel_size)]
     if pool.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
+    if pool.multi_node:
+        argv += ["--rendezvous-timeout", str(POD_GROUP_RENDEZVOUS_S)]
     return argv + cluster_tls_args(spec) + etcd_tls_args(spec) + options(pool.engine_args)
 
 

@@ -6,6 +6,7 @@ NIXL; transformers as the reference."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +131,27 @@ def test_a_lost_rank_fails_its_group_and_a_lost_leader_stops_its_rank(checkpoint
         leader = deployment.restart(leader)
         deployment.wait_registered(lambda ws: any(w.role == "decode" for w in ws), 30, "the group serves again")
         deployment.kill(leader)
+        assert rank1.wait(30) == 1
+    finally:
+        stop(deployment, rank1)
+
+
+def test_a_hung_rank_fails_its_group_by_the_collective_deadline(checkpoints, etcd_url):
+    """Rank 1 stopped (SIGSTOP: alive, silent): rank 0's next step waits no longer than
+    --collective-timeout, then the group fails; rank 1, let go again, finds its leader gone."""
+    parallel = ParallelConfig(tensor_parallel_size=2, collective_timeout_s=8)
+    deployment, _, rank1, _ = serve_split(
+        checkpoints, etcd_url, "llama", parallel, ("--tensor-parallel-size", "2", "--collective-timeout", "8")
+    )
+    try:
+        leader = deployment.worker("decode")
+        rank1.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        with pytest.raises(Exception):  # the request fails or migrates nowhere: the only decode group hangs
+            deployment.generate(prompts(7, (9,))[0], timeout=60, max_tokens=8, temperature=0, ignore_eos=True)
+        assert deployment.run(leader.process.wait(), timeout=60) == 1
+        assert time.monotonic() - stopped < 8 + 30
+        rank1.send_signal(signal.SIGCONT)
         assert rank1.wait(30) == 1
     finally:
         stop(deployment, rank1)

@@ -127,3 +127,15 @@ def test_a_stateful_set_probes_its_leader_alone(ordinal: int, status: int, passe
         ran = run_in_pod(command, f"llama-decode-g0-{ordinal}", f"{Path(sys.executable).parent}:/usr/bin:/bin")
         server.shutdown()
     assert (ran.returncode == 0) == passes, ran.stderr
+
+
+def test_a_pod_groups_ranks_wait_out_the_kubelets_back_off_for_each_other() -> None:
+    spec = parse_spec(wide_decode())
+    decode, prefill = (cmd.worker_args(spec, role, "http://etcd:2379") for role in ("decode", "prefill"))
+    window = ["--rendezvous-timeout", str(cmd.POD_GROUP_RENDEZVOUS_S)]
+    assert any(decode[i : i + 2] == window for i in range(len(decode))) and "--rendezvous-timeout" not in prefill
+    assert cmd.POD_GROUP_RENDEZVOUS_S > 300  # the kubelet's longest crash back-off
+    body = wide_decode()
+    body["spec"]["decode"]["engineArgs"] = {"rendezvousTimeout": "30m"}
+    argv = cmd.worker_args(parse_spec(body), "decode", "http://etcd:2379")
+    assert argv[len(argv) - 1 - argv[::-1].index("--rendezvous-timeout") + 1] == "30m"  # the last one wins
