@@ -137,8 +137,9 @@ def test_a_lost_rank_fails_its_group_and_a_lost_leader_stops_its_rank(checkpoint
 
 
 def test_a_hung_rank_fails_its_group_by_the_collective_deadline(checkpoints, etcd_url):
-    """Rank 1 stopped (SIGSTOP: alive, silent): rank 0's next step waits no longer than
-    --collective-timeout, then the group fails; rank 1, let go again, finds its leader gone."""
+    """Rank 1 stopped (SIGSTOP: alive, its connections open, silent) while the group is idle:
+    rank 0 hears nothing from it for --collective-timeout and fails the group; rank 1, let go
+    again, finds its leader gone."""
     parallel = ParallelConfig(tensor_parallel_size=2, collective_timeout_s=8)
     deployment, _, rank1, _ = serve_split(
         checkpoints, etcd_url, "llama", parallel, ("--tensor-parallel-size", "2", "--collective-timeout", "8")
@@ -147,10 +148,9 @@ def test_a_hung_rank_fails_its_group_by_the_collective_deadline(checkpoints, etc
         leader = deployment.worker("decode")
         rank1.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        with pytest.raises(Exception):  # the request fails or migrates nowhere: the only decode group hangs
-            deployment.generate(prompts(7, (9,))[0], timeout=60, max_tokens=8, temperature=0, ignore_eos=True)
         assert deployment.run(leader.process.wait(), timeout=60) == 1
-        assert time.monotonic() - stopped < 8 + 30
+        assert 8 <= time.monotonic() - stopped < 8 + 15
+        deployment.wait_registered(lambda ws: all(w.role != "decode" for w in ws), 10, "the group leaves the registry")
         rank1.send_signal(signal.SIGCONT)
         assert rank1.wait(30) == 1
     finally:

@@ -42,7 +42,8 @@ class WorkerGroup:
     async def start(cls, config: WorkerConfig, agent_name: str) -> WorkerGroup:
         """Start ranks 1..N-1 of ``config``'s group and join it as rank 0 (blocks while they load)."""
         parallel = config.parallel
-        link = GroupLink(parallel.world_size)
+        # A rank silent past the collective deadline would fail the next step anyway: the link says so sooner.
+        link = GroupLink(parallel.world_size, silence_s=parallel.collective_timeout_s)
         # Across hosts the link listens where the worker does, and the ranks dial its advertised address.
         across = config.placement is not None
         _, port = await link.open(config.host if across else "127.0.0.1")

@@ -8,7 +8,10 @@ tells them which peers left, tells the prefill ranks which pins to expect notice
 hears from the prefill ranks when a request's notices are all in (``on_sent``).
 
 A rank whose connection ends has died (or its group is shutting down): its pending answers
-fail at once and ``on_lost`` tells the worker, which cannot serve without it.
+fail at once and ``on_lost`` tells the worker, which cannot serve without it. So does a rank
+that says nothing for ``silence_s`` (each rank says it is alive every second): a stopped or hung
+process keeps its connection open, and would otherwise be found only by the next step's
+collective or pull, or never while the worker is idle.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 from pdserve.kvtransfer import PeerInfo
@@ -25,6 +29,7 @@ from pdserve.worker.group.messages import (
     Message,
     PullDone,
     PullOrder,
+    RankAlive,
     RankHello,
     RankSent,
     read_message,
@@ -40,18 +45,22 @@ class RankLost(RuntimeError):
 
 class GroupLink:
     """``size``: the group's ranks, rank 0 included. ``on_sent(rank, request_id)`` and
-    ``on_lost(reason)`` run on the event loop."""
+    ``on_lost(reason)`` run on the event loop. ``silence_s``: how long a rank may say nothing."""
 
     def __init__(
         self,
         size: int,
         *,
+        silence_s: float = 300.0,
         on_sent: Callable[[int, str], None] = lambda rank, request_id: None,
         on_lost: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.size = size
         self.on_sent = on_sent
         self.on_lost = on_lost
+        self.silence_s = silence_s
+        self._heard: dict[int, float] = {}  # rank -> when it last said anything (monotonic)
+        self._watchdog: asyncio.Task[None] | None = None
         self._server: asyncio.Server | None = None
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._peers: dict[int, PeerInfo] = {}
@@ -64,7 +73,19 @@ class GroupLink:
     async def open(self, host: str = "127.0.0.1") -> tuple[str, int]:
         """Listen on an ephemeral port; returns the address the ranks connect to."""
         self._server = await asyncio.start_server(self._on_connection, host, 0)
+        self._watchdog = asyncio.ensure_future(self._watch_silence())
         return host, self._server.sockets[0].getsockname()[1]
+
+    async def _watch_silence(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for rank, heard in list(self._heard.items()):
+                if now - heard > self.silence_s and rank in self._writers:
+                    logger.error(
+                        "rank %d of the group said nothing for %.0f s: it is stopped or hung", rank, now - heard
+                    )
+                    self._lose(rank)
 
     async def wait_ranks(self, timeout_s: float) -> list[PeerInfo]:
         """Ranks 1..size-1's agent metadata, in rank order, once all have said hello."""
@@ -84,6 +105,7 @@ class GroupLink:
             return
         rank = hello.rank
         self._writers[rank] = writer
+        self._heard[rank] = time.monotonic()
         self._peers[rank] = hello.peer
         if len(self._peers) == self.size - 1:
             self._joined.set()
@@ -92,6 +114,7 @@ class GroupLink:
         self._readers.add(task)
         try:
             while (message := await read_message(reader)) is not None:
+                self._heard[rank] = time.monotonic()
                 self._dispatch(rank, message)
         finally:
             self._readers.discard(task)
@@ -104,20 +127,25 @@ class GroupLink:
                 future.set_result(message)
         elif isinstance(message, RankSent):
             self.on_sent(rank, message.request_id)
+        elif isinstance(message, RankAlive):
+            pass  # its arrival is the news
         else:
             logger.error("rank %d sent rank 0 an unexpected %s", rank, type(message).__name__)
 
     def _lose(self, rank: int) -> None:
+        """Rank ``rank`` is gone: once, whether its link ended or it fell silent first."""
         writer = self._writers.pop(rank, None)
-        if writer is not None:
-            writer.close()
+        self._heard.pop(rank, None)
+        if writer is None:
+            return
+        writer.close()
         for key, future in list(self._pending.items()):
             if key[0] == rank:
                 del self._pending[key]
                 if not future.done():
                     future.set_exception(RankLost(f"rank {rank} is gone"))
         if not self._closed:
-            logger.error("rank %d of the group closed its link", rank)
+            logger.error("rank %d of the group is gone", rank)
             self.on_lost(f"rank {rank} of the group is gone")
 
     # ---- orders ----------------------------------------------------------------------------
@@ -173,6 +201,8 @@ class GroupLink:
     async def close(self) -> None:
         """Close every link and stop listening (the ranks' services end when their link does)."""
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers.values()):

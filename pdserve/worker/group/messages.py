@@ -70,7 +70,14 @@ class RankSent(msgspec.Struct, frozen=True, tag="sent"):
     request_id: str
 
 
-Message = RankHello | PullOrder | PullDone | ForgetPeers | ExpectNotices | RankSent
+class RankAlive(msgspec.Struct, frozen=True, tag="alive"):
+    """A rank to rank 0, every ``ALIVE_INTERVAL_S``: its process runs. A rank that is stopped or
+    hung falls silent, which its link alone can tell rank 0 while no step or pull involves it."""
+
+
+ALIVE_INTERVAL_S = 1.0
+
+Message = RankHello | PullOrder | PullDone | ForgetPeers | ExpectNotices | RankSent | RankAlive
 _decoder = msgspec.msgpack.Decoder(Message)
 
 

@@ -22,10 +22,12 @@ import time
 from pdserve.discovery.registry import Role
 from pdserve.kvtransfer import KVAgent, KVPuller, LayoutMismatch, SentReporter, TransferFailed
 from pdserve.worker.group.messages import (
+    ALIVE_INTERVAL_S,
     ExpectNotices,
     ForgetPeers,
     PullDone,
     PullOrder,
+    RankAlive,
     RankHello,
     RankSent,
     read_message,
@@ -74,16 +76,23 @@ class RankService:
                 self.sent.start()
             reading = asyncio.ensure_future(self._serve(reader))
             stopping = asyncio.ensure_future(self._stop.wait())
+            beating = asyncio.ensure_future(self._beat(self._writer))
             await asyncio.wait([reading, stopping], return_when=asyncio.FIRST_COMPLETED)
-            for future in (reading, stopping):
+            for future in (reading, stopping, beating):
                 future.cancel()
-            await asyncio.gather(reading, stopping, *self._tasks, return_exceptions=True)
+            await asyncio.gather(reading, stopping, beating, *self._tasks, return_exceptions=True)
             await self.puller.close()
         finally:
             self.sent.close()
             if self._writer is not None:
                 self._writer.close()
             await self.agent.close()
+
+    @staticmethod
+    async def _beat(writer: asyncio.StreamWriter) -> None:
+        while not writer.is_closing():
+            write_message(writer, RankAlive())
+            await asyncio.sleep(ALIVE_INTERVAL_S)
 
     def stop(self) -> None:
         """From any thread: end ``run``."""
