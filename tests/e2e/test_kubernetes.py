@@ -78,7 +78,18 @@ def kubeconfig() -> Iterator[str]:
 
 def test_scenarios(kubeconfig: str) -> None:
     """Every scenario; uninstall and namespaced last (they remove the chart and install it again)."""
-    names = ["serve", "scale", "kill-decode", "roll", "etcd-restart", "planner", "secured", "uninstall", "namespaced"]
+    names = [
+        "serve",
+        "scale",
+        "kill-decode",
+        "roll",
+        "etcd-restart",
+        "planner",
+        "secured",
+        "group",
+        "uninstall",
+        "namespaced",
+    ]
     done = subprocess.run(
         ["bash", str(CLUSTER), "exec", sys.executable, str(REPO / "scripts" / "k8s_scenarios.py"), "--json", *names],
         capture_output=True,
