@@ -22,13 +22,13 @@ import argparse
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.lib.machine import describe
 from bench.lib.report import emit, median
+from bench.lib.watched import Watched
 from pdserve.launch.etcd_process import find_etcd, free_port
 from pdserve.model.default_model import resolve_model
 
@@ -37,25 +37,16 @@ _DEADLINE_S = 300.0
 
 
 class Rank:
-    """One ``pdserve decode`` process, its output read on a thread so that the pipe never fills."""
+    """One ``pdserve decode`` process, its output watched (so that the pipe never fills)."""
 
     def __init__(self, argv: list[str]) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.listening = threading.Event()
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if "listening on" in line:
-                self.listening.set()
+        self.output = Watched(self.process)
 
     def wait_listening(self) -> float:
-        if not self.listening.wait(_DEADLINE_S):
-            raise SystemExit("a group did not come up:\n" + "".join(self.lines[-30:]))
+        if not self.output.wait_listening(_DEADLINE_S):
+            raise SystemExit("a group did not come up:\n" + self.output.tail())
         return time.monotonic() - self.started
 
     def kill(self) -> None:

@@ -13,13 +13,14 @@ import json
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from subprocess import PIPE, STDOUT, Popen
 
 import pytest
 import torch
 
 from bench.lib.hosts import Host, Hosts
+from bench.lib.watched import Watched
 from pdserve.launch.etcd_process import find_etcd
 from tests.utils.checkpoints import VOCAB, reference_greedy
 
@@ -30,29 +31,26 @@ ETCD_PORT, FRONTEND_PORT = 2379, 50051
 
 @dataclass
 class Server:
-    """A process on a host, its output read on a thread and kept for a failure's report."""
+    """A process on a host, its output watched and kept for a failure's report."""
 
     name: str
-    process: Popen
-    lines: list[str] = field(default_factory=list)
-    listening: threading.Event = field(default_factory=threading.Event)
+    output: Watched
+
+    @property
+    def process(self) -> Popen:
+        return self.output.process
+
+    @property
+    def lines(self) -> list[str]:
+        return self.output.lines
 
     @classmethod
     def start(cls, host: Host, name: str, argv: list[str]) -> Server:
-        server = cls(name, host.popen(argv, stdout=PIPE, stderr=STDOUT, text=True))
-        threading.Thread(target=server._read, daemon=True).start()
-        return server
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-            if "listening on" in line:
-                self.listening.set()
+        return cls(name, Watched(host.popen(argv, stdout=PIPE, stderr=STDOUT, text=True)))
 
     def wait_listening(self, timeout: float = 180) -> None:
-        if not self.listening.wait(timeout):
-            raise AssertionError(f"{self.name} did not come up:\n{''.join(self.lines[-40:])}")
+        if not self.output.wait_listening(timeout):
+            raise AssertionError(f"{self.name} did not come up:\n{self.output.tail(40)}")
 
 
 class Cluster:
