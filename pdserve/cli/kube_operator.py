@@ -16,7 +16,9 @@ from pdserve.extras import missing_extra
 
 DESCRIPTION = """Reconcile PDServeDeployment resources (pdserve.io/v1alpha1): for each, a ConfigMap
 with the components' arguments, Deployments for the frontend, the prefill and decode pools and
-the planner (LeaderWorkerSets for groups larger than a node), and Services; its status counts
+the planner, and Services. A pool whose worker group is larger than a node runs one rank a pod:
+a LeaderWorkerSet where that API is installed, else a StatefulSet and a headless Service per
+group; its status counts
 ready replicas and the workers registered in etcd, with Available, Progressing and Degraded
 conditions. The CRD and the operator's RBAC come with the Helm chart (charts/pdserve).
 
@@ -35,7 +37,7 @@ EXAMPLES = """examples:
 REMOVE_TIMEOUT = "240s"
 
 REMOVE_DESCRIPTION = """Delete every PDServeDeployment in the scope (every namespace unless --namespace) and wait
-until they and their children are gone: Deployments and LeaderWorkerSets, Services, ConfigMaps,
+until they and their children are gone: Deployments, StatefulSets and LeaderWorkerSets, Services, ConfigMaps,
 and the pods, each of which drains first (its preStop). The garbage collector removes the
 children; the operator and etcd must still run meanwhile, for the drains. The chart's
 pre-delete hook runs this, so `helm uninstall` leaves no pdserve object or process behind
