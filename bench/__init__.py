@@ -5,7 +5,10 @@
 - ``cli_start``: process start to the request at a server, for ``pdserve generate --target``.
 - ``chaos``: a soak under steady load while workers are killed and paused and etcd restarts.
 - ``cpu_attention`` / ``cpu_linear``: the CPU attention and linear kernels, against another build.
+- ``decode_profile``: a batch-1 decode step's device time against its wall time, and kernels per token (GPU).
 - ``default_model``: the default model's load time and ``pdserve generate``, end to end.
+- ``gpu_check`` (run as ``bench/gpu_check.sh``): every GPU check in one run, for a short lease; ``--dry`` on CPU.
+- ``group_start``: a worker group's start, its loss of a rank or of its leader, and its restart.
 - ``hosts``: a KV pull and a small gloo all_reduce between two hosts (network namespaces) against within one.
 - ``kernels``: the GPU kernels against the device's roofline.
 - ``kv_transfer``: NIXL transfer bandwidth of the KV layouts.

@@ -12,6 +12,8 @@ Steps, in this order (correctness first, then the timings):
 - ``decode_b{1,32,128}`` (the kernel roofline runs before batch 128): bench/offline.py on a Llama-3.1-8B-shaped random bf16 checkpoint
   (initialised on the GPU, written to /dev/shm), 128-token prompts and 128 new tokens per
   request, at batch 1, 32 and 128;
+- ``decode_profile`` (after batch 1): bench/decode_profile.py, a batch-1 decode step's device time
+  against its wall time, and kernels per token, on 8 of the 8B shape's layers;
 - ``kernels_bench``: bench/kernels.py, decode attention and GEMMs as a fraction of this GPU's
   measured bandwidth and matmul peak;
 - ``kv_pull``: bench/kv_transfer.py between two processes on this machine (host memory), when
@@ -95,7 +97,12 @@ def plan(out: Path, dry: bool, checkpoint: Path) -> list[Step]:
     batches = (1, 2) if dry else (1, 32, 128)
     decodes = [_decode(f"decode_b{b}", checkpoint, b, dry, first=i == 0) for i, b in enumerate(batches)]
     # The kernel roofline before the largest batch, so that a short budget cuts the latter.
-    steps = [kernel_tests, *decodes[:-1], Step("kernels_bench", bench_argv, 60 if dry else 100, json_stdout=True)]
+    profile_argv = [sys.executable, "-m", "bench.decode_profile", "--json"] + (
+        ["--num-layers", "1", "--tokens", "8"] if dry else []
+    )
+    profile = Step("decode_profile", profile_argv, 120, json_stdout=True)
+    steps = [kernel_tests, decodes[0], profile, *decodes[1:-1]]
+    steps.append(Step("kernels_bench", bench_argv, 60 if dry else 100, json_stdout=True))
     steps.append(decodes[-1])
     kv_argv = [sys.executable, "-m", "bench.kv_transfer", "--json", "--reps", "5"]
     kv_argv += ["--layouts", "smollm2-135m", "--tokens", "304"] if dry else []

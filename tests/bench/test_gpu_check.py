@@ -17,7 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_plan_runs_every_check_of_the_kit(tmp_path):
     steps = {step.name: step for step in plan(tmp_path, dry=False, checkpoint=tmp_path / "ckpt")}
-    assert list(steps) == ["kernel_tests", "decode_b1", "decode_b32", "kernels_bench", "decode_b128", "kv_pull"]
+    assert list(steps) == [
+        "kernel_tests",
+        "decode_b1",
+        "decode_profile",
+        "decode_b32",
+        "kernels_bench",
+        "decode_b128",
+        "kv_pull",
+    ]
     # Compiled kernel tests, slow ones (every architecture's greedy parity) included.
     assert "tests/kernels" in steps["kernel_tests"].argv and "not slow" not in steps["kernel_tests"].argv
     assert "llama-3.1-8b" in steps["decode_b1"].argv and "--model" in steps["decode_b128"].argv
@@ -52,7 +60,9 @@ def test_the_dry_run_passes_and_writes_its_report(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     statuses = {step["name"]: step["status"] for step in report["steps"]}
-    assert statuses == dict.fromkeys(["kernel_tests", "decode_b1", "kernels_bench", "decode_b2", "kv_pull"], "passed")
+    assert statuses == dict.fromkeys(
+        ["kernel_tests", "decode_b1", "decode_profile", "kernels_bench", "decode_b2", "kv_pull"], "passed"
+    )
     decode = next(step for step in report["steps"] if step["name"] == "decode_b2")
     assert (
         decode["result"]["output_tokens"] == 8
