@@ -20,7 +20,8 @@ from pdserve.cli.common import (
     positive_duration,
 )
 from pdserve.cli.planner import add_planner_args, load_planner
-from pdserve.cli.serve import add_frontend_args, add_worker_security_args, frontend_config, worker_security
+from pdserve.cli.frontend_args import add_frontend_args, frontend_config
+from pdserve.cli.serve import add_worker_security_args, worker_security
 from pdserve.discovery.registry import Role
 from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.launch.supervisor import MAX_RESTARTS, RestartPolicy

@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.cli.serve import frontend_config, worker_config
+from pdserve.cli.frontend_args import frontend_config
+from pdserve.cli.serve import worker_config
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import list_workers

@@ -18,7 +18,8 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cli.common import field_default
-from pdserve.cli.serve import frontend_config, worker_config
+from pdserve.cli.frontend_args import frontend_config
+from pdserve.cli.serve import worker_config
 from pdserve.discovery.etcd import close_quietly, connect
 from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.frontend.config import FrontendConfig, RouterConfig

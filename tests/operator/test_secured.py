@@ -116,7 +116,8 @@ def test_the_command_lines_make_configs_with_every_tls_setting_on(mounted: Path)
     # pdserve's own parsers read the arguments files as the pods' `pdserve @FILE` will.
     from pdserve.cli import build_parser
     from pdserve.cli.common import etcd_auth
-    from pdserve.cli.serve import frontend_config, worker_config
+    from pdserve.cli.frontend_args import frontend_config
+    from pdserve.cli.serve import worker_config
 
     _, data = pods(secured())
     parser = build_parser()
