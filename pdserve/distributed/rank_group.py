@@ -128,10 +128,10 @@ class RankGroup:
             self.state = join_group(0, config, store, self.device)
         except Exception as error:
             self.close()
-            where = "" if self.placement is None else f" at port {port}"
+            where = f"; ranks exited: {self.exit_codes()}" if self.placement is None else f" (port {port})"
             raise RankFailed(
-                f"the group of {config.world_size} ranks did not form{where} within "
-                f"{config.rendezvous_timeout_s:.0f} s: {error}; ranks exited: {self.exit_codes()}"
+                f"the group of {config.world_size} ranks did not form within "
+                f"{config.rendezvous_timeout_s:.0f} s: {error}{where}"
             ) from error
         return self.state
 

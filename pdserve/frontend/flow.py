@@ -20,9 +20,9 @@ A decode worker's stream that breaks before the request ends (the worker died, i
 failed, its pull failed) migrates the request: the flow routes it again, excluding the
 workers that failed it and their data-parallel groups (``groups``), with the prompt plus
 every token already streamed (``generated_token_ids``), so the KV is rebuilt there or on a
-prefill worker, and the next token continues the client's one stream; the engine counts those tokens for ``max_tokens``
-and the penalties and skips a seeded request's draws for them, so the tokens are those an
-unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
+prefill worker, and the next token continues the client's one stream; the engine counts
+those tokens for ``max_tokens`` and the penalties and skips a seeded request's draws for them,
+so the tokens are those an unbroken stream would have had. At most ``Routing.max_migrations`` times, within the
 deadline; then UNAVAILABLE naming every worker tried. Each attempt has its own request id
 (``ID``, then ``ID.m1``...), so a late ``Release`` or an old pin never meets a new one; what
 belongs to one attempt lives in its ``Attempt``, made fresh for each.

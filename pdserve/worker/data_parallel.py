@@ -5,8 +5,9 @@ server and registry entry — rank 0 under the worker's id, rank r as ``{worker_
 entry naming the group (``group_id``: rank 0's id; ``group_size``, ``group_rank``).
 Routers choose among them as among any workers of the pool, which is what data-parallel
 attention is: each rank attends over its own requests, but treat the group as one failure
-domain (``pdserve.frontend.groups``). What makes them one group is the experts: every rank holds a share of each MoE layer's, and their engines step together
-(``EngineLoop``'s lockstep) so that each step's all-to-all has every rank.
+domain (``pdserve.frontend.groups``). What makes them one group is the experts: every rank
+holds a share of each MoE layer's, and their engines step together (``EngineLoop``'s
+lockstep) so that each step's all-to-all has every rank.
 
 Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``),
 or with a placement meets ranks started on other hosts (``pdserve.worker.follower``), and they

@@ -26,9 +26,7 @@ def run(config: WorkerConfig) -> int:
     """The worker process's program: a rank of another host's group (``run_follower``), or a
     worker with its own ranks, if any (``serve``). Returns the exit status."""
     if config.placement is not None and not config.placement.is_leader:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        try:
+        try:  # the rank's threads are the leader's, as for a child rank (run_rank)
             return run_follower(config)
         except RankFailed as error:
             logger.error("rank %d could not join its group: %s", config.placement.group_index, error)

@@ -50,7 +50,7 @@ class Leader:
 
     def join(self) -> None:
         self.thread.join(30)
-        assert isinstance(self.error, RankFailed) and f"at port {self.port}" in str(self.error), self.error
+        assert isinstance(self.error, RankFailed) and f"(port {self.port})" in str(self.error), self.error
 
 
 def test_a_rank_whose_group_size_differs_from_the_leaders_is_refused():

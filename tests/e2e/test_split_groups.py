@@ -92,8 +92,7 @@ def test_a_tensor_parallel_group_with_its_rank_started_separately(checkpoints, e
         assert decode.tensor_parallel_size == 2
         check_greedy(deployment, hf_model, prompts(3, (9, 17, 33)))
     finally:
-        status = stop(deployment, rank1)
-    assert status is not None
+        stop(deployment, rank1)  # raises if rank 1 outlives its stopped group
 
 
 def test_a_data_parallel_group_with_its_rank_started_separately(checkpoints, etcd_url):

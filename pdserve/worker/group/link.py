@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pdserve.distributed.parallel_config import COLLECTIVE_TIMEOUT_S
 from pdserve.kvtransfer import PeerInfo
 from pdserve.worker.group.messages import (
     ExpectNotices,
@@ -51,7 +52,7 @@ class GroupLink:
         self,
         size: int,
         *,
-        silence_s: float = 300.0,
+        silence_s: float = COLLECTIVE_TIMEOUT_S,
         on_sent: Callable[[int, str], None] = lambda rank, request_id: None,
         on_lost: Callable[[str], None] = lambda reason: None,
     ) -> None:
