@@ -16,6 +16,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     tensor_parallel_size: int = 1
     # Data-parallel attention: each DP rank runs attention for its own requests with its own
     # KV cache; it only means something with expert parallelism (the ranks share the experts).
+    # With both above 1, each DP rank is a tensor-parallel group of its own.
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     # Expert-parallel load balancing: extra expert replicas per MoE layer, and how many engine
@@ -34,11 +35,6 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(
                 "data_parallel_size > 1 is data-parallel attention for expert-parallel MoE models: "
                 "set enable_expert_parallel (for a dense model, run one worker per replica instead)"
-            )
-        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "data_parallel_size > 1 with tensor_parallel_size > 1 (tensor-parallel attention inside each "
-                "data-parallel rank) is not supported yet: use one or the other"
             )
         if self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")

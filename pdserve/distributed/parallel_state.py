@@ -1,9 +1,13 @@
 """One rank's place in its group, and the collectives the model and the engine call.
 
 Every collective here is called by every rank of its group in the same order: the step loop
-guarantees it (rank 0 broadcasts each step's plan; data-parallel ranks agree on each step
-first; rank 0's plans go over the ``Channel``). A collective that fails (a rank died, or one outlived the group's timeout) raises
+guarantees it (each data-parallel rank's tensor-parallel leader plans its steps and sends the
+plans to its other ranks over a ``Channel``; the data-parallel leaders agree on each step
+first). A collective that fails (a rank died, or one outlived the group's timeout) raises
 ``RankFailed``: the group is finished and its owner tears it down.
+
+Rank r is tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``; expert
+parallelism spans every rank.
 """
 
 from __future__ import annotations
@@ -45,17 +49,27 @@ class ParallelState:
 
     rank: int
     config: ParallelConfig
-    channel: Channel | None = None  # rank 0's messages to the group (None on a single rank)
+    # This data-parallel rank's tensor-parallel leader's step plans to its other ranks.
+    tp_channel: Channel | None = None
+    # Rank 0's commands to the data-parallel leaders (an offline ``LLM``'s prompts).
+    dp_channel: Channel | None = None
     tp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None  # the whole group, on the device's backend
-    cpu_group: dist.ProcessGroup | None = None  # the whole group over gloo: plans and results
+    # The data-parallel leaders over gloo: they agree on each step and gather results.
+    dp_group: dist.ProcessGroup | None = None
     stats: CollectiveStats = field(default_factory=CollectiveStats)
 
     @property
-    def group_channel(self) -> Channel:
-        """``channel``, on a group of more than one rank (the only place it is used)."""
-        assert self.channel is not None, "a single rank has no channel"
-        return self.channel
+    def plans(self) -> Channel:
+        """``tp_channel``, in a tensor-parallel group (the only place it is used)."""
+        assert self.tp_channel is not None, "a rank without tensor-parallel peers has no plans to share"
+        return self.tp_channel
+
+    @property
+    def commands(self) -> Channel:
+        """``dp_channel``, with data-parallel ranks (the only place it is used)."""
+        assert self.dp_channel is not None, "a group without data-parallel ranks has no commands to share"
+        return self.dp_channel
 
     @property
     def world_size(self) -> int:
@@ -89,6 +103,11 @@ class ParallelState:
     def is_driver(self) -> bool:
         """Rank 0: it schedules (or, with data-parallel attention, also gathers the results)."""
         return self.rank == 0
+
+    @property
+    def is_tp_leader(self) -> bool:
+        """Tensor-parallel rank 0 of its data-parallel rank: it schedules that rank's steps."""
+        return self.tp_rank == 0
 
     # -- tensor parallelism --------------------------------------------------------------
 
@@ -159,34 +178,37 @@ class ParallelState:
 
     # -- the whole group ------------------------------------------------------------------
 
+    # -- the data-parallel leaders ----------------------------------------------------------
+
     def max_over_group(self, values: list[int]) -> list[int]:
-        """Each of ``values`` at its largest over the group's ranks (data-parallel ranks agree
-        on a step: whether anyone has tokens, whether anyone stays)."""
-        if self.cpu_group is None:
+        """Each of ``values`` at its largest over the data-parallel leaders (they agree on a
+        step: whether anyone has tokens, whether anyone stays)."""
+        if self.dp_group is None:
             return values
         t = torch.tensor(values, dtype=torch.int64)
-        _timed(self.stats, "dp_step_sync", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        _timed(self.stats, "dp_step_sync", dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.dp_group)
         return t.tolist()
 
     def gather_to_driver(self, message: S, type_: type[S]) -> list[S] | None:
-        """Every rank's ``message``, in rank order, on rank 0 (None elsewhere)."""
-        if self.cpu_group is None:
+        """Every data-parallel leader's ``message``, in data-parallel rank order, on rank 0
+        (None on the others)."""
+        if self.dp_group is None:
             return [message]
         payload = msgspec.msgpack.encode(message)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.dp_size)]
         _timed(
             self.stats,
             "gather",
             dist.all_gather,
             sizes,
             torch.tensor([len(payload)], dtype=torch.int64),
-            group=self.cpu_group,
+            group=self.dp_group,
         )
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.is_driver else None
-        _timed(self.stats, "gather", dist.gather, padded, parts, dst=0, group=self.cpu_group)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.dp_size)] if self.is_driver else None
+        _timed(self.stats, "gather", dist.gather, padded, parts, dst=0, group=self.dp_group)
         if parts is None:  # not the driver
             return None
         return [

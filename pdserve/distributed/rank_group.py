@@ -191,7 +191,7 @@ class RankGroup:
 
 
 def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str) -> ParallelState:
-    """Initialize ``torch.distributed`` for ``rank`` and make the tensor-parallel subgroups.
+    """Initialize ``torch.distributed`` for ``rank`` and make the group's subgroups.
 
     Every rank calls ``new_group`` for every subgroup in the same order, as it requires.
     """
@@ -205,21 +205,25 @@ def join_group(rank: int, config: ParallelConfig, store: dist.Store, device: str
         world_size=config.world_size,
         timeout=timedelta(seconds=config.collective_timeout_s),
     )
-    # Control messages (plans, results) are CPU tensors: a gloo group even where NCCL moves the rest.
-    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    tp = config.tensor_parallel_size
+    tp, dp = config.tensor_parallel_size, config.data_parallel_size
     tp_group = None
-    for dp_rank in range(config.data_parallel_size):
+    for dp_rank in range(dp):
         group = dist.new_group(list(range(dp_rank * tp, (dp_rank + 1) * tp)))
         if rank // tp == dp_rank:
             tp_group = group
+    # Control messages (step agreements, results) are CPU tensors: gloo even where NCCL moves the rest.
+    dp_group = None
+    if dp > 1:
+        leaders = list(range(0, config.world_size, tp))
+        dp_group = dist.group.WORLD if backend == "gloo" and tp == 1 else dist.new_group(leaders, backend="gloo")
     return ParallelState(
         rank=rank,
         config=config,
-        channel=Channel(store),
+        tp_channel=Channel(store, f"tp{rank // tp}") if tp > 1 else None,
+        dp_channel=Channel(store, "dp") if dp > 1 and rank % tp == 0 else None,
         tp_group=tp_group if tp > 1 else None,
         ep_group=dist.group.WORLD if config.enable_expert_parallel else None,
-        cpu_group=cpu_group,
+        dp_group=dp_group if dp > 1 and rank % tp == 0 else None,
     )
 
 

@@ -74,7 +74,7 @@ class LLMEngine:
         spec = setup.kv_spec
         num_blocks = spec.num_blocks_for(kv_budget(cfg, spec, self.device, mc.vocab_size, self.max_model_len))
         if parallel.tp_size > 1:
-            parallel.group_channel.send(GroupStart(num_blocks=num_blocks))
+            parallel.plans.send(GroupStart(num_blocks=num_blocks))
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching=cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, cfg.block_size)

@@ -1,10 +1,12 @@
 """Turns a scheduled batch into model inputs, runs the model, returns the logits to sample.
 
 Inputs are built with numpy on the host and moved to the device once per step. In a
-tensor-parallel group rank 0 plans each step and sends the plan (``StepPlan``) to the other
-ranks, which run the same batch on their share of the model (``follow``). Data-parallel ranks
-each run their own batches; before each step they agree whether anyone has tokens, and a rank
-without any takes part in the expert-parallel exchanges with an empty batch.
+tensor-parallel group its leader (tensor-parallel rank 0) plans each step and sends the plan
+(``StepPlan``) to the other ranks, which run the same batch on their share of the model
+(``follow``). Data-parallel ranks each run their own batches; before each step their leaders
+agree whether anyone has tokens, and a rank without any takes part in the expert-parallel
+exchanges with an empty batch (an ``idle`` plan to its tensor-parallel ranks). The leader
+sends a plan only after that agreement, so its ranks learn the agreed rebalance with it.
 
 On a single rank, requests that become ready for a decode token while the model runs may join
 the run at a layer boundary (``execute``'s ``joiners``; ``DecoderModel.forward`` says how).
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
@@ -38,6 +41,7 @@ class ModelInputs:
     rebalance: bool = False  # re-place the experts after this step
     # (request, tokens) in row order; requests that join the run mid-way are added here.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    plan: StepPlan | None = None  # a tensor-parallel leader's, for its other ranks
 
 
 class ModelRunner:
@@ -49,7 +53,7 @@ class ModelRunner:
         device: torch.device,
         parallel: ParallelState = SINGLE_RANK,
     ) -> None:
-        """``kv`` is rank 0's block tables (None on the other tensor-parallel ranks)."""
+        """``kv`` is the leader's block tables (None on the other tensor-parallel ranks)."""
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
@@ -60,16 +64,16 @@ class ModelRunner:
         # Data-parallel ranks leave together: each says whether it stays, at every step.
         self.staying = True
         self.group_staying = True  # whether any rank stayed, as of the last step
-        self.rebalance_requested = False  # rank 0: re-place the experts after the next step
+        self.rebalance_requested = False  # a leader: re-place the experts after the next step
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInputs:
         """``scheduled`` must list single-token requests first (the scheduler's order)."""
         plan, sampling = self.plan(scheduled)
-        if self.parallel.tp_size > 1:
-            self.parallel.group_channel.send(plan)
         inputs = self.inputs(plan)
         inputs.sampling_requests = sampling
         inputs.scheduled = list(scheduled)
+        if self.parallel.tp_size > 1:
+            inputs.plan = plan
         return inputs
 
     def plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, list[Request]]:
@@ -151,8 +155,10 @@ class ModelRunner:
         rows and sampling requests include them).
         """
         rebalance = inputs.rebalance
-        if self.parallel.dp_size > 1:
+        if self.parallel.dp_size > 1 and self.parallel.is_tp_leader:
             rebalance = self._agree(inputs.input_ids.shape[0])[1]  # this rank has tokens: every rank steps
+        if inputs.plan is not None:
+            self.parallel.plans.send(msgspec.structs.replace(inputs.plan, rebalance=rebalance))
         late = None
         if joiners is not None and self.parallel.world_size == 1:
             late = self._late_join(inputs, joiners)
@@ -195,14 +201,16 @@ class ModelRunner:
         if self.parallel.dp_size > 1:
             busy, rebalance = self._agree(0)
             if busy:
+                if self.parallel.tp_size > 1:
+                    self.parallel.plans.send(StepPlan(idle=True, rebalance=rebalance))
                 self.model.idle_forward()
                 self._stepped(rebalance)
                 return True
         return False
 
     def _agree(self, num_tokens: int) -> tuple[bool, bool]:
-        """Data-parallel ranks: whether any rank has tokens this step, and whether any asked for
-        a rebalance; notes whether any stays."""
+        """Data-parallel leaders: whether any rank has tokens this step, and whether any asked
+        for a rebalance; notes whether any stays."""
         busy, staying, rebalance = self.parallel.max_over_group(
             [num_tokens, int(self.staying), int(self.rebalance_requested)]
         )
@@ -219,14 +227,18 @@ class ModelRunner:
             self.rebalance_requested = False
 
     def follow(self) -> None:
-        """Tensor-parallel ranks but 0: run every step rank 0 plans, until it says stop."""
+        """Tensor-parallel ranks but the leader: run every step it plans, until it says stop."""
         while True:
-            plan = self.parallel.group_channel.receive(StepPlan)
+            plan = self.parallel.plans.receive(StepPlan)
             if plan.stop:
                 return
-            self.execute(self.inputs(plan))
+            if plan.idle:
+                self.model.idle_forward()
+                self._stepped(plan.rebalance)
+            else:
+                self.execute(self.inputs(plan))
 
     def stop_followers(self) -> None:
-        """Rank 0: tell the other tensor-parallel ranks that no more steps come."""
+        """The leader: tell the other tensor-parallel ranks that no more steps come."""
         if self.parallel.tp_size > 1:
-            self.parallel.group_channel.send(StepPlan(stop=True))
+            self.parallel.plans.send(StepPlan(stop=True))

@@ -1,7 +1,8 @@
-"""One step's model inputs as a message: what rank 0 sends the other tensor-parallel ranks.
+"""One step's model inputs as a message: what a tensor-parallel leader sends its other ranks.
 
-The scheduler runs on rank 0 alone; the others hold the same block tables' worth of KV (their
-own heads of it) and run exactly the batch rank 0 plans. The arrays travel as raw bytes.
+The scheduler runs on the leader alone; the others hold the same block tables' worth of KV
+(their own heads of it) and run exactly the batch the leader plans. The arrays travel as raw
+bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_decodes: int = 0
     sample_rows: bytes = b""  # int64 [R]
     rebalance: bool = False  # re-place the experts after this step (load balancing on demand)
+    idle: bool = False  # no tokens here, but data-parallel peers step: join their exchanges
     stop: bool = False  # the group is shutting down: no more steps
 
 
@@ -30,6 +32,6 @@ def array(data: bytes, dtype: type[np.generic]) -> np.ndarray:
 
 
 class GroupStart(msgspec.Struct, frozen=True, kw_only=True):
-    """Rank 0's first message: the facts the other ranks size their KV cache by."""
+    """A tensor-parallel leader's first message: the facts its other ranks size their KV cache by."""
 
     num_blocks: int

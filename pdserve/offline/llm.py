@@ -91,7 +91,7 @@ class LLM:
         if self._group is not None:
             self.engine.close()
             if self.engine.parallel.dp_size > 1:
-                self.engine.parallel.group_channel.send(GenerateCommand(stop=True))
+                self.engine.parallel.commands.send(GenerateCommand(stop=True))
         self._close_group()
 
     def _close_group(self) -> None:
@@ -132,7 +132,7 @@ class LLM:
                 self.engine.check_request(prompt, params)
             except ValueError as error:
                 raise ValueError(f"prompts[{index}]: {error}") from None
-        parallel.group_channel.send(GenerateCommand(prompts=prompt_list, params=params_list))
+        parallel.commands.send(GenerateCommand(prompts=prompt_list, params=params_list))
         return generate_share(self.engine, GenerateCommand(prompts=prompt_list, params=params_list), self._ids)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionChunk]:

@@ -1,8 +1,8 @@
 """The program of ranks 1..N-1 of an offline ``LLM``'s group (``python -m pdserve.offline.rank_main``).
 
-Rank 0 (the ``LLM``) starts them with ``distributed.start_group``. A tensor-parallel rank loads
-its share of the model and runs every step rank 0 plans; a data-parallel rank runs an engine of
-its own and generates its share of each offline ``generate`` call.
+Rank 0 (the ``LLM``) starts them with ``distributed.start_group``. A data-parallel rank's leader
+runs an engine of its own and generates its share of each offline ``generate`` call; any other
+tensor-parallel rank loads its share of the model and runs every step its leader plans.
 """
 
 from __future__ import annotations
@@ -45,14 +45,15 @@ def main() -> int:
 
 
 def _run(program: RankProgram, parallel: ParallelState) -> int:
-    if parallel.dp_size > 1:
+    if parallel.is_tp_leader:  # a data-parallel rank's leader (rank 0 is the LLM itself)
         engine = LLMEngine(program.model, program.engine, parallel=parallel)
         ids = itertools.count()
-        while not (command := parallel.group_channel.receive(GenerateCommand)).stop:
+        while not (command := parallel.commands.receive(GenerateCommand)).stop:
             generate_share(engine, command, ids)
+        engine.close()
     else:
         setup = setup_model(program.model, program.engine, parallel)
-        num_blocks = parallel.group_channel.receive(GroupStart).num_blocks
+        num_blocks = parallel.plans.receive(GroupStart).num_blocks
         kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
         ModelRunner(setup.model, kv_cache, None, setup.device, parallel).follow()
     return 0

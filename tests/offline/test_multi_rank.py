@@ -41,6 +41,20 @@ GROUPS = [
     ("qwen3_moe", dict(tensor_parallel_size=2)),  # experts split by intermediate size
     ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
     ("deepseek_v2_lite", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    # Tensor-parallel attention (MLA heads split) inside each data-parallel rank, experts over all 4.
+    ("deepseek_v3", dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)),
+]
+
+
+# Expert-parallel groups with redundant slots: 8 experts + redundant ones deal evenly over the ranks.
+BALANCED = [
+    ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2)),
+    ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2)),
+    # The agreed rebalance reaches the tensor-parallel ranks of each data-parallel rank with its plan.
+    (
+        "deepseek_v3",
+        dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=4),
+    ),
 ]
 
 
@@ -84,11 +98,13 @@ def test_prefix_hits_and_preemption_in_a_tensor_parallel_group(checkpoints):
         llm.engine.check_idle_integrity()
 
 
-def test_a_data_parallel_rank_without_requests_steps_with_its_peers(checkpoints):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_data_parallel_rank_without_requests_steps_with_its_peers(checkpoints, tp):
     path, hf_model = checkpoints("deepseek_v3")
     prompt = _prompts(5, [21])
-    with LLM(str(path), data_parallel_size=2, enable_expert_parallel=True) as llm:
-        # One prompt: rank 1 has nothing, yet must join every step's all-to-all.
+    with LLM(str(path), data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True) as llm:
+        # One prompt: data-parallel rank 1 has nothing, yet must join every step's all-to-all
+        # (with tp 2, both of its ranks: its leader sends its other rank idle plans).
         _assert_matches_reference(hf_model, prompt, llm.generate(prompt, GREEDY))
         with pytest.raises(ValueError, match=r"prompts\[1\].*outside the vocabulary"):
             llm.generate([[5, 6], [VOCAB + 3]], GREEDY)  # refused before any rank starts
@@ -96,17 +112,11 @@ def test_a_data_parallel_rank_without_requests_steps_with_its_peers(checkpoints)
         _assert_matches_reference(hf_model, prompt, llm.generate(prompt, GREEDY))
 
 
-@pytest.mark.parametrize(
-    "arch,parallel",
-    [
-        ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
-        ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
-    ],
-)
+@pytest.mark.parametrize("arch,parallel", BALANCED, ids=[f"{a}-{'-'.join(map(str, p.values()))}" for a, p in BALANCED])
 def test_load_balancing_moves_experts_and_keeps_the_tokens(checkpoints, arch, parallel):
     path, hf_model = checkpoints(arch)
     prompts = _prompts(6, [5, 16, 17, 40, 33, 1])
-    with LLM(str(path), num_redundant_experts=2, eplb_interval_steps=3, **parallel) as llm:
+    with LLM(str(path), eplb_interval_steps=3, **parallel) as llm:
         before = _moe_placements(llm)
         outputs = llm.generate(prompts, GREEDY)
         after = _moe_placements(llm)
@@ -153,17 +163,11 @@ def test_placement_refuses_slots_that_do_not_divide():
         ExpertPlacement.balanced(8, 2, num_redundant=1)
 
 
-@pytest.mark.parametrize(
-    "arch,parallel",
-    [
-        ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
-        ("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
-    ],
-)
+@pytest.mark.parametrize("arch,parallel", BALANCED, ids=[f"{a}-{'-'.join(map(str, p.values()))}" for a, p in BALANCED])
 def test_load_balancing_on_demand(checkpoints, arch, parallel):
     path, hf_model = checkpoints(arch)
     prompts = _prompts(8, [12, 30, 7, 21])
-    with LLM(str(path), num_redundant_experts=2, **parallel) as llm:
+    with LLM(str(path), **parallel) as llm:
         before = _moe_placements(llm)
         _assert_matches_reference(hf_model, prompts, llm.generate(prompts, GREEDY))
         assert _moe_placements(llm) == before  # no period: nothing moves unasked

@@ -8,7 +8,9 @@ Three ways to run it, by the rank group's shape:
   all-reduce sums them;
 - expert parallelism over data-parallel ranks (DeepSeek with DP attention): each rank has its
   own tokens; an all-to-all sends each (token, expert) pair to the rank holding a replica of
-  the expert and another brings the results back. Shared experts stay local.
+  the expert and another brings the results back. Shared experts stay local. With tensor
+  parallelism inside each data-parallel rank, its ranks hold the same tokens: each sends its
+  own share of them, and the MLP's one all-reduce puts the shares together.
 
 Each layer counts its tokens per expert (``load``) for the expert-parallel load balancer.
 """
@@ -91,6 +93,7 @@ class MoE:
         # Router logits in float32, as the reference implementations compute them.
         router_logits = F.linear(x.float(), self.gate.float())
         weights, expert_ids = self.backend.route(router_logits, self.router, self.correction_bias)
+        # Tensor-parallel ranks count the same tokens: a common factor the placement ignores.
         self.load += torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
         if not self.expert_parallel:
             tokens = self.backend.dispatch(x, weights, expert_ids, self.num_experts)
@@ -142,6 +145,17 @@ class MoE:
         return out.to(x.dtype)
 
     def _all_to_all(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens through their experts, wherever those are; with tensor-parallel
+        peers, this rank's share of them only (zero rows elsewhere, which the all-reduce fills)."""
+        tp, r = self.parallel.tp_size, self.parallel.tp_rank
+        if tp == 1:
+            return self._exchange(x, weights, expert_ids)
+        lo, hi = x.shape[0] * r // tp, x.shape[0] * (r + 1) // tp
+        out = torch.zeros_like(x)
+        out[lo:hi] = self._exchange(x[lo:hi], weights[lo:hi], expert_ids[lo:hi])
+        return out
+
+    def _exchange(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Send each pair to its slot's rank, run it there, and bring the result back."""
         top_k = expert_ids.shape[1]
         slots = self._slots(expert_ids).flatten()

@@ -59,7 +59,7 @@ def main(joined: tuple[RankStart, ParallelState] | None = None) -> int:
 
 def _run(program: ServingRank, parallel: ParallelState) -> int:
     setup = setup_model(program.model, program.engine, parallel)
-    num_blocks = parallel.group_channel.receive(GroupStart).num_blocks
+    num_blocks = parallel.plans.receive(GroupStart).num_blocks
     kv_cache = KVCache(setup.kv_spec, num_blocks, setup.device)
     layout = KVLayout.from_spec(
         setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank
