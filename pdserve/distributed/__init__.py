@@ -9,7 +9,7 @@ on GPU: the same code either way.
 - ``placement``: ``GroupPlacement``, a rank's place in a group whose ranks start separately (msgspec only);
 - ``errors``: ``RankFailed``, the one error a group raises when it can no longer work (standard library only);
 - ``parallel_state``: ``ParallelState`` and ``SINGLE_RANK``, one rank's place in its group and its collectives;
-- ``channel``: ``Channel``, rank 0's ordered messages to the other ranks, over the group's store;
+- ``channel``: ``Channel``, a leader's ordered messages to the ranks it leads, over the group's store;
 - ``rank_group``: ``RankGroup`` and ``start_group``, starting a group's ranks together and tearing them down;
 - ``follower``: ``join_as_follower``, a rank started on its own joining rank 0 at the leader's address;
 - ``interfaces``: which network interface holds an address (the one a group's collectives use);
