@@ -159,25 +159,12 @@ async def _observe(
     # Endpoints only once the frontend Service is there: a client can reach nothing before.
     frontend = await asyncio.to_thread(kube.get, object_path("Service", namespace, body["metadata"]["name"]))
     endpoints = None if frontend is None else service_endpoints(frontend, spec.tls is not None)
-    problems = []
-    for role in ("prefill", "decode"):
-        pool = getattr(spec, role)
-        if pool.tensor_parallel_size > 1 and pool.data_parallel_size > 1:
-            problems.append(
-                (
-                    "MultiRankUnsupported",
-                    f"spec.{role}: tensorParallelSize {pool.tensor_parallel_size} x dataParallelSize "
-                    f"{pool.data_parallel_size}: tensor parallelism inside data-parallel ranks is not "
-                    f"supported yet, so these pods cannot start; use one or the other",
-                )
-            )
     return Observed(
         generation=generation,
         desired=wanted,
         ready=ready,
         updated=updated,
         stale=stale,
-        problems=problems,
         needs_prefill=disaggregation(spec) == "always",
         endpoints=endpoints,
     )

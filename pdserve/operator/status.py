@@ -32,7 +32,6 @@ class Observed:
     stale: list[str] = field(default_factory=list)  # workloads whose controller has not seen the latest spec
     registered: dict[str, int] | None = None  # role → workers serving (not draining) in etcd
     registry_error: str | None = None
-    problems: list[tuple[str, str]] = field(default_factory=list)  # (reason, message) that degrade it
     needs_prefill: bool = False  # the frontend routes every prompt through a prefill worker
     endpoints: dict[str, str] | None = None  # service_endpoints of the frontend Service; None: not there yet
 
@@ -101,11 +100,8 @@ def build_status(observed: Observed, previous: dict[str, Any] | None, now: str) 
             "Progressing", False, "Settled", "every component runs its desired replicas", old_conditions, now
         )
 
-    problems = list(observed.problems)
     if observed.registry_error is not None:
-        problems.append(("RegistryUnreachable", observed.registry_error))
-    if problems:
-        degraded = condition("Degraded", True, problems[0][0], "; ".join(m for _, m in problems), old_conditions, now)
+        degraded = condition("Degraded", True, "RegistryUnreachable", observed.registry_error, old_conditions, now)
     else:
         degraded = condition("Degraded", False, "AsExpected", "no problem observed", old_conditions, now)
     status["conditions"] = [available(observed, old_conditions, now), progressing, degraded]

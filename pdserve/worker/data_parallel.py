@@ -9,7 +9,12 @@ domain (``pdserve.frontend.groups``). What makes them one group is the experts: 
 holds a share of each MoE layer's, and their engines step together (``EngineLoop``'s
 lockstep) so that each step's all-to-all has every rank.
 
-Rank 0 (the worker process) starts ranks 1..D-1 (``python -m pdserve.worker.data_parallel``),
+With tensor parallelism inside each data-parallel rank (TP x DP ranks), rank r is
+tensor-parallel rank ``r % tp`` of data-parallel rank ``r // tp``: the worker is that DP rank's
+TP rank 0, which leads its other TP ranks as a tensor-parallel worker leads its group
+(``pdserve.worker.group.leader.WorkerGroup.lead``), and those run ``serve_follower``.
+
+Rank 0 (the worker process) starts ranks 1..N-1 (``python -m pdserve.worker.data_parallel``),
 or with a placement meets ranks started on other hosts (``pdserve.worker.follower``), and they
 meet within the rendezvous deadline. A stop (SIGTERM, Drain) reaching rank 0 is passed
 on to the others, and the engines leave their lockstep together. A rank that dies fails its
@@ -32,6 +37,8 @@ from pdserve.distributed.rank_program import run_rank
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.group.leader import WorkerGroup, serving_rank
+from pdserve.worker.group.rank_main import serve_follower
 from pdserve.worker.roles import SERVICES
 from pdserve.worker.runtime import WorkerRuntime
 
@@ -51,12 +58,12 @@ class DataParallelStart(msgspec.Struct, frozen=True):
         return self.config.num_threads
 
 
-def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
-    """Rank ``rank``'s own worker configuration: its id, and ports of its own."""
-    if rank == 0:
+def rank_config(config: WorkerConfig, dp_rank: int) -> WorkerConfig:
+    """Data-parallel rank ``dp_rank``'s own worker configuration: its id, and ports of its own."""
+    if dp_rank == 0:
         return config
     return msgspec.structs.replace(
-        config, worker_id=f"{config.id}-dp{rank}", port=0, metrics_port=None if config.metrics_port is None else 0
+        config, worker_id=f"{config.id}-dp{dp_rank}", port=0, metrics_port=None if config.metrics_port is None else 0
     )
 
 
@@ -83,10 +90,16 @@ async def serve_rank(
     announce: bool,
     on_stop: Callable[[], None] | None = None,
 ) -> int:
-    """One rank's worker of the group whose rank 0 is ``group_id``, until it stops; its exit
-    status (1: it could not serve)."""
-    engine = await build_engine(lambda: LLMEngine(config.model, config.engine, parallel=parallel))
-    runtime = WorkerRuntime(config, engine, data_parallel_id=group_id)
+    """One data-parallel rank's worker of the group whose rank 0 is ``group_id``, until it
+    stops; its exit status (1: it could not serve)."""
+    ranks = await WorkerGroup.lead(config, parallel, config.id) if parallel.tp_size > 1 else None
+    try:
+        engine = await build_engine(lambda: LLMEngine(config.model, config.engine, parallel=parallel))
+    except BaseException:
+        if ranks is not None:
+            await ranks.close(None)
+        raise
+    runtime = WorkerRuntime(config, engine, ranks, data_parallel_id=group_id)
     try:
         await runtime.start(SERVICES[config.role])
     except BaseException:
@@ -105,7 +118,9 @@ def main(joined: tuple[RankStart, ParallelState] | None = None, own: WorkerConfi
     which serves at its ``own`` configuration's addresses rather than rank 0's."""
 
     def run(start: DataParallelStart, parallel: ParallelState) -> int:
-        config = rank_config(start.config, parallel.rank)
+        if not parallel.is_tp_leader:
+            return serve_follower(serving_rank(start.config), parallel)
+        config = rank_config(start.config, parallel.dp_rank)
         if own is not None:
             config = msgspec.structs.replace(
                 config, host=own.host, advertise_host=own.advertise_host, port=own.port, metrics_port=own.metrics_port

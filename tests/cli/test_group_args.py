@@ -41,9 +41,8 @@ def test_a_leader_worker_sets_variables_place_the_rank_and_flags_win(monkeypatch
     monkeypatch.setenv("LWS_LEADER_ADDRESS", "group-0.group.ns")
     monkeypatch.setenv("LWS_GROUP_SIZE", "4")
     monkeypatch.setenv("LWS_WORKER_INDEX", "3")
-    options = ("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel")
-    with pytest.raises(ValueError, match="data_parallel_size > 1 with tensor_parallel_size > 1"):
-        config(*options)
+    both = config("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--enable-expert-parallel")
+    assert (both.placement.group_size, both.placement.group_index) == (4, 3)  # DP rank 1's TP rank 1
     placed = config("--tensor-parallel-size", "4")
     assert (placed.placement.leader_host, placed.placement.group_index) == ("group-0.group.ns", 3)
     flags = config(

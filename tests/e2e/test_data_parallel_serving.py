@@ -273,3 +273,49 @@ def _streams_across_a_kill(deployment: Deployment, prompts: list[list[int]], pid
     for t in threads:
         t.join(130)
     return results
+
+
+def test_tensor_parallel_ranks_inside_each_data_parallel_rank_serve_and_fail_together(checkpoints, etcd_url):
+    """DP 2 x TP 2 on each side (4 ranks a worker, the experts over all 4): every DP rank is a
+    worker whose TP ranks pull their own KV; greedy tokens equal transformers'. Killing one TP
+    rank of the decode group takes the whole group down."""
+    path, hf_model = checkpoints("deepseek_v3")
+    both = {"parallel": ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)}
+    deployment = Deployment(
+        str(path),
+        etcd_url,
+        prefill=1,
+        decode=1,
+        model_name=f"{MODEL}-tp-inside",
+        disaggregation="always",
+        prefill_fields=both,
+        decode_fields=both,
+    )
+    try:
+        workers = deployment.registered()
+        assert sorted(w.role for w in workers) == ["decode", "decode", "prefill", "prefill"]
+        assert all(w.tensor_parallel_size == 2 and w.group_size == 2 for w in workers), workers
+        generator = torch.Generator().manual_seed(12)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (9, 17, 33, 24, 12, 28)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(
+                pool.map(lambda p: deployment.generate(p, max_tokens=8, temperature=0, ignore_eos=True), prompts)
+            )
+        for prompt, result in zip(prompts, results):
+            reference, num_clear = reference_greedy(hf_model, prompt, 8)
+            assert result["token_ids"][:num_clear] == reference[:num_clear], prompt
+            assert result["final"].breakdown.disaggregated
+        served = {r["final"].breakdown.decode_worker for r in results}
+        assert len(served) == 2, served  # both decode DP ranks, each a TP group, decoded
+        deployment.wait_registered(_idle, 15, "every block free again on every rank")
+
+        worker = deployment.worker("decode")
+        followers = rank_children([worker.process.pid], "pdserve.worker.data_parallel")
+        assert len(followers) == 3, followers  # DP rank 0's TP rank 1, and DP rank 1's two ranks
+        os.kill(followers[-1], signal.SIGKILL)
+        deployment.wait_registered(
+            lambda ws: sorted(w.role for w in ws) == ["prefill", "prefill"], 60, "both decode ranks gone"
+        )
+        assert deployment.run(worker.process.wait(), timeout=60) == 1
+    finally:
+        deployment.close()

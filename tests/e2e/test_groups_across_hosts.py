@@ -54,9 +54,12 @@ class Server:
 
 
 class Cluster:
-    """etcd, frontend, one prefill and one decode group over two hosts."""
+    """etcd, frontend, one prefill and one decode group over two hosts; the ``split`` pool's
+    group of ``size`` ranks has its first half on host A and the rest on host B."""
 
-    def __init__(self, hosts: Hosts, model: str, prefill: list[str], decode: list[str], split: str) -> None:
+    def __init__(
+        self, hosts: Hosts, model: str, prefill: list[str], decode: list[str], split: str, size: int = 2
+    ) -> None:
         self.hosts = hosts
         a, b = hosts[0], hosts[1]
         self.etcd_url = f"http://{a.address}:{ETCD_PORT}"
@@ -70,8 +73,9 @@ class Cluster:
             if role != split:
                 self.servers.append(Server.start(a, role, [*PDSERVE, role, *common, "--host", a.address, *options]))
                 continue
-            for index, host in enumerate((a, b)):
-                place = ["--leader-address", a.address, "--group-size", "2", "--group-index", str(index)]
+            for index in range(size):
+                host = a if index < size // 2 else b
+                place = ["--leader-address", a.address, "--group-size", str(size), "--group-index", str(index)]
                 argv = [*PDSERVE, role, *common, "--host", host.address, *options, *place]
                 self.servers.append(Server.start(host, f"{role}-rank{index}", argv))
         frontend = ["--etcd", self.etcd_url, "--host", a.address, "--port", str(FRONTEND_PORT), "--http-port", "0"]
@@ -101,19 +105,21 @@ class Cluster:
 TP2 = ["--tensor-parallel-size", "2"]
 DP2_EP = ["--data-parallel-size", "2", "--enable-expert-parallel"]
 CASES = {
-    # name: (architecture, prefill options, decode options, the pool whose ranks are split)
-    "llama-decode-tp2-over-2-hosts": ("llama", [], TP2, "decode"),
-    "llama-prefill-tp2-over-2-hosts": ("llama", TP2, [], "prefill"),
-    "deepseek-v3-decode-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "decode"),
-    "deepseek-v3-prefill-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "prefill"),
+    # name: (architecture, prefill options, decode options, the pool whose ranks are split, its ranks)
+    "llama-decode-tp2-over-2-hosts": ("llama", [], TP2, "decode", 2),
+    "llama-prefill-tp2-over-2-hosts": ("llama", TP2, [], "prefill", 2),
+    "deepseek-v3-decode-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "decode", 2),
+    "deepseek-v3-prefill-dp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, DP2_EP, "prefill", 2),
+    # A data-parallel rank's two tensor-parallel ranks on each host; TP 1 prefill ranks feed them.
+    "deepseek-v3-decode-dp2xtp2-ep-over-2-hosts": ("deepseek_v3", DP2_EP, [*DP2_EP, *TP2], "decode", 4),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_equal_transformers_with_a_group_over_two_hosts(case, checkpoints, two_hosts):
-    arch, prefill, decode, split = CASES[case]
+    arch, prefill, decode, split, size = CASES[case]
     path, hf_model = checkpoints(arch)
-    cluster = Cluster(two_hosts, str(path), prefill, decode, split)
+    cluster = Cluster(two_hosts, str(path), prefill, decode, split, size)
     generator = torch.Generator().manual_seed(17)
     compared = 0
     for n in (9, 21, 33, 14):
