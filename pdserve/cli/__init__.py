@@ -5,6 +5,7 @@
 - ``up``: ``pdserve up``, a whole deployment on this machine;
 - ``serve``: ``pdserve prefill|decode|frontend``, one server process;
 - ``frontend_args``: the ``pdserve frontend`` options (shared with ``pdserve up``) and the ``FrontendConfig`` they build;
+- ``secrets``: each secret option's ``-file`` form and environment variable, which keep it out of ``ps``;
 - ``group_args``: a worker rank's place in a group across hosts (options, or a LeaderWorkerSet's variables);
 - ``slo``, ``knobs``: ``pdserve slo|knobs set|show|...``, a model's targets and live settings in etcd;
 - ``status``: ``pdserve status``, one screen per model;

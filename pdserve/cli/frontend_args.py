@@ -43,7 +43,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY",
         help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
-        "comma-separated); without any key the APIs are open",
+        "comma-separated); without any key the APIs are open. Visible to every user of the machine in `ps`: "
+        "prefer --api-key-file or $PDSERVE_API_KEYS",
     )
     keys.add_argument(
         "--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)"
