@@ -7,6 +7,8 @@ nowhere else; an option that defaults to one names it in its help. Standard libr
 - ``PDSERVE_API_KEY``: the key a client presents (``api_key``); ``PDSERVE_API_KEYS``: the keys a
   frontend accepts, comma-separated (``api_keys``);
 - ``PDSERVE_ADMIN_KEY``: the key that drains a worker (``admin_key``);
+- ``PDSERVE_LOG_LEVEL``, ``PDSERVE_LOG_FORMAT``: the defaults of ``--log-level`` and
+  ``--log-format`` (``log_setting``), which the ``pdserve`` command exports for its children;
 - ``PDSERVE_CACHE_DIR``: pdserve's cache directory (``cache_dir``);
 - ``PDSERVE_KERNEL_DIR``: a read-only directory of prebuilt CPU kernels, looked in before the
   cache (``kernel_dir``; the CPU image sets it);
@@ -56,6 +58,19 @@ def api_keys() -> list[str]:
 
 def admin_key() -> str | None:
     return _read("PDSERVE_ADMIN_KEY")
+
+
+LOG_SETTINGS = {"log_level": "PDSERVE_LOG_LEVEL", "log_format": "PDSERVE_LOG_FORMAT"}
+
+
+def log_setting(setting: str) -> str | None:
+    """``$PDSERVE_LOG_LEVEL`` for ``"log_level"``, ``$PDSERVE_LOG_FORMAT`` for ``"log_format"``."""
+    return _read(LOG_SETTINGS[setting])
+
+
+def log_env(level: str, log_format: str) -> dict[str, str]:
+    """The variables that hand ``--log-level`` and ``--log-format`` down to child processes."""
+    return {LOG_SETTINGS["log_level"]: level, LOG_SETTINGS["log_format"]: log_format}
 
 
 def cache_dir() -> str | None:

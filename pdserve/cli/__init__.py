@@ -5,6 +5,7 @@
 - ``up``: ``pdserve up``, a whole deployment on this machine;
 - ``serve``: ``pdserve prefill|decode|frontend``, one server process;
 - ``frontend_args``: the ``pdserve frontend`` options (shared with ``pdserve up``) and the ``FrontendConfig`` they build;
+- ``secrets``: each secret option's ``-file`` form and environment variable, which keep it out of ``ps``;
 - ``group_args``: a worker rank's place in a group across hosts (options, or a LeaderWorkerSet's variables);
 - ``slo``, ``knobs``: ``pdserve slo|knobs set|show|...``, a model's targets and live settings in etcd;
 - ``status``: ``pdserve status``, one screen per model;
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import os
 import sys
 
+from pdserve import environment
 from pdserve.extras import MissingExtra
 from pdserve.lifecycle import die_with_parent
+from pdserve.observability import logs
 
 # The module that adds each command, in the order ``pdserve --help`` lists them.
 COMMANDS = {
@@ -67,12 +70,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         # `pdserve @FILE` reads arguments from FILE, one a line: how the operator's pods get theirs.
         fromfile_prefix_chars="@",
     )
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    _add_log_args(parser, environment.log_setting("log_level") or "WARNING", environment.log_setting("log_format"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [COMMANDS[command]] if command is not None else list(dict.fromkeys(COMMANDS.values()))
     for name in modules:
         importlib.import_module(f"pdserve.cli.{name}").add_parser(commands)
+    for subparser in commands.choices.values():  # after the command too: `pdserve up --log-format json`
+        _add_log_args(subparser, argparse.SUPPRESS, argparse.SUPPRESS)
     return parser
+
+
+def _add_log_args(parser: argparse.ArgumentParser, level: str, log_format: str | None) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=level,
+        metavar="LEVEL",
+        help="debug, info, warning, error or critical (default: $PDSERVE_LOG_LEVEL, else warning); "
+        "`pdserve up` passes it to every process it starts",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=log_format or "text",
+        choices=logs.LOG_FORMATS,
+        help="text, or json: one JSON object a line with time, level, logger, message and, where known, "
+        "request_id and worker_id (default: $PDSERVE_LOG_FORMAT, else text); `pdserve up` passes it on",
+    )
 
 
 def command_in(argv: list[str]) -> str | None:
@@ -89,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_in(argv))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent()
     try:
+        logs.configure(args.log_level, args.log_format)
+        os.environ.update(environment.log_env(args.log_level, args.log_format))  # for the children it starts
         return args.func(args)
     except (ValueError, FileNotFoundError, MissingExtra) as error:  # a CheckpointError is a ValueError
         print(f"pdserve {args.command}: error: {error}", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from pdserve.cli.secrets import add_secret_option, secret
 from pdserve.environment import ETCD_AUTH_SETTINGS, etcd_auth_setting
 from pdserve.rpc.tls import DEFAULT_CLUSTER_SERVER_NAME, ClientTLS, ClusterTLS
 from pdserve.types.duration import parse_duration
@@ -215,10 +216,8 @@ def add_etcd_auth_args(parser: argparse.ArgumentParser) -> None:
         "registry of a `pdserve up` given cluster certificates (default: $PDSERVE_ETCD_SERVER_NAME)",
     )
     group.add_argument("--etcd-user", metavar="NAME", help="etcd user, with auth enabled (default: $PDSERVE_ETCD_USER)")
-    group.add_argument(
-        "--etcd-password",
-        metavar="PASSWORD",
-        help="the etcd user's password (default: $PDSERVE_ETCD_PASSWORD, which keeps it out of the process list)",
+    add_secret_option(
+        group, "--etcd-password", env="PDSERVE_ETCD_PASSWORD", metavar="PASSWORD", help="the etcd user's password"
     )
 
 
@@ -230,6 +229,7 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
     from pdserve.discovery.etcd_auth import EtcdAuth
 
     given = {name: getattr(args, name, None) or etcd_auth_setting(name) for name in ETCD_AUTH_SETTINGS}
+    given["etcd_password"] = secret(args, "etcd_password", etcd_auth_setting("etcd_password"))
     tls = None
     if given["etcd_cacert"] or given["etcd_cert"] or given["etcd_key"] or given["etcd_server_name"]:
         tls = ClientTLS(
@@ -244,7 +244,7 @@ def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
 
 def given_etcd_auth_options(args: argparse.Namespace) -> list[str]:
     """The etcd TLS and auth options given on the command line (not from the environment)."""
-    return [name for name in ETCD_AUTH_SETTINGS if getattr(args, name, None)]
+    return [name for name in (*ETCD_AUTH_SETTINGS, "etcd_password_file") if getattr(args, name, None)]
 
 
 def absolute(path: str | None) -> str | None:

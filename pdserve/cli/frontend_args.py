@@ -43,10 +43,22 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY",
         help="a key clients must present on both public APIs (repeatable; also $PDSERVE_API_KEYS, "
-        "comma-separated); without any key the APIs are open",
+        "comma-separated); without any key the APIs are open. Visible to every user of the machine in `ps`: "
+        "prefer --api-key-file or $PDSERVE_API_KEYS",
     )
     keys.add_argument(
         "--api-key-file", metavar="FILE", help="more keys, one a line (blank lines and #comments skipped)"
+    )
+    add_field_option(
+        keys,
+        "--cache-salt-from-key",
+        FrontendConfig,
+        "cache_salt_from_key",
+        action="store_true",
+        help="isolate each API key's prefix cache: its requests run under a salt derived from the key (a keyed "
+        "hash, never the key), so no key's requests share cached blocks with, or can time, another's. A request's "
+        "own cache_salt is appended to its key's salt, never used instead of it, so no tenant can pick another's "
+        "salt (default: off; requests share blocks unless they send different cache_salt values)",
     )
     add_field_option(
         keys,

@@ -14,6 +14,7 @@ import sys
 import time
 
 from pdserve import environment
+from pdserve.cli.secrets import add_secret_option, secret
 from pdserve.cli.common import absolute, add_engine_args, from_options, token_ids
 from pdserve.rpc.tls import ClientTLS
 from pdserve.types.engine_config import EngineConfig
@@ -61,12 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--model-name", default="", help="--target: the served model (default: the only one)")
-    gen.add_argument(
-        "--api-key",
-        default=environment.api_key(),
-        metavar="KEY",
-        help="--target: the server's API key (default: $PDSERVE_API_KEY)",
-    )
+    add_secret_option(gen, "--api-key", env="PDSERVE_API_KEY", help="--target: the server's API key")
     gen.add_argument(
         "--timeout", type=float, default=600.0, help="--target: the request's deadline in seconds (default: 600)"
     )
@@ -195,7 +191,8 @@ def _remote(args: argparse.Namespace) -> int:
     with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
-            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            api_key = secret(args, "api_key", environment.api_key())
+            metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
             for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 times += [time.perf_counter()] * len(response.token_ids)
                 token_ids += response.token_ids

@@ -22,6 +22,7 @@ import grpc
 import msgspec
 
 from pdserve import environment
+from pdserve.cli.secrets import add_secret_option, secret
 from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth, positive_duration
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect, describe_etcd_error
 from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
@@ -236,12 +237,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--timeout", type=positive_duration, default=60.0, help="with --wait: the longest wait, e.g. 90s (default: 60s)"
     )
     drain.add_argument("--json", action="store_true", help="print the outcome as JSON")
-    drain.add_argument(
-        "--admin-key",
-        default=environment.admin_key(),
-        metavar="KEY",
-        help="the workers' admin key (default: $PDSERVE_ADMIN_KEY)",
-    )
+    add_secret_option(drain, "--admin-key", env="PDSERVE_ADMIN_KEY", help="the workers' admin key")
     add_cluster_tls_args(drain, "the Drain RPC is made over mTLS with this cluster certificate")
     drain.set_defaults(func=run_drain)
 
@@ -286,8 +282,9 @@ def run_workers(args: argparse.Namespace) -> int:
 
 def run_drain(args: argparse.Namespace) -> int:
     cluster = cluster_tls(args)
+    metadata = admin_metadata(secret(args, "admin_key", environment.admin_key()))
     if args.endpoint:
-        return _drain_endpoint(args, cluster)
+        return _drain_endpoint(args, cluster, metadata)
 
     async def body(client: aetcd.Client) -> int:
         workers = [e for e, _ in await read_workers(client)]
@@ -302,7 +299,7 @@ def run_drain(args: argparse.Namespace) -> int:
         async with secure_or_insecure_channel(entry.endpoint, None if cluster is None else cluster.client) as channel:
             try:
                 reply = await worker_pb2_grpc.WorkerStub(channel).Drain(
-                    worker_pb2.DrainRequest(), metadata=admin_metadata(args.admin_key), timeout=5.0
+                    worker_pb2.DrainRequest(), metadata=metadata, timeout=5.0
                 )
             except grpc.aio.AioRpcError as error:
                 hint = ""
@@ -338,7 +335,7 @@ def run_drain(args: argparse.Namespace) -> int:
     return run_with_etcd(args, body)
 
 
-def _drain_endpoint(args: argparse.Namespace, cluster: ClusterTLS | None) -> int:
+def _drain_endpoint(args: argparse.Namespace, cluster: ClusterTLS | None, metadata: tuple[tuple[str, str], ...]) -> int:
     """Drain the worker at ``args.endpoint``; with ``--wait``, ask again until nothing is in
     flight (Drain is idempotent and answers the count) or the worker has stopped serving."""
 
@@ -346,7 +343,6 @@ def _drain_endpoint(args: argparse.Namespace, cluster: ClusterTLS | None) -> int
         deadline = time.monotonic() + args.timeout
         async with secure_or_insecure_channel(args.endpoint, None if cluster is None else cluster.client) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            metadata = admin_metadata(args.admin_key)
             try:
                 reply = await stub.Drain(worker_pb2.DrainRequest(), metadata=metadata, timeout=5.0)
             except grpc.aio.AioRpcError as error:

@@ -15,6 +15,7 @@ import msgspec
 from pdserve import environment
 from pdserve.cli.frontend_args import add_frontend_args, frontend_config
 from pdserve.cli.group_args import add_group_args, group_placement
+from pdserve.cli.secrets import add_secret_option, secret
 from pdserve.cli.common import (
     add_cluster_tls_args,
     add_engine_args,
@@ -102,11 +103,12 @@ def add_worker_security_args(parser: argparse.ArgumentParser) -> None:
         parser,
         "internal gRPC servers serve only clients with a certificate it signed, and internal clients present theirs",
     )
-    parser.add_argument(
+    add_secret_option(
+        parser,
         "--admin-key",
-        metavar="KEY",
-        help="the key `pdserve drain --admin-key` must give when the caller has no cluster "
-        "certificate (default: $PDSERVE_ADMIN_KEY); with neither, Drain is open",
+        env="PDSERVE_ADMIN_KEY",
+        help="the key `pdserve drain --admin-key-file` must give when the caller has no cluster "
+        "certificate; with neither, Drain is open",
     )
 
 
@@ -208,7 +210,7 @@ def worker_security(args: argparse.Namespace) -> dict[str, Any]:
     """A worker's security fields from the options (``add_worker_security_args``, ``add_etcd_auth_args``)."""
     return {
         "cluster_tls": cluster_tls(args),
-        "admin_key": args.admin_key or environment.admin_key(),
+        "admin_key": secret(args, "admin_key", environment.admin_key()),
         "etcd_auth": etcd_auth(args),
     }
 
@@ -224,6 +226,7 @@ def _config_file(args: argparse.Namespace, struct: type[Config]) -> Config:
     """The configuration in ``--config``, which must come alone: an option beside it would be ignored."""
     given = [name.split(".", 1)[1] for name in given_fields(args)] + (["etcd"] if args.etcd else [])
     security = ["tls_cert", "tls_key", "tls_client_ca", "cluster_ca", "cluster_cert", "cluster_key", "admin_key"]
+    security.append("admin_key_file")
     given += [name for name in security if getattr(args, name, None)] + given_etcd_auth_options(args)
     if given:
         raise ValueError(

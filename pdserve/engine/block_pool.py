@@ -6,8 +6,9 @@ Pure bookkeeping over block ids; it never touches the cache tensor. Invariants:
 - a block in the free queue may still hold a cached prefix (``block_hash`` set): it is reused
   on a prefix hit, or evicted — least recently freed first — when a fresh block is needed;
 - a hash names at most one block, and a hit is only a hit if the block's tokens match and
-  its parent is the block just matched, as it was when this block was cached (a hash is
-  not proof: even a colliding hash can never serve another prefix's KV).
+  its parent is the block just matched, as it was when this block was cached — for a first
+  block, the tenant salt's root it was cached under (a hash is not proof: even a colliding
+  hash can never serve another prefix's KV, nor one tenant's KV to another).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    # The tokens the block holds and its parent (block id, generation), kept while it is
-    # cached so a hit can be verified.
+    # The tokens the block holds and its parent (block id, generation) — a first block's is its
+    # salt root (``types.cache_salt``), None unsalted —, kept while it is cached so a hit can be verified.
     token_ids: tuple[int, ...] | None = None
-    parent: tuple[int, int] | None = None
+    parent: tuple[int, int] | bytes | None = None
     # Bumped whenever the block stops holding a cached prefix, so children cached under an
     # earlier content of this block no longer match it.
     generation: int = 0
@@ -87,18 +88,21 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent_id: int | None) -> int | None:
-        """The cached block holding exactly ``token_ids`` after block ``parent_id``, if any."""
+    def lookup(
+        self, block_hash: bytes, token_ids: Sequence[int], parent_id: int | None, salt_root: bytes | None = None
+    ) -> int | None:
+        """The cached block holding exactly ``token_ids`` after block ``parent_id``, if any;
+        a first block (``parent_id`` None) only if it was cached under the same ``salt_root``."""
         block_id = self._cached.get(block_hash)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        if block.token_ids != tuple(token_ids) or block.parent != self._parent_key(parent_id):
-            return None  # a hash collision: never serve another prefix's KV
+        if block.token_ids != tuple(token_ids) or block.parent != self._parent_key(parent_id, salt_root):
+            return None  # a hash collision: never serve another prefix's (or tenant's) KV
         return block_id
 
-    def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
-        return None if parent_id is None else (parent_id, self.blocks[parent_id].generation)
+    def _parent_key(self, parent_id: int | None, salt_root: bytes | None) -> tuple[int, int] | bytes | None:
+        return salt_root if parent_id is None else (parent_id, self.blocks[parent_id].generation)
 
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Add a reference to blocks found by ``lookup`` (taking them off the free queue)."""
@@ -118,9 +122,16 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], parent_id: int | None) -> None:
+    def cache(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        token_ids: Sequence[int],
+        parent_id: int | None,
+        salt_root: bytes | None = None,
+    ) -> None:
         """Record that a full block holds ``token_ids`` after block ``parent_id`` (the prefix
-        named by ``block_hash``)."""
+        named by ``block_hash``); a first block records the ``salt_root`` it was computed under."""
         if not self.enable_prefix_caching:
             return
         block = self.blocks[block_id]
@@ -128,7 +139,7 @@ class BlockPool:
             return  # already cached, or another block holds the same prefix: keep that one
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        block.parent = self._parent_key(parent_id)
+        block.parent = self._parent_key(parent_id, salt_root)
         self._cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:

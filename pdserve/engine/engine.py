@@ -114,6 +114,7 @@ class LLMEngine:
         pin_s: float | None = None,
         generated_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; raises ValueError for a prompt the engine cannot serve.
 
@@ -124,8 +125,9 @@ class LLMEngine:
         skips the draws they took, so it goes on with the tokens it would have drawn there.
         ``arrival_time`` (``time.monotonic``): when the caller received it, if before now (an
         engine loop's request waits for the step under way); its queue time counts from there.
+        ``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
         """
-        request = self._new_request(request_id, prompt, params, kv_role, pin_s, generated_token_ids)
+        request = self._new_request(request_id, prompt, params, kv_role, pin_s, generated_token_ids, cache_salt)
         if arrival_time is not None:
             request.arrival_time = min(arrival_time, request.arrival_time)
         self.scheduler.add(request)
@@ -139,6 +141,7 @@ class LLMEngine:
         kv_role: KVRole,
         pin_s: float | None,
         generated_token_ids: list[int] | None,
+        cache_salt: str | None = None,
     ) -> Request:
         if request_id in self._requests or request_id in self.scheduler.pins:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -154,6 +157,7 @@ class LLMEngine:
             generator=make_generator(params.seed, self.device),
             kv_role=kv_role,
             pin_s=pin_s,
+            cache_salt=cache_salt or None,
         )
         request.resume(generated)
         if request.generator is not None and not params.is_greedy:
@@ -163,16 +167,21 @@ class LLMEngine:
         return request
 
     def admit_consumer(
-        self, request_id: str, prompt: list[int], params: SamplingParams, generated_token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        generated_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[list[int], int] | None:
         """Decode role: queue a CONSUMER and give it blocks at once, outside any step.
 
         Returns its block ids and the prompt tokens already in this engine's prefix cache when
         it got them, so its pull can start now; None when it waits for a seat or blocks (a later
         step lists it in ``StepOutput.awaiting_kv``). Raises ValueError like ``add_request``, and
-        takes its ``generated_token_ids`` too.
+        takes its ``generated_token_ids`` and ``cache_salt`` too.
         """
-        request = self._new_request(request_id, prompt, params, KVRole.CONSUMER, None, generated_token_ids)
+        request = self._new_request(request_id, prompt, params, KVRole.CONSUMER, None, generated_token_ids, cache_salt)
         if not self.scheduler.admit_consumer(request):
             return None
         request.first_scheduled_time = time.monotonic()
@@ -314,7 +323,9 @@ class LLMEngine:
             logits = self.runner.execute(inputs, joiners)
         for request, num_new in inputs.scheduled:
             request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.kv.cache_full_blocks(
+                request.request_id, request.token_ids, request.num_computed_tokens, request.cache_salt
+            )
         if inputs.sampling_requests:
             rows = [
                 SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r))

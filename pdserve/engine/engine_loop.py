@@ -144,11 +144,13 @@ class EngineLoop:
         *,
         pin_s: float | None = None,
         generated_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (from the engine) for one it cannot serve.
 
         Raises EngineStopped once the engine thread has died. A PRODUCER's blocks stay pinned at most ``pin_s`` after it finishes; ``generated_token_ids``
-        resume a request begun elsewhere (both: ``LLMEngine.add_request``). A CONSUMER is given
+        resume a request begun elsewhere, ``cache_salt`` keeps its prefix-cache blocks to its
+        salt (all: ``LLMEngine.add_request``). A CONSUMER is given
         blocks at once when a seat and blocks are free, even while a step runs
         (``LLMEngine.admit_consumer``): its stream then starts with the ``KVAwaited``.
         """
@@ -160,7 +162,7 @@ class EngineLoop:
         try:
             if kv_role is KVRole.CONSUMER:
                 admitted = await self._admit(
-                    lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids)
+                    lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids, cache_salt)
                 )
                 if admitted is not None:
                     stream._put(KVAwaited(*admitted))
@@ -175,6 +177,7 @@ class EngineLoop:
                         pin_s=pin_s,
                         generated_token_ids=generated_token_ids,
                         arrival_time=arrived,
+                        cache_salt=cache_salt,
                     )
                 )
         except BaseException:

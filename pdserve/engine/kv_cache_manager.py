@@ -2,6 +2,9 @@
 
 ``find_cached_prefix`` → ``allocate`` (as tokens are scheduled) → ``cache_full_blocks``
 (after they are computed) → ``free``. Everything here is bookkeeping over block ids.
+
+A request's ``cache_salt`` starts its chain of block hashes (``types.cache_salt``): blocks are
+shared only between requests of the same salt, so one tenant cannot time another's prefixes.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.block_pool import BlockPool, hash_block
+from pdserve.types.cache_salt import salt_root
 
 BlockHasher = Callable[[bytes | None, Sequence[int]], bytes]
 
@@ -28,8 +32,9 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks covering the longest prefix of ``token_ids`` (full blocks only).
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """Cached blocks covering the longest prefix of ``token_ids`` (full blocks only), among
+        those cached under the same ``cache_salt``.
 
         The last token is never served from cache: the model must run on at least one
         token to produce the next token's logits.
@@ -37,12 +42,12 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        parent: bytes | None = None
+        root = parent = salt_root(cache_salt)
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             chunk = token_ids[start : start + bs]
             parent = self.hasher(parent, chunk)
-            block_id = self.pool.lookup(parent, chunk, block_ids[-1] if block_ids else None)
+            block_id = self.pool.lookup(parent, chunk, block_ids[-1] if block_ids else None, root)
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -70,19 +75,23 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(missing))
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the request's blocks that are now full and computed in the prefix cache."""
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, cache_salt: str | None = None
+    ) -> None:
+        """Register the request's blocks that are now full and computed in the prefix cache,
+        under its ``cache_salt`` (the same on every call for a request)."""
         if not self.pool.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(request_id, [])
         blocks = self._blocks[request_id]
         bs = self.block_size
+        root = salt_root(cache_salt)
         for index in range(len(hashes), num_computed // bs):
             chunk = token_ids[index * bs : (index + 1) * bs]
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             block_hash = self.hasher(parent, chunk)
             hashes.append(block_hash)
-            self.pool.cache(blocks[index], block_hash, chunk, blocks[index - 1] if index else None)
+            self.pool.cache(blocks[index], block_hash, chunk, blocks[index - 1] if index else None, root)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request; tail blocks become the first to be evicted."""

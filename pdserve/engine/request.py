@@ -36,6 +36,7 @@ class Request:
     generator: torch.Generator | None = None
     kv_role: KVRole = KVRole.LOCAL
     pin_s: float | None = None  # PRODUCER: how long its blocks stay pinned for the peer, at most
+    cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

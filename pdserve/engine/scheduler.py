@@ -113,7 +113,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request.token_ids)
+            cached = self.kv.find_cached_prefix(request.token_ids, request.cache_salt)
             num_cached = len(cached) * self.kv.block_size
             if request.awaits_kv:
                 if not self._hold_for_kv(request, cached):
@@ -148,7 +148,7 @@ class Scheduler:
         """
         assert request.awaits_kv
         if not self.waiting and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
-            if self._hold_for_kv(request, self.kv.find_cached_prefix(request.token_ids)):
+            if self._hold_for_kv(request, self.kv.find_cached_prefix(request.token_ids, request.cache_salt)):
                 return True
         self.waiting.append(request)
         return False
@@ -177,7 +177,7 @@ class Scheduler:
         """Decode role: the prompt's KV is in our blocks; continue from the peer's first token."""
         request = self.awaiting_kv.pop(request_id)
         request.num_computed_tokens = request.num_tokens
-        self.kv.cache_full_blocks(request_id, request.token_ids, request.num_computed_tokens)
+        self.kv.cache_full_blocks(request_id, request.token_ids, request.num_computed_tokens, request.cache_salt)
         request.append_output(first_token_id, None)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -6,6 +6,7 @@
 - ``openai_api``: the OpenAI-compatible HTTP API, the other adapter over the ``Gateway``;
 - ``gateway``: ``Gateway``, the one request path behind both APIs: admit, validate, run the flow, record;
 - ``auth``: ``ApiKeys``, the API keys both public APIs check, in constant time;
+- ``cache_salt``: ``key_salt`` and ``combine``, the prefix-cache salt a request runs under (its own, its key's);
 - ``rate_limit``: ``RateLimiter``, a token bucket of request rates per API key;
 - ``catalog``: ``ModelCatalog``, the models served and the checks a request passes before routing;
 - ``routing``: ``Routing``, what every flow shares: registry view, router, channels, migration limits;

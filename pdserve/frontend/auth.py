@@ -3,7 +3,8 @@ metadata (``Bearer KEY``) on gRPC.
 
 Keys are compared in constant time (``hmac.compare_digest``, against every key, so the time
 says nothing about which key nearly matched) and never logged or echoed. Health checks stay
-open: a load balancer probes without a key.
+open: a load balancer probes without a key. With ``salt_from_key`` each key's requests run
+under a prefix-cache salt of their own (``cache_salt``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health
 
+from pdserve.frontend.cache_salt import key_salt
 from pdserve.frontend.rate_limit import RateLimiter
 
 _SCHEME = "bearer"
@@ -22,10 +24,12 @@ _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)
 
 
 class ApiKeys:
-    """The keys a client must present; without any, everything is allowed."""
+    """The keys a client must present; without any, everything is allowed. ``salt_from_key``:
+    each key has a prefix-cache salt of its own (``cache_salt.key_salt``)."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], salt_from_key: bool = False) -> None:
         self._keys = [key.encode() for key in keys]
+        self._salts = {f"key-{index}": key_salt(key) for index, key in enumerate(keys)} if salt_from_key else {}
 
     @property
     def required(self) -> bool:
@@ -46,6 +50,11 @@ class ApiKeys:
             if hmac.compare_digest(candidate, key):
                 matched = index
         return f"key-{matched}" if matched >= 0 and scheme.lower() == _SCHEME else None
+
+    def cache_salt(self, identity: str | None) -> str | None:
+        """The prefix-cache salt of the key ``identify`` named; None when salts are not derived
+        from keys (or no key was given)."""
+        return self._salts.get(identity) if identity else None
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` value (``Bearer KEY``) carries one of the keys."""

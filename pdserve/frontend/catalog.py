@@ -60,6 +60,7 @@ class ValidRequest:
     params: SamplingParams  # stop strings included: the frontend applies them
     options: inference_pb2.SamplingOptions  # forwarded to the workers: as sent, less the stop strings
     tokenizer: Tokenizer | None  # None: the completion has no text, and stop strings cannot match
+    cache_salt: str | None = None  # the prefix-cache salt it runs under (``cache_salt.combine``)
 
 
 class ModelCatalog:
@@ -108,10 +109,12 @@ class ModelCatalog:
         *,
         add_special_tokens: bool = True,
         fill_context: bool = False,
+        cache_salt: str | None = None,
     ) -> ValidRequest:
         """The request, checked and tokenized. ``add_special_tokens``: False for a text that
         already holds them (a rendered chat template); ``fill_context``: a request without
-        ``max_tokens`` may generate up to the end of the context window (OpenAI's chat)."""
+        ``max_tokens`` may generate up to the end of the context window (OpenAI's chat);
+        ``cache_salt``: the salt it runs under, carried along."""
         model = self.model(request.model, workers)
         token_ids = await self._prompt(request, model, add_special_tokens)
         room = model.max_model_len - len(token_ids)
@@ -132,7 +135,8 @@ class ModelCatalog:
         options = inference_pb2.SamplingOptions()
         options.CopyFrom(sampling)
         options.ClearField("stop")
-        return ValidRequest(model, token_ids, params, options, await self.tokenizer(model.name, model.model_path))
+        tokenizer = await self.tokenizer(model.name, model.model_path)
+        return ValidRequest(model, token_ids, params, options, tokenizer, cache_salt)
 
     async def _prompt(
         self, request: inference_pb2.GenerateRequest, model: ModelInfo, add_special_tokens: bool

@@ -45,6 +45,10 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     http_port: where the OpenAI-compatible HTTP API listens (0: a free one; None: off).
     api_keys: keys a client must present on both public APIs (``Authorization: Bearer KEY``);
         none: the APIs are open. Health checks stay open either way.
+    cache_salt_from_key: each API key's requests share prefix-cache blocks only among
+        themselves: the key's salt (a keyed hash of it) comes first in every salt they run
+        under, and a request's own ``cache_salt`` is added after it, never instead of it
+        (``frontend.cache_salt``). Needs ``api_keys``.
     max_request_bytes: largest HTTP request body (413 past it).
     max_prompt_chars: longest text prompt, checked before it is tokenized (400 past it).
     rate_limit_rps: requests a second each API key may start on either API (None: no limit;
@@ -71,6 +75,7 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     port: int = 50051
     http_port: int | None = 8000
     api_keys: list[str] = []
+    cache_salt_from_key: bool = False
     max_request_bytes: int = 16 * 2**20
     max_prompt_chars: int = 4 * 2**20
     rate_limit_rps: float | None = None
@@ -94,6 +99,8 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("api_keys: a key is empty or has surrounding whitespace")  # never echo a key
+        if self.cache_salt_from_key and not self.api_keys:
+            raise ValueError("cache_salt_from_key needs api_keys: salts are derived from them")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.rate_limit_rps is not None and not 0 < self.rate_limit_rps < float("inf"):

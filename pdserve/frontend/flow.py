@@ -143,6 +143,7 @@ class RequestFlow:
                 exclude=self._lost_sources,
                 knobs=view.knobs(model),
                 decode=decode,
+                cache_salt=self.request.cache_salt,
             )
         except KVMisfit as exc:  # a deployment that cannot work: said at once, never at transfer time
             raise FlowError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
@@ -245,6 +246,7 @@ class RequestFlow:
             prompt_token_ids=self.request.token_ids,
             sampling=self._sampling(),
             generated_token_ids=self.output.token_ids,
+            cache_salt=self.request.cache_salt or "",
         )
         return PrefillStep(self.routing, self.request.model.name, message, self._timeout)
 
@@ -258,6 +260,7 @@ class RequestFlow:
             sampling=self._sampling(),
             generated_token_ids=self.output.token_ids,
             kv_source=source,
+            cache_salt=self.request.cache_salt or "",
         )
         return self.routing.channels.stub(decode.endpoint).Decode(message, timeout=self._timeout())
 
@@ -288,6 +291,7 @@ class RequestFlow:
             sampling=self._sampling(),
             # The prefill worker's token (the last one streamed) comes in kv_source.
             generated_token_ids=self.output.token_ids if prefilled is None else self.output.token_ids[:-1],
+            cache_salt=self.request.cache_salt or "",
         )
         if prefilled is not None:
             message.kv_source.CopyFrom(prefilled.ready_source())

@@ -25,6 +25,7 @@ import msgspec
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.attempt import FlowError
+from pdserve.frontend.cache_salt import combine
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelInfo, ModelUnavailable, UnknownModel
 from pdserve.frontend.channels import WorkerChannels
 from pdserve.frontend.config import FrontendConfig
@@ -91,11 +92,13 @@ class Gateway:
         *,
         add_special_tokens: bool = True,
         fill_context: bool = False,
+        key_salt: str | None = None,
     ) -> Admitted:
         """The request, validated and counted in flight; raises Rejected (RESOURCE_EXHAUSTED past
         the queue limit, NOT_FOUND for an unknown model, INVALID_ARGUMENT naming the field,
-        UNAVAILABLE without workers). ``timeout_s``: the caller's deadline, if it set one; the
-        keywords: ``ModelCatalog.validate``'s."""
+        UNAVAILABLE without workers). ``timeout_s``: the caller's deadline, if it set one;
+        ``key_salt``: the caller's key's prefix-cache salt (``ApiKeys.cache_salt``), combined with
+        the request's own; the other keywords: ``ModelCatalog.validate``'s."""
         arrival = time.monotonic()
         if self.num_in_flight >= self.config.max_queued_requests:
             raise Rejected(
@@ -106,7 +109,11 @@ class Gateway:
         self.num_in_flight += 1  # now: a prompt being tokenized holds its place too
         try:
             valid = await self.catalog.validate(
-                request, self.routing.view.workers(), add_special_tokens=add_special_tokens, fill_context=fill_context
+                request,
+                self.routing.view.workers(),
+                add_special_tokens=add_special_tokens,
+                fill_context=fill_context,
+                cache_salt=combine(key_salt, request.cache_salt),
             )
         except UnknownModel as exc:
             self.num_in_flight -= 1

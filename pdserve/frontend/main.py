@@ -46,9 +46,9 @@ async def serve(config: FrontendConfig) -> None:
         await etcd.close()
         raise
     gateway = Gateway(config, view)
-    keys = ApiKeys(config.api_keys)
+    keys = ApiKeys(config.api_keys, salt_from_key=config.cache_salt_from_key)
     limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
-    service = InferenceService(gateway)
+    service = InferenceService(gateway, keys)
     guarded = keys.required or limiter is not None
     server = RpcServer(tls=config.tls, interceptors=[ApiKeyInterceptor(keys, limiter)] if guarded else [])
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)

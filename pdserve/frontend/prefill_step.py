@@ -95,6 +95,7 @@ class PrefillStep:
                         exclude=[*avoid, choice.worker.worker_id],
                         knobs=view.knobs(self.model),
                         decode=decode,
+                        cache_salt=self.message.cache_salt or None,
                     )
                 except (NoWorker, KVMisfit):
                     current = None

@@ -4,7 +4,9 @@ The frontend cannot see a worker's prefix cache; it remembers what it sent where
 gets an LRU set of chained block hashes (a block's hash covers every token before it, like the
 engine's own), bounded by that worker's KV capacity, so a prompt's overlap with a worker is the
 number of its leading full blocks found there. An estimate: evictions on the worker are not
-seen, and a worker's cache is forgotten when it leaves.
+seen, and a worker's cache is forgotten when it leaves. A salted prompt's chain starts from its
+salt's root, as in the engine (``types.cache_salt``): a prompt never matches blocks another salt
+cached, so where a request is routed says nothing of other tenants' prompts.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.types.cache_salt import salt_root
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks."""
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks, under its ``cache_salt``."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     hashes: list[bytes] = []
-    parent = b""
+    parent = salt_root(cache_salt) or b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hashlib.blake2b(parent + tokens[start : start + block_size].tobytes(), digest_size=16).digest()
         hashes.append(parent)

@@ -73,6 +73,7 @@ class Router:
         exclude: Sequence[str] = (),
         knobs: Knobs | None = None,
         decode: WorkerEntry | None = None,
+        cache_salt: str | None = None,
     ) -> PrefillChoice | None:
         """The prefill worker for the prompt, or None to prefill on the decode worker.
 
@@ -80,6 +81,7 @@ class Router:
         KV goes to: only prefill workers whose KV heads can move there are candidates
         (``kv_fit``); raises ``KVMisfit``, naming the sizes, when none of the others can.
         ``exclude``: workers that failed the request; their groups' workers are never chosen.
+        ``cache_salt``: the request's prefix-cache salt; only blocks cached under it count.
         """
         mode = self.config.disaggregation
         if mode == "off":
@@ -99,7 +101,7 @@ class Router:
         for worker in candidates:
             hashes = hashes_by_size.get(worker.block_size)
             if hashes is None:
-                hashes = hashes_by_size[worker.block_size] = block_hashes(token_ids, worker.block_size)
+                hashes = hashes_by_size[worker.block_size] = block_hashes(token_ids, worker.block_size, cache_salt)
             cached = min(self.prefix_index.overlap(worker.worker_id, hashes) * worker.block_size, len(token_ids) - 1)
             cost = len(token_ids) - cached + self._queued_tokens(worker)
             choice = PrefillChoice(worker, cached, hashes)

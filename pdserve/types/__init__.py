@@ -8,5 +8,6 @@ these without loading torch; the engine and the workers build on them.
 - ``engine_load``: ``EngineLoad``, an engine's occupancy after a step (registry entries, metrics);
 - ``sampling_params``: ``SamplingParams``, how one request's tokens are picked, checked once;
 - ``logprobs``: ``Logprobs``, a sampled token's logprob and the top-n alternatives;
+- ``cache_salt``: ``salt_root``, where a tenant's ``cache_salt`` starts its prompts' chain of block hashes;
 - ``duration``: ``parse_duration``, the one grammar of durations (``500ms``, ``2s``, ``1m``), standard library only.
 """

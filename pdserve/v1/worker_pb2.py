@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import inference_pb2 as pdserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1apdserve/v1/inference.proto\"\x9f\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bkv_consumer\x18\x05 \x01(\t\"\xeb\x01\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x14\n\x0chold_seconds\x18\x08 \x01(\x01\x12\x37\n\x14\x66irst_token_logprobs\x18\t \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x03\x10\x04R\x04text\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x83\x01\n\x08KVSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x15\n\rpull_within_s\x18\x05 \x01(\x01\x12\x0f\n\x07pending\x18\x06 \x01(\x08\"M\n\x0eKVReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\tkv_source\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVSource\"#\n\x0fKVReadyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\xb2\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\'\n\tkv_source\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\x05\"\xb0\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.DecodeFinal\x12*\n\x07started\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.DecodeStarted\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x02\x10\x03R\x04text\"\x83\x01\n\rDecodeStarted\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\x05\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x03\"|\n\x0b\x44\x65\x63odeFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\tJ\x04\x08\x02\x10\x08R\x04textR\x11num_cached_tokensR\x08queue_msR\nprefill_msR\x0ekv_transfer_msR\x11kv_transfer_bytes\"\x89\x01\n\x07Refusal\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.Refusal.Reason\"R\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_DRAINING\x10\x01\x12\x1b\n\x17REASON_KV_SOURCE_FAILED\x10\x02\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x05\x32\xd5\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07KVReady\x12\x1a.pdserve.v1.KVReadyRequest\x1a\x1b.pdserve.v1.KVReadyResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1apdserve/v1/inference.proto\"\xb3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x1b\n\x13generated_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bkv_consumer\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18< \x01(\t\"\xeb\x01\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x14\n\x0chold_seconds\x18\x08 \x01(\x01\x12\x37\n\x14\x66irst_token_logprobs\x18\t \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x03\x10\x04R\x04text\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x83\x01\n\x08KVSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tpeer_info\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12\x15\n\rpull_within_s\x18\x05 \x01(\x01\x12\x0f\n\x07pending\x18\x06 \x01(\x08\"M\n\x0eKVReadyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\tkv_source\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVSource\"#\n\x0fKVReadyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\xc6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\'\n\tkv_source\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVSource\x12\x1b\n\x13generated_token_ids\x18\x05 \x03(\x05\x12\x12\n\ncache_salt\x18< \x01(\t\"\xb0\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12&\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.DecodeFinal\x12*\n\x07started\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.DecodeStarted\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobsJ\x04\x08\x02\x10\x03R\x04text\"\x83\x01\n\rDecodeStarted\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\x05\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x03\"|\n\x0b\x44\x65\x63odeFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\tJ\x04\x08\x02\x10\x08R\x04textR\x11num_cached_tokensR\x08queue_msR\nprefill_msR\x0ekv_transfer_msR\x11kv_transfer_bytes\"\x89\x01\n\x07Refusal\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.Refusal.Reason\"R\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_DRAINING\x10\x01\x12\x1b\n\x17REASON_KV_SOURCE_FAILED\x10\x02\"\x0e\n\x0c\x44rainRequest\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x05\x32\xd5\x02\n\x06Worker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12\x42\n\x07KVReady\x12\x1a.pdserve.v1.KVReadyRequest\x1a\x1b.pdserve.v1.KVReadyResponse\x12<\n\x05\x44rain\x12\x18.pdserve.v1.DrainRequest\x1a\x19.pdserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=68
-  _globals['_PREFILLREQUEST']._serialized_end=227
-  _globals['_PREFILLRESPONSE']._serialized_start=230
-  _globals['_PREFILLRESPONSE']._serialized_end=465
-  _globals['_RELEASEREQUEST']._serialized_start=467
-  _globals['_RELEASEREQUEST']._serialized_end=503
-  _globals['_RELEASERESPONSE']._serialized_start=505
-  _globals['_RELEASERESPONSE']._serialized_end=540
-  _globals['_KVSOURCE']._serialized_start=543
-  _globals['_KVSOURCE']._serialized_end=674
-  _globals['_KVREADYREQUEST']._serialized_start=676
-  _globals['_KVREADYREQUEST']._serialized_end=753
-  _globals['_KVREADYRESPONSE']._serialized_start=755
-  _globals['_KVREADYRESPONSE']._serialized_end=790
-  _globals['_DECODEREQUEST']._serialized_start=793
-  _globals['_DECODEREQUEST']._serialized_end=971
-  _globals['_DECODERESPONSE']._serialized_start=974
-  _globals['_DECODERESPONSE']._serialized_end=1150
-  _globals['_DECODESTARTED']._serialized_start=1153
-  _globals['_DECODESTARTED']._serialized_end=1284
-  _globals['_DECODEFINAL']._serialized_start=1286
-  _globals['_DECODEFINAL']._serialized_end=1410
-  _globals['_REFUSAL']._serialized_start=1413
-  _globals['_REFUSAL']._serialized_end=1550
-  _globals['_REFUSAL_REASON']._serialized_start=1468
-  _globals['_REFUSAL_REASON']._serialized_end=1550
-  _globals['_DRAINREQUEST']._serialized_start=1552
-  _globals['_DRAINREQUEST']._serialized_end=1566
-  _globals['_DRAINRESPONSE']._serialized_start=1568
-  _globals['_DRAINRESPONSE']._serialized_end=1602
-  _globals['_WORKER']._serialized_start=1605
-  _globals['_WORKER']._serialized_end=1946
+  _globals['_PREFILLREQUEST']._serialized_end=247
+  _globals['_PREFILLRESPONSE']._serialized_start=250
+  _globals['_PREFILLRESPONSE']._serialized_end=485
+  _globals['_RELEASEREQUEST']._serialized_start=487
+  _globals['_RELEASEREQUEST']._serialized_end=523
+  _globals['_RELEASERESPONSE']._serialized_start=525
+  _globals['_RELEASERESPONSE']._serialized_end=560
+  _globals['_KVSOURCE']._serialized_start=563
+  _globals['_KVSOURCE']._serialized_end=694
+  _globals['_KVREADYREQUEST']._serialized_start=696
+  _globals['_KVREADYREQUEST']._serialized_end=773
+  _globals['_KVREADYRESPONSE']._serialized_start=775
+  _globals['_KVREADYRESPONSE']._serialized_end=810
+  _globals['_DECODEREQUEST']._serialized_start=813
+  _globals['_DECODEREQUEST']._serialized_end=1011
+  _globals['_DECODERESPONSE']._serialized_start=1014
+  _globals['_DECODERESPONSE']._serialized_end=1190
+  _globals['_DECODESTARTED']._serialized_start=1193
+  _globals['_DECODESTARTED']._serialized_end=1324
+  _globals['_DECODEFINAL']._serialized_start=1326
+  _globals['_DECODEFINAL']._serialized_end=1450
+  _globals['_REFUSAL']._serialized_start=1453
+  _globals['_REFUSAL']._serialized_end=1590
+  _globals['_REFUSAL_REASON']._serialized_start=1508
+  _globals['_REFUSAL_REASON']._serialized_end=1590
+  _globals['_DRAINREQUEST']._serialized_start=1592
+  _globals['_DRAINREQUEST']._serialized_end=1606
+  _globals['_DRAINRESPONSE']._serialized_start=1608
+  _globals['_DRAINRESPONSE']._serialized_end=1642
+  _globals['_WORKER']._serialized_start=1645
+  _globals['_WORKER']._serialized_end=1986
 # @@protoc_insertion_point(module_scope)

@@ -116,6 +116,7 @@ class DecodeService(WorkerServicer):
                 params,
                 role,
                 generated_token_ids=list(request.generated_token_ids),
+                cache_salt=request.cache_salt or None,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

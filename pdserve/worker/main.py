@@ -12,6 +12,7 @@ from pdserve.distributed.errors import RankFailed
 from pdserve.distributed.parallel_state import SINGLE_RANK
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_loop import build_engine
+from pdserve.observability import logs
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.data_parallel import serve_data_parallel
 from pdserve.worker.follower import run_follower
@@ -37,6 +38,7 @@ def run(config: WorkerConfig) -> int:
 async def serve(config: WorkerConfig) -> int:
     """Serve until SIGTERM, SIGINT or a Drain RPC, then drain and exit. Returns the exit
     status: 1 when the worker stopped because it could not serve (a rank or its engine died)."""
+    logs.bind(worker_id=config.id)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     if config.parallel.data_parallel_size > 1:

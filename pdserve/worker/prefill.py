@@ -73,6 +73,7 @@ class PrefillService(WorkerServicer):
                 KVRole.PRODUCER,
                 pin_s=self.runtime.config.hold_s,
                 generated_token_ids=list(request.generated_token_ids),
+                cache_salt=request.cache_salt or None,
             )
         except ValueError as exc:
             self.announcer.forget(request_id)

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import httpx2
+import numpy as np
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve import LLM, SamplingParams
+from pdserve.frontend.cache_salt import key_salt
 from pdserve.text.chat_template import load_chat_template, load_special_tokens, render_chat
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.v1 import inference_pb2
@@ -225,6 +227,86 @@ def test_a_wrong_or_missing_key_is_refused_on_both_apis_and_health_stays_open(se
     assert answer[-1].final.usage.completion_tokens == 2
     health = health_pb2_grpc.HealthStub(deployment.channel)
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _cached(answer) -> int:
+    details = answer.usage.prompt_tokens_details
+    return details.cached_tokens if details is not None else 0
+
+
+def _salted_prompt() -> list[int]:
+    """49 tokens (three full blocks of 16, and one more) no other test sends."""
+    return [int(t) for t in np.random.default_rng().integers(3, VOCAB, size=49)]
+
+
+def test_a_cache_salt_shares_cached_prompts_only_with_the_same_salt(served):
+    deployment, _ = served
+    client = _client(deployment)
+    prefill = next(w for w in deployment.registered() if w.role == "prefill")
+    before = deployment.worker_metrics(prefill)["pdserve_cached_prompt_tokens_total"]
+    prompt = _salted_prompt()
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        return _cached(client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **GREEDY))
+
+    # Cached under salt a, the prompt is a miss under b and unsalted, a hit under a again.
+    assert [cached("tenant-a"), cached("tenant-b"), cached(None), cached("tenant-a"), cached("tenant-b")] == [
+        0,
+        0,
+        0,
+        48,
+        48,
+    ]
+    assert deployment.worker_metrics(prefill)["pdserve_cached_prompt_tokens_total"] - before == 96
+    messages = [{"role": "user", "content": f"salted chat {prompt}"}]
+
+    def chat_cached(salt: str) -> int:
+        answer = client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body={"cache_salt": salt}, **GREEDY
+        )
+        return _cached(answer)
+
+    assert chat_cached("tenant-a") == 0 and chat_cached("tenant-b") == 0 and chat_cached("tenant-a") > 0
+    empty = _post(deployment, "/completions", {"model": MODEL, "prompt": prompt, "cache_salt": ""})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+    deployment.wait_whole(timeout=10)
+
+
+def test_salts_from_keys_isolate_tenants_that_send_none_or_each_others(served, etcd_url, tmp_path):
+    deployment, _ = served
+    keys = ["sk-tenant-a-0123456789", "sk-tenant-b-0123456789"]
+    key_file = tmp_path / "keys"
+    key_file.write_text("\n".join(keys) + "\n")
+    frontend = Frontend(
+        etcd_url, "--api-key-file", str(key_file), "--cache-salt-from-key", "--disaggregation", "always"
+    )
+    try:
+        a, b = (openai.OpenAI(base_url=frontend.http_url, api_key=k, max_retries=0, timeout=60) for k in keys)
+        prompt = _salted_prompt()
+
+        def cached(client: openai.OpenAI, salt: str | None = None) -> int:
+            extra = {"cache_salt": salt} if salt is not None else None
+            return _cached(client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **GREEDY))
+
+        assert cached(a) == 0
+        assert cached(b) == 0  # same prompt, no salt sent: b's key keeps it apart
+        assert cached(b, key_salt(keys[0])) == 0  # naming a's salt does not reach a's cache
+        assert cached(a) == 48 and cached(b) == 48
+        assert cached(a, "x") == 0 and cached(a, "x") == 48  # a tenant may split its own cache further
+        # gRPC derives the same salts from the same keys.
+        for key, salt, expected in ((keys[1], "", 48), (keys[0], "y", 0), (keys[0], "x", 48)):
+            request = inference_pb2.GenerateRequest(
+                model=MODEL,
+                token_ids=inference_pb2.TokenIds(ids=prompt),
+                sampling=inference_pb2.SamplingOptions(max_tokens=2),
+                cache_salt=salt,
+            )
+            answer = list(frontend.stub.Generate(request, timeout=60, metadata=[("authorization", f"Bearer {key}")]))
+            assert answer[-1].final.usage.cached_prompt_tokens == expected
+    finally:
+        frontend.close()
+    deployment.wait_whole(timeout=10)
 
 
 def _post(deployment: Deployment, path: str, body: object, **kwargs) -> httpx2.Response:

@@ -131,6 +131,27 @@ def test_prefix_index_is_chained_and_bounded():
     assert index.overlap("w", b) == 0
 
 
+def test_the_prefix_index_matches_a_prompt_only_under_its_own_cache_salt():
+    tokens = list(range(13))
+    unsalted, a, b = (block_hashes(tokens, 4, salt) for salt in (None, "tenant-a", "tenant-b"))
+    assert unsalted == block_hashes(tokens, 4) and block_hashes(tokens, 4, "tenant-a") == a
+    assert len(a) == 3 and not set(a) & set(b) and not set(a) & set(unsalted)
+    # Tenant a's prompt went to p1; the same prompt from b (or unsalted) finds nothing cached there,
+    # so its routing cannot tell that a sent it, while a's next one is sent back to p1's cache.
+    router = Router(RouterConfig(disaggregation="always"), seed=0)
+    workers = [entry("p1", "prefill"), entry("p2", "prefill")]
+    first = router.choose_prefill(workers, tokens, cache_salt="tenant-a")
+    assert first is not None and first.cached_tokens == 0
+    router.prefill_started(first, len(tokens))
+    router.prefill_done(first, len(tokens))
+    for other in ("tenant-b", None):
+        for _ in range(8):
+            choice = router.choose_prefill(workers, tokens, cache_salt=other)
+            assert choice is not None and choice.cached_tokens == 0
+    again = router.choose_prefill(workers, tokens, cache_salt="tenant-a")
+    assert again is not None and again.worker.worker_id == first.worker.worker_id and again.cached_tokens == 12
+
+
 def test_prefill_workers_whose_kv_heads_cannot_reach_the_decode_group_are_skipped_or_refused():
     router = Router(RouterConfig(disaggregation="always"), seed=0)
     decode = entry("d1", "decode", tp=2, kv_heads=4)

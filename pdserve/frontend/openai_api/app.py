@@ -51,6 +51,7 @@ def create_app(
                 bucket = keys.identify(authorization)
                 if bucket is None:
                     raise ApiError(401, ApiKeys.problem(authorization), code="invalid_api_key")
+                request.state.key_salt = keys.cache_salt(bucket)
                 wait_s = limiter.acquire(bucket) if limiter is not None else 0.0
                 if wait_s > 0:
                     return ApiError(429, RateLimiter.problem(wait_s), code="rate_limit_exceeded").response(

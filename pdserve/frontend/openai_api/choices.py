@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from typing import Any
 
 from starlette.requests import Request
 
@@ -25,9 +26,10 @@ _BUFFERED_MESSAGES = 16  # per choice, between its flow and the client
 
 
 async def admit_all(
-    gateway: Gateway, requests: Sequence[inference_pb2.GenerateRequest], **keywords: bool
+    gateway: Gateway, requests: Sequence[inference_pb2.GenerateRequest], **keywords: Any
 ) -> list[Admitted]:
-    """Every request admitted, or none (ApiError with the refusal's status)."""
+    """Every request admitted, or none (ApiError with the refusal's status); ``keywords``:
+    ``Gateway.admit``'s."""
     admitted: list[Admitted] = []
     try:
         for request in requests:

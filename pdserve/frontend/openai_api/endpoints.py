@@ -4,7 +4,8 @@ Both turn the body into one ``GenerateRequest`` per choice (``protocol``), admit
 ``Gateway`` (``choices``), and answer with the whole response or a stream of server-sent events
 that ends with ``data: [DONE]`` (``output``). A chat's messages become its prompt through the
 model's chat template (``pdserve.text.chat_template``); that text holds its special tokens, so
-it is tokenized without adding more.
+it is tokenized without adding more. A body's ``cache_salt`` (vLLM's field) goes with every
+choice, combined with the caller's key's salt when salts come from keys.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ async def completions(gateway: Gateway, request: Request, body: bytes) -> Respon
         options.logprobs = protocol.top_logprobs(req.logprobs, "logprobs")
     base = uuid.uuid4().hex
     requests = [
-        protocol.generate_request(req.model, p, options, f"cmpl-{base}-{i * req.n + j}", choice=j)
+        protocol.generate_request(
+            req.model, p, options, f"cmpl-{base}-{i * req.n + j}", choice=j, cache_salt=req.cache_salt
+        )
         for i, p in enumerate(prompts)
         for j in range(req.n)
     ]
-    admitted = await admit_all(gateway, requests)
+    admitted = await admit_all(gateway, requests, key_salt=_key_salt(request))
     echo = [_echo_text(admitted[i * req.n], p) for i, p in enumerate(prompts)] if req.echo else None
     output = Output(
         "completion",
@@ -138,9 +141,18 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         options.logprobs = protocol.top_logprobs(req.top_logprobs or 0, "top_logprobs")
     base = uuid.uuid4().hex
     requests = [
-        protocol.generate_request(model.name, prompt, options, f"chatcmpl-{base}-{j}", choice=j) for j in range(req.n)
+        protocol.generate_request(
+            model.name, prompt, options, f"chatcmpl-{base}-{j}", choice=j, cache_salt=req.cache_salt
+        )
+        for j in range(req.n)
     ]
-    admitted = await admit_all(gateway, requests, add_special_tokens=False, fill_context=max_tokens is None)
+    admitted = await admit_all(
+        gateway,
+        requests,
+        add_special_tokens=False,
+        fill_context=max_tokens is None,
+        key_salt=_key_salt(request),
+    )
     output = Output(
         "chat",
         model.name,
@@ -183,6 +195,11 @@ async def _sse(first: Event, events: AsyncGenerator[Event, None], output: Output
     if output.include_usage:
         yield sse(output.usage_chunk())
     yield SSE_DONE
+
+
+def _key_salt(request: Request) -> str | None:
+    """The caller's key's prefix-cache salt, which the app's authentication left on the request."""
+    return getattr(request.state, "key_salt", None)
 
 
 def _model(gateway: Gateway, name: str) -> ModelInfo:

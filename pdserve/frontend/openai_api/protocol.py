@@ -47,6 +47,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # vLLM's: shares prefix-cache blocks only with the same salt
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -90,6 +91,8 @@ def check_common(request: _Sampling) -> None:
         raise ApiError(400, "logit_bias is not supported yet", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+    if request.cache_salt is not None and not request.cache_salt:
+        raise ApiError(400, "cache_salt must be a non-empty string when given", param="cache_salt")
 
 
 def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb2.SamplingOptions:
@@ -161,11 +164,18 @@ def _token_ids(values: list[Any], where: str) -> list[int]:
 
 
 def generate_request(
-    model: str, prompt: str | list[int], options: inference_pb2.SamplingOptions, request_id: str, choice: int = 0
+    model: str,
+    prompt: str | list[int],
+    options: inference_pb2.SamplingOptions,
+    request_id: str,
+    choice: int = 0,
+    cache_salt: str | None = None,
 ) -> inference_pb2.GenerateRequest:
     """The request of one choice. With a seed, choice ``j`` samples with ``seed + j``: the
     ``n`` choices differ, and the same request gives the same choices again."""
-    request = inference_pb2.GenerateRequest(model=model, sampling=options, request_id=request_id)
+    request = inference_pb2.GenerateRequest(
+        model=model, sampling=options, request_id=request_id, cache_salt=cache_salt or ""
+    )
     if options.HasField("seed") and choice:
         request.sampling.seed = (options.seed + choice + 2**63) % 2**64 - 2**63  # stays an int64
     if isinstance(prompt, str):
