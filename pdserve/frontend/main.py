@@ -21,6 +21,7 @@ from pdserve.frontend.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.gateway import Gateway
 from pdserve.frontend.openai_api.app import create_app
+from pdserve.frontend.openai_api.connection_guard import ConnectionGuard
 from pdserve.frontend.openai_api.server import HttpServer
 from pdserve.frontend.rate_limit import RateLimiter
 from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
@@ -48,13 +49,14 @@ async def serve(config: FrontendConfig) -> None:
     gateway = Gateway(config, view)
     keys = ApiKeys(config.api_keys)
     limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
-    service = InferenceService(gateway)
+    service = InferenceService(gateway, keys)
     guarded = keys.required or limiter is not None
     server = RpcServer(tls=config.tls, interceptors=[ApiKeyInterceptor(keys, limiter)] if guarded else [])
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
     stop = asyncio.Event()
     http_ssl = None if config.tls is None else config.tls.ssl_context()
-    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
+    guard = ConnectionGuard(config.header_timeout_s, config.max_connections_per_client)
+    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), http_ssl, guard)
     stats: LeasedRecord | None = None
     metrics: MetricsServer | None = None
     try:

@@ -1,6 +1,7 @@
 """The public ``pdserve.v1.Inference`` service on the frontend: a gRPC adapter over the ``Gateway``.
 
-``Generate`` admits the request (queue limit, validation) and streams its flow; a refusal or a
+``Generate`` admits the request (queue limit, validation, the caller's ``request_id`` not in
+use by its own requests: ``Gateway``) and streams its flow; a refusal or a
 failure becomes a gRPC status whose message names the cause. Cancelling the call cancels the
 flow, which cancels the worker calls, which abort the request on the workers.
 """
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.frontend.attempt import FlowError
+from pdserve.frontend.auth import ApiKeys
 from pdserve.frontend.gateway import Gateway, Rejected
 from pdserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -19,8 +21,9 @@ INFERENCE_SERVICE = "pdserve.v1.Inference"
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, keys: ApiKeys) -> None:
         self.gateway = gateway
+        self.keys = keys
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -42,7 +45,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
-            admitted = await self.gateway.admit(request, context.time_remaining())
+            admitted = await self.gateway.admit(request, context.time_remaining(), caller=self._caller(context))
         except Rejected as exc:
             await context.abort(exc.code, exc.message)
         try:
@@ -50,3 +53,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 yield response
         except FlowError as exc:
             await context.abort(exc.code, exc.message)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose ``request_id`` names are these: the key the call carries (the interceptor let
+        it through), ``""`` for every caller alike when the frontend has no keys."""
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        return self.keys.identify(authorization) or ""

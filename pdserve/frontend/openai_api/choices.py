@@ -25,13 +25,20 @@ _BUFFERED_MESSAGES = 16  # per choice, between its flow and the client
 
 
 async def admit_all(
-    gateway: Gateway, requests: Sequence[inference_pb2.GenerateRequest], **keywords: bool
+    gateway: Gateway,
+    requests: Sequence[inference_pb2.GenerateRequest],
+    *,
+    add_special_tokens: bool = True,
+    fill_context: bool = False,
 ) -> list[Admitted]:
-    """Every request admitted, or none (ApiError with the refusal's status)."""
+    """Every request admitted, or none (ApiError with the refusal's status); the keywords:
+    ``Gateway.admit``'s."""
     admitted: list[Admitted] = []
     try:
         for request in requests:
-            admitted.append(await gateway.admit(request, None, **keywords))
+            admitted.append(
+                await gateway.admit(request, None, add_special_tokens=add_special_tokens, fill_context=fill_context)
+            )
     except BaseException as exc:
         for each in admitted:
             each.release()
