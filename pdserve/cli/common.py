@@ -79,6 +79,17 @@ def port_or_off(text: str) -> int | None:
     return None if port < 0 else port
 
 
+def count_or_off(text: str) -> int | None:
+    """A count of at least 1; 0 turns the limit off (None)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, or 0 for no limit, got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, or 0 for no limit, got {text!r}")
+    return None if count == 0 else count
+
+
 def field_default(struct: type[msgspec.Struct], name: str) -> Any:
     """The default of ``struct``'s field ``name``."""
     for field in msgspec.structs.fields(struct):

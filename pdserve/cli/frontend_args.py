@@ -10,6 +10,7 @@ from pdserve import environment
 from pdserve.cli.common import (
     absolute,
     add_field_option,
+    count_or_off,
     cluster_tls,
     duration,
     etcd_auth,
@@ -17,6 +18,7 @@ from pdserve.cli.common import (
     port_or_off,
     size_bytes,
 )
+from pdserve.frontend.char_budget import TOKENIZE_WAIT_S
 from pdserve.frontend.config import DISAGGREGATION_MODES, FrontendConfig, RouterConfig
 from pdserve.rpc.tls import ServerTLS
 
@@ -35,7 +37,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     )
     keys = parser.add_argument_group(
         "API keys (the HTTP header 'Authorization: Bearer KEY', or the gRPC metadata "
-        "'authorization: Bearer KEY'; health checks stay open)"
+        "'authorization: Bearer KEY'; the scheme 'Bearer' in any case; health checks and every "
+        "process's Prometheus /metrics port stay open)"
     )
     keys.add_argument(
         "--api-key",
@@ -92,7 +95,39 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         FrontendConfig,
         "max_prompt_chars",
         type=int,
-        help="longest text prompt, refused before tokenizing (default: {default})",
+        help="longest text prompt, refused before tokenizing (default: {default}); a prompt longer than "
+        "(max_model_len - 1) times the vocabulary's longest token is refused before tokenizing too",
+    )
+    add_field_option(
+        parser,
+        "--max-tokenizing-chars",
+        FrontendConfig,
+        "max_tokenizing_chars",
+        type=int,
+        help="prompt characters tokenized at once, all requests together: bounds the frontend's memory "
+        f"(~190 bytes a character); a prompt waits up to {TOKENIZE_WAIT_S:g}s for room, then 429 / "
+        "RESOURCE_EXHAUSTED (default: {default})",
+    )
+    add_field_option(
+        parser,
+        "--header-timeout",
+        FrontendConfig,
+        "header_timeout_s",
+        type=duration,
+        help="HTTP API: a request's headers must arrive within this long, or the connection is closed; "
+        "protects against clients that hold connections open by sending headers slowly (slowloris) "
+        "(default: {default:g}s)",
+    )
+    add_field_option(
+        parser,
+        "--max-connections-per-client",
+        FrontendConfig,
+        "max_connections_per_client",
+        type=count_or_off,
+        metavar="N",
+        help="HTTP API: connections one client address may hold open; more get 429 and are closed at once; "
+        "protects against one client exhausting the server's connections (behind a proxy all clients share "
+        "its address: raise it, or 0 for no cap) (default: {default})",
     )
     tls = parser.add_argument_group("public API TLS (README: Security)")
     tls.add_argument("--tls-cert", metavar="FILE", help="serve the public API over TLS with this certificate (PEM)")
@@ -179,7 +214,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         FrontendConfig,
         "metrics_port",
         type=port_or_off,
-        help="Prometheus /metrics port (default: {default}; 0 picks a free one; -1: off)",
+        help="Prometheus /metrics port, open to anyone who reaches it: no API key or TLS (default: {default}; "
+        "0 picks a free one; -1: off)",
     )
     add_field_option(
         parser,

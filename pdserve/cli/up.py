@@ -53,7 +53,12 @@ Security (README: Security): --tls-cert/--tls-key serve the public API over TLS,
 --tls-client-ca requires client certificates. --cluster-ca/--cluster-cert/--cluster-key put
 every frontend-to-worker call on mTLS (each child gets the set in its configuration).
 --etcd https://... with the --etcd-* options reaches an etcd with TLS and auth; the embedded
-registry is plaintext on loopback. The KV data plane (NIXL) is trusted-network only."""
+registry is plaintext on loopback. The KV data plane (NIXL) is trusted-network only.
+Every process (frontend, workers, this one) serves Prometheus /metrics without a key or TLS:
+keep those ports off untrusted networks, or turn them off (-1). API keys are sent as
+'Authorization: Bearer KEY'; the scheme 'Bearer' is matched in any case. The HTTP API closes
+connections whose headers take longer than --header-timeout and caps the connections one
+client address holds (--max-connections-per-client)."""
 
 EXAMPLES = """examples:
   pdserve up                       (the default model, SmolLM2-135M-Instruct, that scripts/setup.sh fetches)

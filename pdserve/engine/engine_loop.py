@@ -156,38 +156,54 @@ class EngineLoop:
         """
         if self._thread.error is not None:
             raise EngineStopped(f"the engine stopped: {self._thread.error}")
+        # Refused before anything is keyed by the id: the stream and the engine's request under
+        # it belong to the request that holds it, and must not be replaced or aborted by a repeat.
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         engine = self.engine
+        made: list[bool] = []  # set on the engine's side once this call's request exists there
+        arrived = time.monotonic()  # the wait for the step under way is part of its queue time
+
+        def admit() -> tuple[list[int], int] | None:
+            admitted = engine.admit_consumer(request_id, prompt, params, generated_token_ids, cache_salt)
+            made.append(True)
+            return admitted
+
+        def queue() -> None:
+            engine.add_request(
+                request_id,
+                prompt,
+                params,
+                kv_role,
+                pin_s=pin_s,
+                generated_token_ids=generated_token_ids,
+                arrival_time=arrived,
+                cache_salt=cache_salt,
+            )
+            made.append(True)
+
+        def abort_if_made() -> None:
+            if made:  # the engine refused the add otherwise: the id may be another request's (a pin)
+                engine.abort(request_id)
+
         try:
             if kv_role is KVRole.CONSUMER:
-                admitted = await self._admit(
-                    lambda: engine.admit_consumer(request_id, prompt, params, generated_token_ids, cache_salt)
-                )
+                admitted = await self._admit(admit)
                 if admitted is not None:
                     stream._put(KVAwaited(*admitted))
             else:
-                arrived = time.monotonic()  # the wait for the step under way is part of its queue time
-                await self._call(
-                    lambda: engine.add_request(
-                        request_id,
-                        prompt,
-                        params,
-                        kv_role,
-                        pin_s=pin_s,
-                        generated_token_ids=generated_token_ids,
-                        arrival_time=arrived,
-                        cache_salt=cache_salt,
-                    )
-                )
+                await self._call(queue)
         except BaseException:
-            # Cancelled while queued, the add still runs: the abort queued behind it, on the
-            # same thread, ends the request there (a no-op if the add failed).
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            # Cancelled while queued, the add still runs: this abort, queued behind it on the
+            # same thread, ends the request there if the add made it.
             if kv_role is KVRole.CONSUMER:
-                self._streams.pop(request_id, None)
-                self._thread.submit(lambda: engine.abort(request_id))
+                self._thread.submit(abort_if_made)
             else:
-                self.abort(request_id)
+                self._thread.put(abort_if_made)
             raise
         return stream
 

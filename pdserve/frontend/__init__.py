@@ -9,6 +9,7 @@
 - ``cache_salt``: ``key_salt`` and ``combine``, the prefix-cache salt a request runs under (its own, its key's);
 - ``rate_limit``: ``RateLimiter``, a token bucket of request rates per API key;
 - ``catalog``: ``ModelCatalog``, the models served and the checks a request passes before routing;
+- ``char_budget``: ``CharBudget``, the prompt characters tokenized at once across requests;
 - ``routing``: ``Routing``, what every flow shares: registry view, router, channels, migration limits;
 - ``router``: ``Router``, which prefill worker (or none) and which decode worker serve a request;
 - ``groups``: ``available``, the workers a new request may go to, a data-parallel group one failure domain;

@@ -8,8 +8,14 @@ field). Text prompts are tokenized here with the model's ``tokenizer.json`` (or 
 same tokenizer turns the workers' token ids into the client's text (``TextStream``).
 
 Tokenizing is slow for a large prompt (seconds for megabytes), so it runs on a thread, off the
-event loop that serves every other request: ``validate`` is a coroutine for that alone. A text
-longer than ``max_prompt_chars`` is refused before any of that work. Reading a tokenizer takes
+event loop that serves every other request: ``validate`` is a coroutine for that alone. Before
+any of that work, a text is refused when it is longer than ``max_prompt_chars``, or when its
+length alone proves it cannot fit the context window: no token of the vocabulary stands for
+more than ``Tokenizer.max_token_chars`` characters, so a text of more than
+``(max_model_len - 1) * max_token_chars`` has too many tokens. (A tokenizer whose normalizer
+deletes characters would break that proof; none of the Llama, Qwen, Mistral, DeepSeek or
+SmolLM tokenizers has one.) The text then waits for room in the ``CharBudget``, which bounds
+the characters tokenized at once across requests, and so the frontend's memory. Reading a tokenizer takes
 ~100 ms, so it also runs on a thread, once per file, started when the model's first worker
 joins (``preload``): no request, token ids included, waits for it then.
 """
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.discovery.registry import Role, WorkerEntry
+from pdserve.frontend.char_budget import CharBudget
 from pdserve.rpc.sampling import sampling_params
 from pdserve.text.tokenizer import Tokenizer, find_tokenizer
 from pdserve.types.sampling_params import SamplingParams
@@ -64,9 +71,12 @@ class ValidRequest:
 
 
 class ModelCatalog:
-    def __init__(self, tokenizer_path: str | None = None, max_prompt_chars: int | None = None) -> None:
+    def __init__(
+        self, tokenizer_path: str | None = None, max_prompt_chars: int | None = None, budget: CharBudget | None = None
+    ) -> None:
         self.tokenizer_path = tokenizer_path
         self.max_prompt_chars = max_prompt_chars
+        self.budget = budget  # None: no bound on the text tokenized at once
         self._tokenizers: dict[str, Tokenizer | None] = {}  # by file, once read
         self._reading: dict[str, asyncio.Future[Tokenizer | None]] = {}  # by file, while read
 
@@ -153,7 +163,7 @@ class ModelCatalog:
             tokenizer = await self.tokenizer(model.name, model.model_path)
             if tokenizer is None:
                 raise InvalidRequest(f"prompt: model {model.name!r} has no tokenizer.json; send token_ids")
-            token_ids = await asyncio.to_thread(tokenizer.encode, request.text, add_special_tokens)
+            token_ids = await self._encode(tokenizer, request.text, model, add_special_tokens)
         elif kind == "token_ids":
             token_ids = list(request.token_ids.ids)
             for index, token in enumerate(token_ids):
@@ -171,6 +181,28 @@ class ModelCatalog:
                 f"{model.max_model_len} and must leave room for at least one generated token"
             )
         return token_ids
+
+    async def _encode(self, tokenizer: Tokenizer, text: str, model: ModelInfo, add_special_tokens: bool) -> list[int]:
+        """``text``'s tokens, on a thread, within the budget; refused at once when its length
+        alone says it cannot fit the context window. Raises InvalidRequest or Busy."""
+        longest = tokenizer.max_token_chars
+        if len(text) > (model.max_model_len - 1) * longest:
+            raise InvalidRequest(
+                f"prompt: {len(text)} characters are at least {-(-len(text) // longest)} tokens (no token of the "
+                f"model's vocabulary is longer than {longest} characters), but the context window (max_model_len) "
+                f"is {model.max_model_len} tokens and must leave room for at least one generated token"
+            )
+        if self.budget is None:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+        charge = await self.budget.acquire(len(text))
+        try:
+            encoding = asyncio.get_running_loop().run_in_executor(None, tokenizer.encode, text, add_special_tokens)
+        except BaseException:
+            self.budget.release(charge)
+            raise
+        budget = self.budget
+        encoding.add_done_callback(lambda _: budget.release(charge))  # when the thread is done, caller or not
+        return await asyncio.shield(encoding)
 
     async def tokenizer(self, model: str, model_path: str) -> Tokenizer | None:
         """The model's tokenizer (None: it has none), read on a thread the first time; callers

@@ -51,6 +51,13 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         (``frontend.cache_salt``). Needs ``api_keys``.
     max_request_bytes: largest HTTP request body (413 past it).
     max_prompt_chars: longest text prompt, checked before it is tokenized (400 past it).
+    max_tokenizing_chars: prompt characters tokenized at once across requests; a prompt waits
+        for room, then gets RESOURCE_EXHAUSTED (429). Tokenizing takes ~190 bytes a character
+        at its peak, so the default bounds it to ~400 MB.
+    header_timeout_s: seconds an HTTP request's headers may take to arrive (from the
+        connection's first byte, or the request's); slower connections are closed.
+    max_connections_per_client: HTTP connections one client address may hold open (429 and
+        closed past it; None: no cap). Behind a proxy every client shares the proxy's address.
     rate_limit_rps: requests a second each API key may start on either API (None: no limit;
         without keys, all clients share it); ``rate_limit_burst`` at once (default: the rate).
     router: routing and disaggregation settings.
@@ -78,6 +85,9 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     cache_salt_from_key: bool = False
     max_request_bytes: int = 16 * 2**20
     max_prompt_chars: int = 4 * 2**20
+    max_tokenizing_chars: int = 2 * 2**20
+    header_timeout_s: float = 10.0
+    max_connections_per_client: int | None = 256
     rate_limit_rps: float | None = None
     rate_limit_burst: int | None = None
     router: RouterConfig = RouterConfig()
@@ -109,6 +119,14 @@ class FrontendConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"rate_limit_burst must be >= 1, got {self.rate_limit_burst}")
         if self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if self.max_tokenizing_chars < 1:
+            raise ValueError(f"max_tokenizing_chars must be >= 1, got {self.max_tokenizing_chars}")
+        if not 0 < self.header_timeout_s < float("inf"):
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError(
+                f"max_connections_per_client must be >= 1 or None (no cap), got {self.max_connections_per_client}"
+            )
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if not self.request_timeout_s > 0:

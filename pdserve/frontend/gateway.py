@@ -10,6 +10,12 @@ metrics are the same for both.
 A request counts against ``max_queued_requests`` from its admission until its stream ends, or
 until ``release`` when it is never streamed (an HTTP request of several choices whose later
 choice was refused).
+
+A gRPC caller may name its request (``request_id``, for its logs). That name is scoped to the
+caller (its API key; every caller alike without keys): a second request under a name the same
+caller has in flight is refused, and the workers never see the name alone. They get
+``NAME-RANDOM``, so one caller's names can neither collide with nor stall another's requests,
+and a name held by another caller says nothing. The HTTP API makes its own unique ids.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pdserve.frontend.attempt import FlowError
 from pdserve.frontend.cache_salt import combine
 from pdserve.frontend.catalog import InvalidRequest, ModelCatalog, ModelInfo, ModelUnavailable, UnknownModel
 from pdserve.frontend.channels import WorkerChannels
+from pdserve.frontend.char_budget import TOKENIZE_WAIT_S, Busy, CharBudget
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.flow import RequestFlow
 from pdserve.frontend.router import Router
@@ -37,6 +44,9 @@ from pdserve.observability.metrics import FrontendMetrics
 from pdserve.v1 import inference_pb2
 
 logger = logging.getLogger(__name__)
+
+# The longest caller-chosen request_id: it travels in every worker call and log line of the request.
+MAX_REQUEST_ID_CHARS = 256
 
 
 class Rejected(Exception):
@@ -53,10 +63,12 @@ class Gateway:
 
     def __init__(self, config: FrontendConfig, view: RegistryView) -> None:
         self.config = config
-        self.catalog = ModelCatalog(config.tokenizer, config.max_prompt_chars)
+        budget = CharBudget(config.max_tokenizing_chars, TOKENIZE_WAIT_S)
+        self.catalog = ModelCatalog(config.tokenizer, config.max_prompt_chars, budget)
         channels = WorkerChannels(None if config.cluster_tls is None else config.cluster_tls.client)
         self.routing = Routing(view, Router(config.router), channels, config.max_migrations, config.migration_wait_s)
         self.num_in_flight = 0
+        self._named: set[tuple[str, str]] = set()  # (caller, request_id) of callers' named requests in flight
         self.metrics = FrontendMetrics(lambda: self.num_in_flight)
         self.window = RollingWindow(config.stats_window_s)
         view.add_listener(self._on_registry_change)
@@ -90,16 +102,20 @@ class Gateway:
         request: inference_pb2.GenerateRequest,
         timeout_s: float | None,
         *,
+        caller: str | None = None,
         add_special_tokens: bool = True,
         fill_context: bool = False,
         key_salt: str | None = None,
     ) -> Admitted:
         """The request, validated and counted in flight; raises Rejected (RESOURCE_EXHAUSTED past
-        the queue limit, NOT_FOUND for an unknown model, INVALID_ARGUMENT naming the field,
-        UNAVAILABLE without workers). ``timeout_s``: the caller's deadline, if it set one;
-        ``key_salt``: the caller's key's prefix-cache salt (``ApiKeys.cache_salt``), combined with
-        the request's own; the other keywords: ``ModelCatalog.validate``'s."""
+        the queue limit, NOT_FOUND for an unknown model, INVALID_ARGUMENT naming the field or a
+        ``request_id`` the caller has in flight, UNAVAILABLE without workers). ``timeout_s``: the
+        caller's deadline, if it set one; ``caller``: who chose ``request_id`` (its API key's
+        name, ``ApiKeys.identify``), None when the frontend made it; ``key_salt``: the caller's
+        key's prefix-cache salt (``ApiKeys.cache_salt``), combined with the request's own; the
+        other keywords: ``ModelCatalog.validate``'s."""
         arrival = time.monotonic()
+        name = self._name(request.request_id, caller)
         if self.num_in_flight >= self.config.max_queued_requests:
             raise Rejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -107,6 +123,8 @@ class Gateway:
                 f"{self.config.max_queued_requests}; retry later",
             )
         self.num_in_flight += 1  # now: a prompt being tokenized holds its place too
+        if name is not None:
+            self._named.add(name)
         try:
             valid = await self.catalog.validate(
                 request,
@@ -115,23 +133,50 @@ class Gateway:
                 fill_context=fill_context,
                 cache_salt=combine(key_salt, request.cache_salt),
             )
-        except UnknownModel as exc:
-            self.num_in_flight -= 1
-            raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except InvalidRequest as exc:
-            self.num_in_flight -= 1
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except ModelUnavailable as exc:
-            self.num_in_flight -= 1
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except BaseException:  # cancelled while tokenizing: the caller left
-            self.num_in_flight -= 1
+        except BaseException as exc:  # refused, or cancelled while tokenizing (the caller left)
+            self._left(name)
+            if isinstance(exc, UnknownModel):
+                raise Rejected(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            if isinstance(exc, InvalidRequest):
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            if isinstance(exc, ModelUnavailable):
+                raise Rejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            if isinstance(exc, Busy):
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
             raise
         self.window.arrived(valid.model.name)
         limit = self.config.request_timeout_s
         timeout = min(timeout_s, limit) if timeout_s is not None else limit
-        request_id = request.request_id or uuid.uuid4().hex
-        return Admitted(self, RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout))
+        if not request.request_id:
+            request_id = uuid.uuid4().hex
+        elif caller is None:
+            request_id = request.request_id
+        else:
+            request_id = f"{request.request_id}-{uuid.uuid4().hex[:12]}"
+        flow = RequestFlow(self.routing, valid, request_id, arrival, arrival + timeout)
+        return Admitted(self, flow, name)
+
+    def _name(self, request_id: str, caller: str | None) -> tuple[str, str] | None:
+        """The caller's name for its request, checked; None when it chose none (or the frontend did)."""
+        if caller is None or not request_id:
+            return None
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {len(request_id)} characters, past the limit of {MAX_REQUEST_ID_CHARS}",
+            )
+        if (caller, request_id) in self._named:
+            raise Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id {request_id!r} is already in use by another of your requests in flight",
+            )
+        return caller, request_id
+
+    def _left(self, name: tuple[str, str] | None) -> None:
+        """A request leaves the queue: its place, and its caller's name for it, are free."""
+        self.num_in_flight -= 1
+        if name is not None:
+            self._named.discard(name)
 
     def _record(self, flow: RequestFlow, code: grpc.StatusCode) -> None:
         model, m = flow.request.model.name, self.metrics
@@ -167,16 +212,17 @@ class Gateway:
 class Admitted:
     """An admitted request: stream it with ``responses`` once, or ``release`` it unstreamed."""
 
-    def __init__(self, gateway: Gateway, flow: RequestFlow) -> None:
+    def __init__(self, gateway: Gateway, flow: RequestFlow, name: tuple[str, str] | None = None) -> None:
         self.gateway = gateway
         self.flow = flow
+        self._name = name
         self._counted = True
 
     def release(self) -> None:
         """Give back its place in the queue without running it (a no-op once streamed)."""
         if self._counted:
             self._counted = False
-            self.gateway.num_in_flight -= 1
+            self.gateway._left(self._name)
 
     async def responses(self) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """The flow's messages; raises FlowError. Closing it early (the client left) cancels

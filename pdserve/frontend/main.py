@@ -21,6 +21,7 @@ from pdserve.frontend.auth import ApiKeyInterceptor, ApiKeys
 from pdserve.frontend.config import FrontendConfig
 from pdserve.frontend.gateway import Gateway
 from pdserve.frontend.openai_api.app import create_app
+from pdserve.frontend.openai_api.connection_guard import ConnectionGuard
 from pdserve.frontend.openai_api.server import HttpServer
 from pdserve.frontend.rate_limit import RateLimiter
 from pdserve.frontend.service import INFERENCE_SERVICE, InferenceService
@@ -54,7 +55,8 @@ async def serve(config: FrontendConfig) -> None:
     server.add(lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(service, s), INFERENCE_SERVICE)
     stop = asyncio.Event()
     http_ssl = None if config.tls is None else config.tls.ssl_context()
-    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), ssl=http_ssl)
+    guard = ConnectionGuard(config.header_timeout_s, config.max_connections_per_client)
+    http = HttpServer(create_app(gateway, keys, limiter, is_serving=lambda: not stop.is_set()), http_ssl, guard)
     stats: LeasedRecord | None = None
     metrics: MetricsServer | None = None
     try:

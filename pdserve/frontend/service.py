@@ -1,6 +1,7 @@
 """The public ``pdserve.v1.Inference`` service on the frontend: a gRPC adapter over the ``Gateway``.
 
-``Generate`` admits the request (queue limit, validation) and streams its flow; a refusal or a
+``Generate`` admits the request (queue limit, validation, the caller's ``request_id`` not in
+use by its own requests: ``Gateway``) and streams its flow; a refusal or a
 failure becomes a gRPC status whose message names the cause. Cancelling the call cancels the
 flow, which cancels the worker calls, which abort the request on the workers. The caller's API
 key (its ``authorization`` metadata) names its prefix-cache salt when salts come from keys.
@@ -21,7 +22,7 @@ INFERENCE_SERVICE = "pdserve.v1.Inference"
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, gateway: Gateway, keys: ApiKeys | None = None) -> None:
+    def __init__(self, gateway: Gateway, keys: ApiKeys) -> None:
         self.gateway = gateway
         self.keys = keys
 
@@ -45,7 +46,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
-            admitted = await self.gateway.admit(request, context.time_remaining(), key_salt=self._key_salt(context))
+            caller = self._caller(context)
+            admitted = await self.gateway.admit(
+                request, context.time_remaining(), caller=caller, key_salt=self.keys.cache_salt(caller)
+            )
         except Rejected as exc:
             await context.abort(exc.code, exc.message)
         try:
@@ -54,10 +58,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except FlowError as exc:
             await context.abort(exc.code, exc.message)
 
-    def _key_salt(self, context: grpc.aio.ServicerContext) -> str | None:
-        if self.keys is None:
-            return None
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose ``request_id`` names are these: the key the call carries (the interceptor let
+        it through), ``""`` for every caller alike when the frontend has no keys."""
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
         if isinstance(authorization, bytes):
             authorization = authorization.decode(errors="replace")
-        return self.keys.cache_salt(self.keys.identify(authorization))
+        return self.keys.identify(authorization) or ""

@@ -30,7 +30,13 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         # One more than the largest id, so an embedding table of this size covers every id the
         # tokenizer can produce, added tokens included, even if the ids have gaps.
-        self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size: int = max(vocab.values()) + 1
+        # The most characters one token stands for: a text of N characters has at least
+        # N / max_token_chars tokens. A byte-level vocabulary writes one character per byte,
+        # and a byte fallback token ("<0xE3>") is longer than its byte, which only overstates it;
+        # added tokens count by their content.
+        self.max_token_chars: int = max(map(len, vocab))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:

@@ -61,9 +61,13 @@ class KVAnnouncer:
         self._sender = threading.Thread(target=self._send_all, name=f"kv-announcer-{worker_id}", daemon=True)
         self._sender.start()
 
-    def expect(self, request_id: str, endpoint: str) -> None:
-        """``request_id``'s KV goes to the decode worker at ``endpoint`` (before the engine has it)."""
+    def expect(self, request_id: str, endpoint: str) -> bool:
+        """``request_id``'s KV goes to the decode worker at ``endpoint`` (before the engine has it);
+        False, and nothing changed, when a call in flight already expects it under that id."""
+        if request_id in self._consumers:
+            return False
         self._consumers[request_id] = endpoint
+        return True
 
     def forget(self, request_id: str) -> None:
         """The Prefill call is over: nothing left to announce for it."""

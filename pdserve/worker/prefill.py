@@ -62,8 +62,9 @@ class PrefillService(WorkerServicer):
         await self.refuse_if_draining(context)
         engine_loop = self.runtime.engine_loop
         request_id = request.request_id
-        if request.kv_consumer:
-            self.announcer.expect(request_id, request.kv_consumer)
+        if request.kv_consumer and not self.announcer.expect(request_id, request.kv_consumer):
+            # Another call holds the id: its announcement is left alone, and so is its request.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request_id!r} is already in use")
         try:
             params = sampling_params(request.sampling)
             stream = await engine_loop.add(
@@ -76,7 +77,8 @@ class PrefillService(WorkerServicer):
                 cache_salt=request.cache_salt or None,
             )
         except ValueError as exc:
-            self.announcer.forget(request_id)
+            if request.kv_consumer:  # this call's expectation, never that of the call holding the id
+                self.announcer.forget(request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineStopped as exc:  # its worker is failing: another prefill worker may take it
             self.announcer.forget(request_id)

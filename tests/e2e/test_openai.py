@@ -9,7 +9,6 @@ offline engine's.
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import grpc
@@ -420,31 +419,17 @@ def test_a_client_that_leaves_aborts_its_request_and_frees_its_blocks(served):
     deployment.wait_registered(_idle, 10, "every block free after the waiting client left")
 
 
-def test_the_event_loop_stays_responsive_while_a_huge_prompt_tokenizes(served):
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(served):
+    """2 M characters: tokenizing them took this frontend ~10 s. Their count alone proves they
+    cannot fit the context window (no token of the vocabulary is longer than a few characters),
+    so they are refused at once. (A prompt that is tokenized is tokenized off the event loop:
+    ``tests/frontend/test_catalog.py``.)"""
     deployment, _ = served
-    health = deployment.http_url.removesuffix("/v1") + "/health"
-    result: dict[str, object] = {}
-
-    def huge() -> None:
-        result["start"] = time.monotonic()
-        answer = _post(deployment, "/completions", {"prompt": "Hello world, the quick brown fox. " * 60_000})
-        result["status"], result["at"] = answer.status_code, time.monotonic()
-
-    thread = threading.Thread(target=huge)
-    thread.start()
-    latencies = []
-    while thread.is_alive() and len(latencies) < 200:
-        start = time.monotonic()
-        assert httpx2.get(health, timeout=10).status_code == 200
-        latencies.append((start, time.monotonic() - start))
-        time.sleep(0.05)
-    thread.join(120)
-    during = [latency for start, latency in latencies if start < result["at"]]
-    assert result["status"] == 400  # tokenized, and past the context window
-    # A loop blocked by the tokenization would hold a probe for about all of it (seconds). The
-    # machine is shared and noisy, so the bound is relative: no probe waits half of it.
-    took = result["at"] - result["start"]
-    assert len(during) >= 3 and max(during) < took / 2, (took, during)
+    started = time.monotonic()
+    answer = _post(deployment, "/completions", {"prompt": "Hello world, the quick brown fox. " * 60_000})
+    took = time.monotonic() - started
+    assert answer.status_code == 400 and "max_model_len" in answer.json()["error"]["message"], answer.text[:500]
+    assert took < 1.0, took
 
 
 _FUZZ = settings(

@@ -132,6 +132,35 @@ def test_a_caller_cancelled_while_its_command_waits_leaves_the_engine_running(en
     engine.check_idle_integrity()  # the cancelled consumer was aborted: every block is free
 
 
+def test_a_repeated_request_id_is_refused_and_leaves_the_request_holding_it_whole(engine):
+    """A second add under an id in use, running or pinned, is refused; the first request's
+    stream still ends normally and its pin stays until its own release."""
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main():
+        loop = EngineLoop(engine)
+        loop.start()
+        stream = await loop.add("r1", [5, 6, 7], long)
+        await stream.next()  # running
+        for role in (KVRole.LOCAL, KVRole.CONSUMER):
+            with pytest.raises(ValueError, match="already in use"):
+                await loop.add("r1", [8, 9], GREEDY, role)
+        outputs = await asyncio.wait_for(_collect(stream), 30)
+        await _collect(await loop.add("p1", list(range(3, 40)), GREEDY, KVRole.PRODUCER, pin_s=30.0))
+        with pytest.raises(ValueError, match="already in use"):  # the pin holds the id after the stream ended
+            await loop.add("p1", [8, 9], GREEDY, KVRole.PRODUCER, pin_s=30.0)
+        await asyncio.sleep(0.1)
+        held = loop.load.held_requests
+        released = await loop.release_pin("p1")
+        await loop.stop()
+        return outputs, held, released
+
+    outputs, held, released = run_scenario(main())
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length" and len(outputs[-1].token_ids) == 40
+    assert held == 1 and released
+    engine.check_idle_integrity()
+
+
 def test_retune_changes_the_scheduler_limits_live_within_the_start_up_ones(checkpoints):
     path, _ = checkpoints("llama")
     engine = LLMEngine(str(path), EngineConfig(kv_cache_memory=2**20, max_num_seqs=4, max_num_batched_tokens=64))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -82,6 +83,36 @@ def test_a_text_prompt_past_max_prompt_chars_is_refused_before_it_is_tokenized()
         validate(catalog, request(text="x" * 11), [entry("d1", "decode")])
     with pytest.raises(InvalidRequest, match="has no tokenizer.json"):
         validate(catalog, request(text="x" * 10), [entry("d1", "decode")])
+
+
+def test_the_event_loop_stays_responsive_while_a_large_prompt_tokenizes(tmp_path):
+    write_tiny_tokenizer(tmp_path)
+    worker = msgspec.structs.replace(entry("d1", "decode"), model_path=str(tmp_path), max_model_len=10**7)
+
+    async def scenario() -> tuple[float, float]:
+        catalog = ModelCatalog()
+        await catalog.preload("m", str(tmp_path))
+        longest_gap, last = 0.0, time.monotonic()
+
+        async def tick() -> None:
+            nonlocal longest_gap, last
+            while True:
+                await asyncio.sleep(0.01)
+                longest_gap, last = max(longest_gap, time.monotonic() - last), time.monotonic()
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.05)  # ticking
+        started = time.monotonic()
+        await catalog.validate(request(text="Hello world, the quick brown fox. " * 10_000), [worker])
+        took = time.monotonic() - started
+        await asyncio.sleep(0.05)  # a tick after a blocked loop measures the block
+        ticker.cancel()
+        return took, longest_gap
+
+    took, longest_gap = asyncio.run(scenario())
+    # A loop blocked by the tokenization would stall for about all of it. The machine is shared
+    # and noisy, so the bound is relative: no gap of half of it.
+    assert took > 0.2 and longest_gap < took / 2, (took, longest_gap)
 
 
 def test_concurrent_requests_share_one_read_of_the_tokenizer_which_preload_starts(tmp_path):

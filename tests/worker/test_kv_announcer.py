@@ -50,7 +50,8 @@ def test_a_finished_prompt_is_announced_to_its_decode_worker_once(tmp_path, secu
         endpoint = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
         announcer = KVAnnouncer("prefill-a", HOLD_S, None if cluster is None else cluster.client)
         try:
-            announcer.expect("r1", endpoint)
+            assert announcer.expect("r1", endpoint)
+            assert not announcer.expect("r1", "127.0.0.1:1")  # a repeated id: r1 still goes to its own
             announcer.expect("r2", endpoint)
             announcer.forget("r2")  # its Prefill call ended first
             for request_id in ("r1", "r2", "r3", "r1"):  # r3 has no decode call open; r1 is announced once

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: an adapter over the frontend's ``Gateway``, as the gRPC service is.
 
 - ``server``: ``HttpServer``, uvicorn run on the frontend's own event loop beside grpc.aio;
+- ``connection_guard``: ``ConnectionGuard``, a deadline for request headers and a cap on connections per address;
 - ``app``: ``create_app``, the Starlette app: its routes, API keys, rate limits, body limit and errors;
 - ``endpoints``: ``completions`` and ``chat_completions``: a body in, the gateway's requests, a body out;
 - ``protocol``: ``CompletionRequest`` and ``ChatRequest``, and the ``GenerateRequest`` each choice becomes;

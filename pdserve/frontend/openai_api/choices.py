@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from typing import Any
 
 from starlette.requests import Request
 
@@ -26,14 +25,23 @@ _BUFFERED_MESSAGES = 16  # per choice, between its flow and the client
 
 
 async def admit_all(
-    gateway: Gateway, requests: Sequence[inference_pb2.GenerateRequest], **keywords: Any
+    gateway: Gateway,
+    requests: Sequence[inference_pb2.GenerateRequest],
+    *,
+    add_special_tokens: bool = True,
+    fill_context: bool = False,
+    key_salt: str | None = None,
 ) -> list[Admitted]:
-    """Every request admitted, or none (ApiError with the refusal's status); ``keywords``:
+    """Every request admitted, or none (ApiError with the refusal's status); the keywords:
     ``Gateway.admit``'s."""
     admitted: list[Admitted] = []
     try:
         for request in requests:
-            admitted.append(await gateway.admit(request, None, **keywords))
+            admitted.append(
+                await gateway.admit(
+                    request, None, add_special_tokens=add_special_tokens, fill_context=fill_context, key_salt=key_salt
+                )
+            )
     except BaseException as exc:
         for each in admitted:
             each.release()

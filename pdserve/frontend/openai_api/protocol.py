@@ -1,7 +1,8 @@
 """OpenAI request bodies, and the ``GenerateRequest`` each choice of one becomes.
 
 Bodies are decoded with msgspec into the Structs below (unknown fields are ignored, as OpenAI's
-clients send extras); a value of the wrong type is refused naming its path. Everything else is
+clients send extras); a value of the wrong type is refused naming its path, and a body that is
+not JSON, not UTF-8, or nested past what the decoder recurses into, is refused saying so. Everything else is
 checked where gRPC requests are checked (``ModelCatalog``, ``SamplingParams``): this module
 only turns fields into ``SamplingOptions`` and prompts into ``GenerateRequest``s. Fields pdserve
 cannot honour yet are refused, naming them, rather than ignored.
@@ -81,6 +82,10 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"invalid request body: {text}", param=path) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec's own, for a string field's bytes
+        raise ApiError(400, f"the body is not valid UTF-8: {exc.reason} at byte {exc.start} of a string") from None
+    except RecursionError:  # raised by msgspec before it runs out of stack, which it leaves whole
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
 
 
 def check_common(request: _Sampling) -> None:

@@ -3,7 +3,9 @@
 The frontend process owns its signals (SIGTERM drains it), so uvicorn's own signal handling is
 turned off; ``stop`` asks it to finish, giving streams in flight the grace period. The socket is
 bound here, so port 0 picks a free port that ``start`` returns. ``ssl`` (an ``ssl.SSLContext``)
-serves HTTPS with whatever certificates and client checks the context holds.
+serves HTTPS with whatever certificates and client checks the context holds. ``guard`` (a
+``ConnectionGuard``) bounds the time each request's headers take and the connections one client
+address holds open.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import contextlib
 import socket
 import ssl as ssl_module
 from collections.abc import Generator
+from typing import cast
 
 import anyio
 import uvicorn
 from starlette.types import ASGIApp
+
+from pdserve.frontend.openai_api.connection_guard import ConnectionGuard
 
 
 class _Server(uvicorn.Server):
@@ -26,9 +31,12 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, ssl: ssl_module.SSLContext | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, ssl: ssl_module.SSLContext | None = None, guard: ConnectionGuard | None = None
+    ) -> None:
         self.app = app
         self.ssl = ssl
+        self.guard = guard
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
@@ -49,6 +57,8 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
+            # uvicorn calls its ``http`` class with keywords for each connection: the guard's factory does as well.
+            http="auto" if self.guard is None else cast("type[asyncio.Protocol]", self.guard.protocol),
             timeout_graceful_shutdown=int(max(grace_s, 1)),
             ssl_context_factory=(lambda _config, _default: context) if context is not None else None,
         )
