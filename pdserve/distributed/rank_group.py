@@ -123,8 +123,8 @@ class RankGroup:
                 store.set(start_key(rank), msgspec.msgpack.encode(start))  # type: ignore[arg-type]
         try:
             self._wait_for_ranks(store, time.monotonic() + config.rendezvous_timeout_s)
-            if self.placement is not None:
-                pin_collectives_to(self.host)
+            # Ranks on one host meet over loopback: nothing of the group listens beyond it but the store.
+            pin_collectives_to(store_host)
             self.state = join_group(0, config, store, self.device)
         except Exception as error:
             self.close()
@@ -258,6 +258,7 @@ def child_start() -> tuple[RankStart, ParallelState]:
     timeout = timedelta(seconds=start.config.rendezvous_timeout_s)
     store = dist.TCPStore(start.store_host, start.store_port, start.config.world_size, is_master=False, timeout=timeout)
     store.set(joined_key(start.rank), "1")
+    pin_collectives_to(start.store_host)
     return start, join_group(start.rank, start.config, store, start.device)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -61,7 +62,8 @@ class KVAgent:
     """One NIXL agent per worker process; every NIXL call serialized on one thread.
 
     Construct, then ``await start()``; ``await close()`` when done (it owns the thread, the
-    registration and every per-peer resource).
+    registration and every per-peer resource). ``loopback_only``: every peer is on this machine
+    (the worker is reached at a loopback address), so the agent listens on loopback alone.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class KVAgent:
         layout: KVLayout,
         *,
         backends: tuple[str, ...] = ("UCX",),
+        loopback_only: bool = False,
         poll_interval_s: float = 0.0005,
         notif_poll_interval_s: float = 0.005,
         progress_delay_us: int = 1000,
@@ -81,6 +84,7 @@ class KVAgent:
         self.kv_cache = kv_cache
         self.layout = layout
         self.backends = backends
+        self.loopback_only = loopback_only
         self.poll_interval_s = poll_interval_s
         self.notif_poll_interval_s = notif_poll_interval_s
         self.progress_delay_us = progress_delay_us
@@ -119,6 +123,11 @@ class KVAgent:
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
     def _start_on_thread(self, _: None) -> PeerInfo:
+        if self.loopback_only:
+            # UCX's TCP transport listens on every network interface it uses; a worker whose
+            # peers are all on this machine needs loopback alone (shared memory is no network
+            # device, so it stays). Read by UCX when its backend starts, not by pdserve.
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self._nixl = _make_nixl_agent(self.name, self.backends, self.progress_delay_us)
         self._registration = self._nixl.register_memory(self.kv_cache.data)
         return PeerInfo(

@@ -10,6 +10,7 @@ import msgspec
 
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
+from pdserve.distributed.interfaces import interface_for
 from pdserve.distributed.parallel_config import ParallelConfig
 from pdserve.distributed.placement import GroupPlacement
 from pdserve.model.default_model import served_name
@@ -105,3 +106,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.advertise_host:
             return self.advertise_host
         return socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+
+    @property
+    def loopback_only(self) -> bool:
+        """Reached at a loopback address: every peer is on this machine, so its KV agents
+        listen on loopback alone."""
+        return interface_for(self.reachable_host) == "lo"

@@ -108,7 +108,7 @@ class WorkerRuntime:
         self.layout = KVLayout.from_spec(
             engine.kv_cache_spec, model=config.served_model_name, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank
         )
-        self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout)
+        self.agent = KVAgent(self.worker_id, engine.kv_cache, self.layout, loopback_only=config.loopback_only)
         self.rank_peers: list[PeerInfo] = []  # ranks 1..N-1's agents, published with this one's
         self.failure: str | None = None  # why the worker cannot serve any more, if it cannot
         self.engine_loop.on_error = lambda exc: self.fail(f"its engine stopped: {exc}")

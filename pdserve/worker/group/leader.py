@@ -101,6 +101,7 @@ def serving_rank(config: WorkerConfig) -> ServingRank:
         role=config.role,
         model_name=config.served_model_name,
         transfer_timeout_s=config.transfer_timeout_s,
+        loopback_only=config.loopback_only,
         num_threads=config.num_threads,
     )
 

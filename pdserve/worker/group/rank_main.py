@@ -43,6 +43,7 @@ class ServingRank(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     model_name: str  # the served name: part of the KV layout peers check
     transfer_timeout_s: float
+    loopback_only: bool  # the worker is reached at a loopback address: its agents listen there alone
     num_threads: int | None = None
 
 
@@ -74,7 +75,9 @@ def serve_follower(program: ServingRank, parallel: ParallelState) -> int:
     layout = KVLayout.from_spec(
         setup.kv_spec, model=program.model_name, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank
     )
-    agent = KVAgent(agent_name(link.agent_name, parallel.tp_rank), kv_cache, layout)
+    agent = KVAgent(
+        agent_name(link.agent_name, parallel.tp_rank), kv_cache, layout, loopback_only=program.loopback_only
+    )
     service = RankService(
         parallel.tp_rank,
         program.role,
