@@ -63,6 +63,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="kubernetes: the PDServeDeployment of MODEL (default: the model name, lower-cased, "
         "other characters as '-'); repeatable",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=-1,
+        help="Prometheus /metrics port: each model's SLO targets, wanted replicas and decisions (default: -1, off)",
+    )
     p.set_defaults(func=run)
 
 
@@ -120,6 +126,7 @@ def kubernetes_name(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.observability.metrics import serve_metrics
     from pdserve.planner.scaling import AdviseOnly, KubernetesConnector
     from pdserve.planner.service import PlannerService
 
@@ -152,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
             f"pdserve planner: planning every {config.interval_s:g}s from {args.etcd} (connector: {args.connector})",
             flush=True,
         )
-        await PlannerService(args.etcd, profile, connector_for, config, auth).run(stop)
+        service = PlannerService(args.etcd, profile, connector_for, config, auth)
+        if args.metrics_port >= 0:
+            serve_metrics(service.metrics.registry, "0.0.0.0", args.metrics_port)
+        await service.run(stop)
 
     asyncio.run(main())
     return 0

@@ -204,6 +204,8 @@ def planner_args(spec: DeploymentSpec, namespace: str, name: str, etcd: str) -> 
         f"{spec.model.served_name}={name}",
         "--profile",
         f"{PROFILE_DIR}/profile.json" if spec.planner.profile_config_map else f"{CONFIG_DIR}/{BUILTIN_PROFILE}",
+        "--metrics-port",
+        str(METRICS_PORT),
     ]
     if spec.planner.interval:
         argv += ["--planner-interval", spec.planner.interval]

@@ -300,7 +300,7 @@ def group_workloads(spec: DeploymentSpec, owner: Owner, role: str, lws: bool, fi
 
 
 def service(spec: DeploymentSpec, owner: Owner, component: str) -> dict[str, Any]:
-    """The frontend's Service (the public API); a headless one per pool (metrics scraping)."""
+    """The frontend's Service (the public API); a headless one per pool and for the planner (metrics scraping)."""
     if component == "frontend":
         ports = [
             _service_port("grpc", spec.frontend.grpc_port),
@@ -362,4 +362,5 @@ def desired_children(
         objects += [planner_service_account(owner), planner_role_binding(owner, planner_role)]
     if spec.planner.enabled:
         objects.append(deployment(spec, owner, "planner", 1, files))
+        objects.append(service(spec, owner, "planner"))  # scraped for the SLO targets and decisions
     return objects

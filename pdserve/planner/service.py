@@ -11,7 +11,8 @@ planner starts from the knobs stored there, or else from what the workers were s
 The SLO targets are followed by etcd watch (listed at the first step, then kept current), so
 a change is in force at the next step, without a restart; the interval's stats, workers and
 knobs are read afresh at each step, one consistent look at what the interval observed. An etcd
-outage skips steps (logged once); it never ends the service.
+outage skips steps (logged once); it never ends the service. ``metrics`` exports each planned
+model's targets, wanted pool sizes and decisions (``observability.planner_metrics``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pdserve.discovery.slo import SLOTargets
 from pdserve.discovery.slo_store import SLO_PREFIX, decode_slos
 from pdserve.discovery.watch import Follower, WatchedRange
 from pdserve.observability.frontend_stats import list_frontend_stats
+from pdserve.observability.planner_metrics import PlannerMetrics
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.deployed_knobs import deployed_knobs
 from pdserve.planner.observer import observe
@@ -71,6 +73,7 @@ class PlannerService:
         self._is_following = False
         self._planners: dict[str, Planner] = {}
         self._outage = Outage(logger)
+        self.metrics = PlannerMetrics()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Step every ``interval_s`` until ``stop`` is set."""
@@ -163,14 +166,17 @@ class PlannerService:
             before = (planner.prefill_replicas, planner.decode_replicas, planner.knobs)
             obs = observe(slo.model, frontends, workers, planner.knobs, now=now, interval_s=self.config.interval_s)
             decision = planner.observe(obs)
+            self.metrics.planned(slo, planner.prefill_replicas, planner.decode_replicas)
             if decision is None:
                 continue
+            self.metrics.decided(slo.model, decision.peak_rate)
             if not await self._apply(connector, decision, before):
                 del self._planners[slo.model]  # it re-reads what is deployed at the next step
             await self._publish(decision)
             decisions.append(decision)
         for model in set(self._planners) - planned:  # its SLO was removed: start afresh if it returns
             del self._planners[model]
+            self.metrics.forget(model)
         return decisions
 
     async def _apply(self, connector: ScalingConnector, decision: Decision, before: tuple[int, int, Knobs]) -> bool:

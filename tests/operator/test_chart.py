@@ -37,6 +37,7 @@ VALUES_MATRIX = {
     "external-etcd": ["--set", "etcd.enabled=false", "--set", "etcd.endpoint=http://etcd.infra:2379"],
     "etcd-persistent": ["--set", "etcd.persistence.enabled=true", "--set", "etcd.persistence.storageClassName=ssd"],
     "own-service-account": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops"],
+    "dashboards": ["--set", "dashboards.enabled=true"],
     "prometheus-and-policy-v1": [
         "--api-versions",
         "monitoring.coreos.com/v1/ServiceMonitor",

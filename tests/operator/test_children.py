@@ -214,6 +214,11 @@ def test_a_planner_without_a_service_account_gets_its_own_bound_to_the_planner_r
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": PLANNER_ROLE}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-planner", "namespace": "serving"}]
     assert objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["serviceAccountName"] == "llama-planner"
+    # Its metrics (SLO targets, decisions) are served where its pod declares them, and scraped.
+    planner = objects[("Deployment", "llama-planner")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": cmd.METRICS_PORT, "protocol": "TCP"} in planner["ports"]
+    assert objects[("Service", "llama-planner")]["spec"]["clusterIP"] == "None"
+    assert f"--metrics-port\n{cmd.METRICS_PORT}\n" in objects[("ConfigMap", "llama-config")]["data"]["planner.args"]
     # The spec's own service account: nothing to make, and the pod runs under it.
     body["spec"]["planner"]["serviceAccountName"] = "mine"
     objects = children(body)

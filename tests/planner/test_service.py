@@ -69,20 +69,26 @@ def test_an_itl_breach_grows_decode_and_the_decision_is_published_and_applied(et
                 decisions += [d for d in await service.step() if d.model == model]
             await service.close()
             published = await client.get(planner_key(model).encode())
-            return decisions, published
+            return decisions, published, service.metrics.registry
         finally:
             await client.revoke_lease(lease.id)
             await delete_slo(client, model)
             await client.delete(planner_key(model).encode())
             await close_quietly(client)
 
-    decisions, published = run_scenario(scenario())
+    decisions, published, metrics = run_scenario(scenario())
     assert decisions and decisions[0].decode_replicas == 2 and decisions[0].prefill_replicas == 1
     assert any("ITL p90" in reason for reason in decisions[0].reasons)
     assert run_scenario(connector.current()) == (decisions[-1].prefill_replicas, decisions[-1].decode_replicas)
     assert published is not None
     last = msgspec.json.decode(published.value)
     assert last["decode_replicas"] == decisions[-1].decode_replicas and abs(last["time"] - time.time()) < 60
+    # Its metrics: the targets it holds, the sizes it wants, the decisions it made.
+    assert metrics.get_sample_value("pdserve_slo_itl_p90_seconds", {"model": model}) == 0.05
+    assert metrics.get_sample_value("pdserve_slo_ttft_p90_seconds", {"model": model}) == 1.0
+    wanted = metrics.get_sample_value("pdserve_planner_replicas", {"model": model, "role": "decode"})
+    assert wanted == decisions[-1].decode_replicas
+    assert metrics.get_sample_value("pdserve_planner_decisions_total", {"model": model}) == len(decisions)
 
 
 def test_an_unreachable_etcd_skips_the_interval_without_raising() -> None:
