@@ -154,6 +154,10 @@ class EngineLoop:
         """
         if self._thread.error is not None:
             raise EngineStopped(f"the engine stopped: {self._thread.error}")
+        if params.structured is not None:
+            # Compiled here, on a thread of its own, so that the step never waits for a new
+            # schema; the engine's add then finds it in its cache.
+            await asyncio.to_thread(self.engine.compile_grammar, params.structured)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         engine = self.engine
