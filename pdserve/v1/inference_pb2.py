@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x81\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x7f\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\tbreakdown\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyBreakdown\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xb2\x02\n\x10LatencyBreakdown\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x01\x12\x18\n\x10prefill_attempts\x18\n \x01(\x05\x12\x12\n\nmigrations\x18\x0b \x01(\x05\x12\x30\n\x11migration_history\x18\x0c \x03(\x0b\x32\x15.pdserve.v1.Migration\"t\n\tMigration\x12\x13\n\x0b\x66rom_worker\x18\x01 \x01(\t\x12\x11\n\tto_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x17\n\x0ftokens_streamed\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"u\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\x05\x32\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfa\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredChoiceH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"#\n\x10StructuredChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xa8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x7f\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\tbreakdown\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyBreakdown\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xb2\x02\n\x10LatencyBreakdown\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x01\x12\x18\n\x10prefill_attempts\x18\n \x01(\x05\x12\x12\n\nmigrations\x18\x0b \x01(\x05\x12\x30\n\x11migration_history\x18\x0c \x03(\x0b\x32\x15.pdserve.v1.Migration\"t\n\tMigration\x12\x13\n\x0b\x66rom_worker\x18\x01 \x01(\t\x12\x11\n\tto_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x17\n\x0ftokens_streamed\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"u\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\x05\x32\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_SAMPLINGOPTIONS']._serialized_start=68
-  _globals['_SAMPLINGOPTIONS']._serialized_end=581
-  _globals['_GENERATEREQUEST']._serialized_start=584
-  _globals['_GENERATEREQUEST']._serialized_end=752
-  _globals['_GENERATERESPONSE']._serialized_start=755
-  _globals['_GENERATERESPONSE']._serialized_end=885
-  _globals['_TOKENLOGPROBS']._serialized_start=887
-  _globals['_TOKENLOGPROBS']._serialized_end=956
-  _globals['_TOPLOGPROB']._serialized_start=958
-  _globals['_TOPLOGPROB']._serialized_end=1005
-  _globals['_FINAL']._serialized_start=1007
-  _globals['_FINAL']._serialized_end=1134
-  _globals['_USAGE']._serialized_start=1136
-  _globals['_USAGE']._serialized_end=1223
-  _globals['_LATENCYBREAKDOWN']._serialized_start=1226
-  _globals['_LATENCYBREAKDOWN']._serialized_end=1532
-  _globals['_MIGRATION']._serialized_start=1534
-  _globals['_MIGRATION']._serialized_end=1650
-  _globals['_LISTMODELSREQUEST']._serialized_start=1652
-  _globals['_LISTMODELSREQUEST']._serialized_end=1671
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1673
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1732
-  _globals['_MODELINFO']._serialized_start=1734
-  _globals['_MODELINFO']._serialized_end=1851
-  _globals['_INFERENCE']._serialized_start=1854
-  _globals['_INFERENCE']._serialized_end=2015
+  _globals['_SAMPLINGOPTIONS']._serialized_end=702
+  _globals['_STRUCTUREDCHOICE']._serialized_start=704
+  _globals['_STRUCTUREDCHOICE']._serialized_end=739
+  _globals['_GENERATEREQUEST']._serialized_start=742
+  _globals['_GENERATEREQUEST']._serialized_end=910
+  _globals['_GENERATERESPONSE']._serialized_start=913
+  _globals['_GENERATERESPONSE']._serialized_end=1043
+  _globals['_TOKENLOGPROBS']._serialized_start=1045
+  _globals['_TOKENLOGPROBS']._serialized_end=1114
+  _globals['_TOPLOGPROB']._serialized_start=1116
+  _globals['_TOPLOGPROB']._serialized_end=1163
+  _globals['_FINAL']._serialized_start=1165
+  _globals['_FINAL']._serialized_end=1292
+  _globals['_USAGE']._serialized_start=1294
+  _globals['_USAGE']._serialized_end=1381
+  _globals['_LATENCYBREAKDOWN']._serialized_start=1384
+  _globals['_LATENCYBREAKDOWN']._serialized_end=1690
+  _globals['_MIGRATION']._serialized_start=1692
+  _globals['_MIGRATION']._serialized_end=1808
+  _globals['_LISTMODELSREQUEST']._serialized_start=1810
+  _globals['_LISTMODELSREQUEST']._serialized_end=1829
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1831
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1890
+  _globals['_MODELINFO']._serialized_start=1892
+  _globals['_MODELINFO']._serialized_end=2009
+  _globals['_INFERENCE']._serialized_start=2012
+  _globals['_INFERENCE']._serialized_end=2173
 # @@protoc_insertion_point(module_scope)

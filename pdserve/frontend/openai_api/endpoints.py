@@ -100,8 +100,6 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     protocol.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
