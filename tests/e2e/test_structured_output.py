@@ -1,10 +1,12 @@
-"""Structured outputs served: the official ``openai`` SDK's structured-output parsing against a
+"""Structured outputs and tool calls served: the official ``openai`` SDK's structured-output parsing against a
 real frontend + prefill + decode deployment (``--disaggregation always``); greedy output under a
 grammar is the same offline, colocated (a second frontend with ``--disaggregation off``, the
 decode worker computing the prompt) and disaggregated (the prefill worker samples the first
 token under the mask, the decode worker rebuilds the matcher from the tokens it receives), and
 across a migration (a decode worker SIGKILLed mid-stream: the next one replays the grammar over
 the tokens so far); a bad schema is a 400 naming the problem, before any worker is used.
+Tool calls through the SDK: forced ones (named, required) parse against their function's schema,
+streamed or not; ``auto`` reads the template's format; ``tool`` messages round-trip.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pydantic
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.frontend.openai_api.tools import template_message
 from pdserve.launch.supervisor import RestartPolicy
+from pdserve.text.chat_template import load_chat_template, load_special_tokens, render_chat
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.types.structured_output import StructuredOutput
 from pdserve.v1 import inference_pb2
@@ -29,9 +33,12 @@ from tests.e2e.deployment import Deployment, Frontend, collect
 
 pytestmark = pytest.mark.slow
 MODEL = "e2e-structured"
+# Hermes-style tool calling (as Qwen's templates): tools listed up front, calls as <tool_call> JSON.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 GRAMMAR = 'start: expr\nexpr: NUMBER | "(" expr OP expr ")"\nOP: "+" | "*"\nNUMBER: /[1-9]/'
 # Long enough that every stream is mid-output when a decode worker dies: 200 items, ~400 tokens.
@@ -42,6 +49,23 @@ LONG_SCHEMA = {
     "maxItems": 200,
 }
 MESSAGES_BEFORE_KILL = 4
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": TIME}},
+]
+PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 class Person(pydantic.BaseModel):
@@ -60,10 +84,13 @@ def served(checkpoints, etcd_url, tmp_path_factory):
     source = checkpoints("llama")[0]
     path = tmp_path_factory.mktemp("structured-llama")
     for file in source.iterdir():
-        if file.name != "tokenizer_config.json":
+        if file.name not in ("tokenizer_config.json", "config.json"):
             (path / file.name).symlink_to(file)
     config = json.loads((source / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    # Room for the tools the template lists (the same weights, a longer context).
+    config = json.loads((source / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     deployment = Deployment(
         str(path),
         etcd_url,
@@ -172,6 +199,78 @@ def test_greedy_output_is_the_same_offline_colocated_and_disaggregated(served, e
             assert split["final"].finish_reason == local["final"].finish_reason == "stop"
     finally:
         colocated.close()
+
+
+def _check_calls(calls, count: int | None = None) -> None:
+    assert calls and (count is None or len(calls) == count), calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def _streamed_calls(stream) -> tuple[list, str | None]:
+    """The tool calls the stream's chunks carry, as the SDK's objects, and the finish reason."""
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    return calls, finish
+
+
+def test_forced_tool_calls_parse_against_their_schema_streamed_or_not(served):
+    deployment, _ = served
+    client = _client(deployment)
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # (Parallel calls are left out here: a random model, free to add calls, adds them until max_tokens.)
+    for choice, parallel, count in ((named, None, 1), ("required", False, 1)):
+        kwargs = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": choice, "max_tokens": 120}
+        if parallel is not None:
+            kwargs["parallel_tool_calls"] = parallel
+        response = client.chat.completions.create(**kwargs)
+        assert response.choices[0].finish_reason == "tool_calls", (choice, response.choices[0])
+        _check_calls(response.choices[0].message.tool_calls, count)
+        assert all(c.id.startswith("call_") and c.type == "function" for c in response.choices[0].message.tool_calls)
+        calls, finish = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+        assert finish == "tool_calls"
+        _check_calls(calls, count)
+    assert response.choices[0].message.content is None
+
+
+def test_auto_reads_the_templates_format_and_tool_messages_round_trip(served):
+    deployment, path = served
+    client = _client(deployment)
+    # A random model does not call tools of itself: a regex makes it write the template's format.
+    forced = {"guided_regex": r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'}
+    messages = [{"role": "user", "content": "What time is it?"}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=150, extra_body=forced
+    )
+    [call] = response.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and response.choices[0].finish_reason == "tool_calls"
+    _check_calls([call])
+    calls, finish = _streamed_calls(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, max_tokens=150, stream=True, extra_body=forced
+        )
+    )
+    assert [c.function.arguments for c in calls] == [call.function.arguments] and finish == "tool_calls"
+    # The call and its result go back in: the template gets the arguments as an object.
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert again.choices[0].message.tool_calls is None
+    rendered = render_chat(
+        load_chat_template(path),
+        [*messages, template_message(history[1]), history[2]],
+        special_tokens=load_special_tokens(path),
+        tools=TOOLS,
+    )
+    assert '<tool_call>{"name": "get_time", "arguments": {"zone": ' in rendered
+    assert again.usage.prompt_tokens == len(Tokenizer.from_pretrained(path).encode(rendered, add_special_tokens=False))
 
 
 def test_a_migration_mid_output_keeps_the_grammar(served):
