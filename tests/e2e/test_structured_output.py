@@ -244,14 +244,14 @@ def test_auto_reads_the_templates_format_and_tool_messages_round_trip(served):
     forced = {"guided_regex": r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'}
     messages = [{"role": "user", "content": "What time is it?"}]
     response = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, max_tokens=150, extra_body=forced
+        model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=150, extra_body=forced
     )
     [call] = response.choices[0].message.tool_calls
     assert call.function.name == "get_time" and response.choices[0].finish_reason == "tool_calls"
     _check_calls([call])
     calls, finish = _streamed_calls(
         client.chat.completions.create(
-            model=MODEL, messages=messages, tools=TOOLS, max_tokens=150, stream=True, extra_body=forced
+            model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=150, stream=True, extra_body=forced
         )
     )
     assert [c.function.arguments for c in calls] == [call.function.arguments] and finish == "tool_calls"

@@ -153,7 +153,7 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         req.n,
         include_usage=_include_usage(req),
         token_text=_token_text(admitted, req.logprobs),
-        tool_calls=None if tools is None else tools.parse,
+        tool_calls=tools.parse if tools is not None and tools.reads_calls else None,
     )
     return await _respond(request, req.stream, admitted, output)
 

@@ -35,6 +35,11 @@ class ToolPlan:
     name: str | None = None  # the named function
     fmt: ToolCallFormat | None = None  # "auto": the template's format
 
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the output can hold calls (else it is plain content, streamed as it comes)."""
+        return self.mode in ("named", "required") or (self.mode == "auto" and self.fmt is not None)
+
     def parse(self, text: str) -> ParsedOutput | None:
         """The output's content and calls; None: plain content (no calls to look for)."""
         if self.mode == "named":

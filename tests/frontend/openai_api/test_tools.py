@@ -51,8 +51,9 @@ def test_auto_parses_in_the_templates_format_and_none_does_not():
     assert auto.mode == "auto" and auto.structured is None
     text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     assert auto.parse(text).tool_calls == [ToolCall("get_time", "{}")]
-    assert tool_plan(TOOLS, "none", None, "<tool_call>").parse(text) is None
-    assert tool_plan(TOOLS, "auto", None, "no format here").parse(text) is None
+    assert auto.reads_calls
+    for plan in (tool_plan(TOOLS, "none", None, "<tool_call>"), tool_plan(TOOLS, "auto", None, "no format here")):
+        assert plan.parse(text) is None and not plan.reads_calls  # plain content, streamed as it comes
     assert tool_plan(None, None, None, None) is None
 
 
