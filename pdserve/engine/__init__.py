@@ -14,5 +14,6 @@
 - ``request``: one request's state in the engine;
 - ``model_runner``: one step's inputs built, the model run, across ranks;
 - ``step_plan``: what rank 0 sends its followers for each step;
-- ``sampler``: the next token of every row, with penalties and logprobs.
+- ``sampler``: the next token of every row, with penalties and logprobs;
+- ``grammar_mask``: structured outputs' token bitmask, applied to the batch's constrained rows.
 """

@@ -17,10 +17,13 @@ token ids and EOS are token-level, and the engine's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+
+import llguidance
 
 from pdserve.distributed.parallel_state import SINGLE_RANK, ParallelState
 from pdserve.engine.block_pool import BlockPool
@@ -35,10 +38,12 @@ from pdserve.engine.startup import WARM_UP_REQUEST_ID, eos_token_ids, kv_budget,
 from pdserve.engine.step_plan import GroupStart
 from pdserve.model.kv_cache import KVCache, KVCacheSpec
 from pdserve.model.setup import setup_model
+from pdserve.text.grammar import GrammarCompiler
 from pdserve.text.tokenizer import find_tokenizer
 from pdserve.types.engine_config import EngineConfig, check_step_limits
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.structured_output import StructuredOutput
 
 logger = logging.getLogger("pdserve.engine")
 
@@ -85,6 +90,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.device, parallel)
         self.sampler = Sampler(argmax=self.backend.argmax)
         self._requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._grammars_lock = threading.Lock()
         logger.info(
             "%s on %s (%s kernels): KV cache %d values/token/layer, %d bytes/token, %d blocks x %d tokens = %d tokens (%.1f MiB)",
             mc.architecture,
@@ -158,8 +165,9 @@ class LLMEngine:
             kv_role=kv_role,
             pin_s=pin_s,
             cache_salt=cache_salt or None,
+            matcher=None if params.structured is None else self.compile_grammar(params.structured).deep_copy(),
         )
-        request.resume(generated)
+        request.resume(generated)  # replays the grammar over them: a hand-off or migration goes on from there
         if request.generator is not None and not params.is_greedy:
             for _ in generated:
                 skip_draw(request.generator, self.model_config.vocab_size)
@@ -190,6 +198,21 @@ class LLMEngine:
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> None:
         """Raise the ValueError ``add_request`` would for this prompt, without adding it."""
         self.limits.generated_token_ids(self.limits.prompt_token_ids(prompt), [], params)
+        if params.structured is not None:
+            self.compile_grammar(params.structured)
+
+    def compile_grammar(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """``spec`` compiled for this model, at its start (shared: copy it), from a bounded
+        cache; callable from any thread, so a server compiles off its event loop and outside
+        the step. Raises ValueError naming the problem, or for a model without a tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError(f"structured: model {self.model_config.path} has no tokenizer.json")
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
+        return self._grammars.compile(spec)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request at any point and free everything it holds, its pin included."""
@@ -328,7 +351,9 @@ class LLMEngine:
             )
         if inputs.sampling_requests:
             rows = [
-                SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r))
+                SamplingRequest(
+                    r.params, r.prompt_token_ids, r.output_token_ids, r.generator, banned_token_ids(r), r.matcher
+                )
                 for r in inputs.sampling_requests
             ]
             sampled = self.sampler(logits, rows)

@@ -160,6 +160,10 @@ class EngineLoop:
         # it belong to the request that holds it, and must not be replaced or aborted by a repeat.
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured is not None:
+            # Compiled here, on a thread of its own, so that the step never waits for a new
+            # schema; the engine's add then finds it in its cache.
+            await asyncio.to_thread(self.engine.compile_grammar, params.structured)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         engine = self.engine

@@ -1,6 +1,7 @@
 """What a step reports for each request, and the token-level rules that end one.
 
-A request ends at a token in its stop token ids, at EOS unless it ignores EOS (``"stop"``), or
+A request ends at a token in its stop token ids, at EOS unless it ignores EOS, when its grammar
+(a structured output) can take no further token (``"stop"``), or
 at ``max_tokens`` or the context window (``"length"``); before ``min_tokens`` those tokens are
 banned from sampling instead. Stop strings are text, and not the engine's (``engine``'s
 docstring). Imports nothing from the engine but ``request``.
@@ -66,6 +67,8 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
 def stop_reason(request: Request, token: int, max_model_len: int) -> str | None:
     """Why ``token`` (just appended) ends the request, if it does."""
     params = request.params
+    if request.matcher is not None and request.matcher.is_stopped():
+        return "stop"
     if token in (params.stop_token_ids or ()) or (not params.ignore_eos and token in request.eos_token_ids):
         return "stop"
     if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +41,9 @@ class Request:
     kv_role: KVRole = KVRole.LOCAL
     pin_s: float | None = None  # PRODUCER: how long its blocks stay pinned for the peer, at most
     cache_salt: str | None = None  # shares prefix-cache blocks only with requests of the same salt
+    # The grammar state of a structured output (``params.structured``): it takes every output
+    # token, however the request got it (sampled here, resumed with, or a peer's first token).
+    matcher: LLMatcher | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -73,8 +80,13 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def resume(self, generated_token_ids: list[int]) -> None:
-        """Take the output tokens generated for this request elsewhere (before any of its own)."""
+        """Take the output tokens generated for this request elsewhere (before any of its own).
+
+        Raises ValueError when they break the request's grammar (they were not generated under it).
+        """
         assert not self.output_token_ids, "a request resumes before it generates"
+        if self.matcher is not None and generated_token_ids and not self.matcher.consume_tokens(generated_token_ids):
+            raise ValueError(f"generated_token_ids break the request's structured output: {self.matcher.get_error()}")
         self.token_ids.extend(generated_token_ids)
         self.output_token_ids.extend(generated_token_ids)
         self.output_logprobs.extend([None] * len(generated_token_ids))
@@ -83,5 +95,7 @@ class Request:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

@@ -4,7 +4,8 @@ Each row of the logits belongs to one request with its own SamplingParams. The o
 operations follows vLLM and HF transformers:
 
     repetition penalty (prompt + output) -> presence / frequency penalties (output)
-    -> banned tokens (short of min_tokens) -> greedy rows: argmax
+    -> banned tokens (short of min_tokens) -> the grammar's mask (structured outputs,
+    ``grammar_mask``) -> greedy rows: argmax
     -> other rows: temperature -> top-k -> top-p -> min-p -> sample
 
 Returned logprobs are those of the raw model logits, before any of the above.
@@ -15,11 +16,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.grammar_mask import GrammarMask
 from pdserve.types.logprobs import Logprobs
 from pdserve.types.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 # Temperatures below this are raised to it: dividing by a near-zero temperature overflows
 # float32, and at 1e-5 any visible logit gap already makes the distribution one-hot.
@@ -45,7 +51,8 @@ class SamplingRequest:
     `output_token_ids` are the tokens generated so far (read for the penalties);
     `generator` is the request's own generator (see make_generator), required when
     params.seed is set and None otherwise; `banned_token_ids` cannot be sampled (the tokens
-    that would end a request short of its `min_tokens`).
+    that would end a request short of its `min_tokens`); `matcher` is the request's grammar
+    state when its output is structured (only the tokens it allows can be sampled).
     """
 
     params: SamplingParams
@@ -53,6 +60,7 @@ class SamplingRequest:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: list[int] = field(default_factory=list)
+    matcher: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -78,6 +86,7 @@ class Sampler:
         """``argmax``: greedy rows' pick over float32 logits [R, V], as ``torch.argmax`` (a
         backend's faster one, ``Backend.argmax``); torch's by default."""
         self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
+        self.grammar_mask = GrammarMask()
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """Sample from `logits` [num_rows, vocab] (any float dtype), row i for requests[i]."""
@@ -92,6 +101,10 @@ class Sampler:
             for row, request in enumerate(requests):
                 if request.banned_token_ids:
                     logits[row, request.banned_token_ids] = -math.inf
+        constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            logits = logits.clone() if logits is raw else logits
+            self.grammar_mask.apply(logits, constrained)
 
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not sampled_rows:

@@ -3,7 +3,8 @@
 A request is validated once, here, so that a bad one never reaches a worker: the model must be
 served, the prompt non-empty, inside the vocabulary and the context window, ``max_tokens``
 within what the window leaves, and the sampling values valid (``SamplingParams`` names the
-field). Text prompts are tokenized here with the model's ``tokenizer.json`` (or a GGUF file's own), read from the
+field), a structured output's schema, regex or grammar included (``check_structured``, on a
+thread). Text prompts are tokenized here with the model's ``tokenizer.json`` (or a GGUF file's own), read from the
 ``model_path`` the workers registered (or ``--tokenizer``), so that routing sees the tokens; the
 same tokenizer turns the workers' token ids into the client's text (``TextStream``).
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.char_budget import CharBudget
 from pdserve.rpc.sampling import sampling_params
+from pdserve.text.grammar import check_structured
 from pdserve.text.tokenizer import Tokenizer, find_tokenizer
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.v1 import inference_pb2
@@ -135,6 +137,8 @@ class ModelCatalog:
             sampling.max_tokens = room
         try:
             params = sampling_params(sampling)
+            if params.structured is not None:  # compiling a large schema takes a while
+                await asyncio.to_thread(check_structured, params.structured)
         except ValueError as exc:
             raise InvalidRequest(f"sampling.{exc}") from None
         if params.max_tokens > room:

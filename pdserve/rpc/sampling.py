@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.structured_output import StructuredOutput
 from pdserve.v1 import inference_pb2
 
 _OPTIONAL_FIELDS = (
@@ -30,4 +31,24 @@ def sampling_params(options: inference_pb2.SamplingOptions) -> SamplingParams:
     if options.stop_token_ids:
         kwargs["stop_token_ids"] = list(options.stop_token_ids)
     kwargs["ignore_eos"] = options.ignore_eos
+    kwargs["structured"] = structured_output(options)
     return SamplingParams(**kwargs)
+
+
+def structured_output(options: inference_pb2.SamplingOptions) -> StructuredOutput | None:
+    """The options' structured output (the ``structured`` oneof), None when unset; raises
+    ValueError naming the field when its shape is wrong (an empty choice list, say)."""
+    kind = options.WhichOneof("structured")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(options.choice.options))
+    return StructuredOutput(**{kind: getattr(options, kind)})
+
+
+def set_structured_output(options: inference_pb2.SamplingOptions, spec: StructuredOutput) -> None:
+    """Write ``spec`` into the options' ``structured`` oneof."""
+    if spec.choice is not None:
+        options.choice.options.extend(spec.choice)
+    else:
+        setattr(options, spec.kind, getattr(spec, spec.kind))

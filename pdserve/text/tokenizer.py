@@ -76,6 +76,11 @@ class Tokenizer:
         """
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what a grammar engine builds its
+        token table from)."""
+        return self._backend.to_str()
+
 
 def find_tokenizer(model: str | Path) -> Tokenizer | None:
     """The tokenizer of a model: a GGUF file's embedded one, a directory's tokenizer.json, or

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from pdserve.types.structured_output import StructuredOutput
+
 # OpenAI caps the number of returned top logprobs at 20.
 MAX_LOGPROBS = 20
 
@@ -37,6 +39,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             already generated, in [-2, 2].
         frequency_penalty: OpenAI-style: subtracted from a token's logit once per time
             it was already generated, in [-2, 2].
+        structured: the output must match this JSON schema, regex, choice or grammar: tokens
+            that would break it cannot be sampled, and the request stops (reason ``"stop"``)
+            when the grammar can go no further; None leaves the output free.
     """
 
     max_tokens: int = 16
@@ -53,6 +58,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1", self.max_tokens)
@@ -118,6 +124,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             "frequency_penalty",
             "in [-2, 2]",
             self.frequency_penalty,
+        )
+        _require(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured",
+            "None or a StructuredOutput",
+            self.structured,
         )
 
     @property

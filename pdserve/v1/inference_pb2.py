@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x81\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xbc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x7f\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\tbreakdown\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyBreakdown\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xb2\x02\n\x10LatencyBreakdown\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x01\x12\x18\n\x10prefill_attempts\x18\n \x01(\x05\x12\x12\n\nmigrations\x18\x0b \x01(\x05\x12\x30\n\x11migration_history\x18\x0c \x03(\x0b\x32\x15.pdserve.v1.Migration\"t\n\tMigration\x12\x13\n\x0b\x66rom_worker\x18\x01 \x01(\t\x12\x11\n\tto_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x17\n\x0ftokens_streamed\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"u\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\x05\x32\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/inference.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xfa\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0f \x01(\tH\x00\x12\x0f\n\x05regex\x18\x10 \x01(\tH\x00\x12.\n\x06\x63hoice\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredChoiceH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x42\x0c\n\nstructuredB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"#\n\x10StructuredChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xbc\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x7f\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\tbreakdown\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyBreakdown\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xb2\x02\n\x10LatencyBreakdown\x12\x16\n\x0eprefill_worker\x18\x01 \x01(\t\x12\x15\n\rdecode_worker\x18\x02 \x01(\t\x12\x15\n\rdisaggregated\x18\x03 \x01(\x08\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\t \x01(\x01\x12\x18\n\x10prefill_attempts\x18\n \x01(\x05\x12\x12\n\nmigrations\x18\x0b \x01(\x05\x12\x30\n\x11migration_history\x18\x0c \x03(\x0b\x32\x15.pdserve.v1.Migration\"t\n\tMigration\x12\x13\n\x0b\x66rom_worker\x18\x01 \x01(\t\x12\x11\n\tto_worker\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x17\n\x0ftokens_streamed\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"u\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\x05\x32\xa1\x01\n\tInference\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_SAMPLINGOPTIONS']._serialized_start=68
-  _globals['_SAMPLINGOPTIONS']._serialized_end=581
-  _globals['_GENERATEREQUEST']._serialized_start=584
-  _globals['_GENERATEREQUEST']._serialized_end=772
-  _globals['_GENERATERESPONSE']._serialized_start=775
-  _globals['_GENERATERESPONSE']._serialized_end=905
-  _globals['_TOKENLOGPROBS']._serialized_start=907
-  _globals['_TOKENLOGPROBS']._serialized_end=976
-  _globals['_TOPLOGPROB']._serialized_start=978
-  _globals['_TOPLOGPROB']._serialized_end=1025
-  _globals['_FINAL']._serialized_start=1027
-  _globals['_FINAL']._serialized_end=1154
-  _globals['_USAGE']._serialized_start=1156
-  _globals['_USAGE']._serialized_end=1243
-  _globals['_LATENCYBREAKDOWN']._serialized_start=1246
-  _globals['_LATENCYBREAKDOWN']._serialized_end=1552
-  _globals['_MIGRATION']._serialized_start=1554
-  _globals['_MIGRATION']._serialized_end=1670
-  _globals['_LISTMODELSREQUEST']._serialized_start=1672
-  _globals['_LISTMODELSREQUEST']._serialized_end=1691
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1693
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1752
-  _globals['_MODELINFO']._serialized_start=1754
-  _globals['_MODELINFO']._serialized_end=1871
-  _globals['_INFERENCE']._serialized_start=1874
-  _globals['_INFERENCE']._serialized_end=2035
+  _globals['_SAMPLINGOPTIONS']._serialized_end=702
+  _globals['_STRUCTUREDCHOICE']._serialized_start=704
+  _globals['_STRUCTUREDCHOICE']._serialized_end=739
+  _globals['_GENERATEREQUEST']._serialized_start=742
+  _globals['_GENERATEREQUEST']._serialized_end=930
+  _globals['_GENERATERESPONSE']._serialized_start=933
+  _globals['_GENERATERESPONSE']._serialized_end=1063
+  _globals['_TOKENLOGPROBS']._serialized_start=1065
+  _globals['_TOKENLOGPROBS']._serialized_end=1134
+  _globals['_TOPLOGPROB']._serialized_start=1136
+  _globals['_TOPLOGPROB']._serialized_end=1183
+  _globals['_FINAL']._serialized_start=1185
+  _globals['_FINAL']._serialized_end=1312
+  _globals['_USAGE']._serialized_start=1314
+  _globals['_USAGE']._serialized_end=1401
+  _globals['_LATENCYBREAKDOWN']._serialized_start=1404
+  _globals['_LATENCYBREAKDOWN']._serialized_end=1710
+  _globals['_MIGRATION']._serialized_start=1712
+  _globals['_MIGRATION']._serialized_end=1828
+  _globals['_LISTMODELSREQUEST']._serialized_start=1830
+  _globals['_LISTMODELSREQUEST']._serialized_end=1849
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1851
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1910
+  _globals['_MODELINFO']._serialized_start=1912
+  _globals['_MODELINFO']._serialized_end=2029
+  _globals['_INFERENCE']._serialized_start=2032
+  _globals['_INFERENCE']._serialized_end=2193
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,28 @@ def test_models_are_summarised_with_their_tightest_limits():
             "sampling.top_k",
         ),
         ({"text": "hi"}, "has no tokenizer.json; send token_ids"),
+        (
+            {"token_ids": inference_pb2.TokenIds(ids=[1]), "sampling": inference_pb2.SamplingOptions(json_schema="[")},
+            "sampling.json_schema: not valid JSON",
+        ),
+        (
+            {
+                "token_ids": inference_pb2.TokenIds(ids=[1]),
+                "sampling": inference_pb2.SamplingOptions(json_schema='{"type": "integer", "minimum": "zero"}'),
+            },
+            "sampling.json_schema: Expected f64 for 'minimum', got \"zero\"",
+        ),
+        (
+            {"token_ids": inference_pb2.TokenIds(ids=[1]), "sampling": inference_pb2.SamplingOptions(regex="(a")},
+            'sampling.regex: at 1(8): invalid regex "(a"',
+        ),
+        (
+            {
+                "token_ids": inference_pb2.TokenIds(ids=[1]),
+                "sampling": inference_pb2.SamplingOptions(grammar="root ::= x"),
+            },
+            "sampling.grammar: Failed to convert the grammar from GBNF to Lark: Rule 'x' not found",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(fields, message):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.rpc.sampling import sampling_params
+from pdserve.rpc.sampling import sampling_params, set_structured_output
 from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.structured_output import StructuredOutput
 from pdserve.v1 import inference_pb2
 
 
@@ -27,3 +28,28 @@ def test_bad_values_name_the_field():
         sampling_params(inference_pb2.SamplingOptions(top_p=0.0))
     with pytest.raises(ValueError, match="logprobs"):
         sampling_params(inference_pb2.SamplingOptions(logprobs=21))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(json_schema='{"type": "object"}'),
+        StructuredOutput(regex="[0-9]+"),
+        StructuredOutput(choice=("yes", "no")),
+        StructuredOutput(grammar='start: "a"+'),
+    ],
+)
+def test_a_structured_output_crosses_the_wire(spec):
+    options = inference_pb2.SamplingOptions()
+    set_structured_output(options, spec)
+    wire = inference_pb2.SamplingOptions.FromString(options.SerializeToString())
+    assert wire.WhichOneof("structured") == spec.kind
+    assert sampling_params(wire).structured == spec
+    assert sampling_params(inference_pb2.SamplingOptions()).structured is None
+
+
+def test_a_structured_output_of_the_wrong_shape_names_the_field():
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        sampling_params(inference_pb2.SamplingOptions(choice=inference_pb2.StructuredChoice()))
+    with pytest.raises(ValueError, match="json_schema: not valid JSON"):
+        sampling_params(inference_pb2.SamplingOptions(json_schema="{"))

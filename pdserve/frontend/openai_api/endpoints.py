@@ -29,6 +29,8 @@ from pdserve.frontend.openai_api.choices import Event, admit_all, collect_unless
 from pdserve.frontend.openai_api.errors import ApiError
 from pdserve.frontend.openai_api.logprobs import TokenText
 from pdserve.frontend.openai_api.output import SSE_DONE, Output, sse
+from pdserve.frontend.openai_api.tools import template_message, tool_plan
+from pdserve.rpc.sampling import set_structured_output
 from pdserve.text.chat_template import ChatTemplateError, load_chat_template, load_special_tokens, render_chat
 
 
@@ -103,8 +105,6 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     protocol.check_common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
     if (
         req.max_tokens is not None
         and req.max_completion_tokens is not None
@@ -123,6 +123,7 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         raise ApiError(
             400, f"chat_template_kwargs: {reserved} are set by the request itself", param="chat_template_kwargs"
         )
+    tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, template)
     if req.tools is not None:
         variables["tools"] = req.tools
     try:
@@ -137,6 +138,10 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     options = protocol.sampling_options(req, max_tokens)
+    if tools is not None and tools.structured is not None:
+        if options.WhichOneof("structured") is not None:
+            raise ApiError(400, f"tool_choice {tools.mode!r} and response_format: set one", param="tool_choice")
+        set_structured_output(options, tools.structured)
     if req.logprobs:
         options.logprobs = protocol.top_logprobs(req.top_logprobs or 0, "top_logprobs")
     base = uuid.uuid4().hex
@@ -160,6 +165,7 @@ async def chat_completions(gateway: Gateway, templates: ChatTemplates, request: 
         req.n,
         include_usage=_include_usage(req),
         token_text=_token_text(admitted, req.logprobs),
+        tool_calls=tools.parse if tools is not None and tools.reads_calls else None,
     )
     return await _respond(request, req.stream, admitted, output)
 
@@ -235,7 +241,7 @@ def _message(index: int, message: dict[str, Any]) -> dict[str, Any]:
             f"messages[{index}].content must be a string, a list of text parts or null",
             param=f"messages[{index}].content",
         )
-    return {**message, "content": content}
+    return template_message({**message, "content": content})
 
 
 def _echo_text(admitted: Admitted, prompt: str | list[int]) -> str:

@@ -4,18 +4,24 @@ One ``Output`` a request: ``chunk`` turns a choice's message into a streamed chu
 records one for the whole response that ``response`` builds. A choice's last message carries
 its finish reason and, under ``pdserve``, its latency breakdown (``LatencyBreakdown`` with the
 cached prompt tokens), listed by choice index.
+
+A chat request with tools gives ``tool_calls``: its text is read for calls (``ToolPlan.parse``)
+once whole, so a streamed choice holds its text back and sends it, with its calls as
+``delta.tool_calls``, in its last chunk; a choice with calls finishes with ``"tool_calls"``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.frontend.openai_api.logprobs import ChoiceLogprobs, TokenText
+from pdserve.text.tool_calls import ParsedOutput
 from pdserve.v1 import inference_pb2
 
 Kind = Literal["completion", "chat"]
@@ -29,6 +35,7 @@ class Output:
     echo: per prompt, the text to put before its completions (completions' ``echo``), or None.
     include_usage: streaming: each chunk has ``usage`` (null), and a last chunk has the totals.
     token_text: a token's text, when the request asked for logprobs; None: ``logprobs`` is null.
+    tool_calls: a chat choice's text to its content and tool calls (None: plain content).
     """
 
     def __init__(
@@ -41,12 +48,14 @@ class Output:
         echo: list[str] | None = None,
         include_usage: bool = False,
         token_text: TokenText | None = None,
+        tool_calls: Callable[[str], ParsedOutput | None] | None = None,
     ) -> None:
         self.kind = kind
         self.model = model
         self.n = n
         self.echo = echo
         self.include_usage = include_usage
+        self.tool_calls = tool_calls
         self.id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.texts = [""] * num_choices
@@ -69,6 +78,14 @@ class Output:
         self.finals[index] = final or self.finals[index]
         if self.logprobs is not None:
             self.logprobs[index].add(message.token_ids, message.logprobs)
+        finish_reason = final.finish_reason if final is not None else None
+        calls: list[dict[str, Any]] = []
+        if self.tool_calls is not None:  # held back until the text is whole
+            self.texts[index] += text
+            text = ""
+            if final is not None:
+                content, calls, finish_reason = self._message(final.text, final.finish_reason)
+                text = content or ""
         if not text and final is None and not (first and self.kind == "chat"):
             return None
         choice: dict[str, Any] = {"index": index}
@@ -76,11 +93,13 @@ class Output:
         if self.kind == "completion":
             choice |= {"text": text, "logprobs": logprobs}
         else:
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice |= {"delta": delta, "logprobs": logprobs}
-        choice["finish_reason"] = final.finish_reason if final is not None else None
+        choice["finish_reason"] = finish_reason
         body = self._envelope(chunk=True, choices=[choice])
         if final is not None:
             body["pdserve"] = {"choices": [self._breakdown(index, final)]}
@@ -105,9 +124,13 @@ class Output:
             logprobs = self.logprobs[index].body(everything=True) if self.logprobs is not None else None
             if self.kind == "completion":
                 choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
-            else:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
-            choices.append(choice | {"finish_reason": final.finish_reason})
+                choices.append(choice | {"finish_reason": final.finish_reason})
+                continue
+            content, calls, finish_reason = self._message(text, final.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         breakdowns = [self._breakdown(i, f) for i, f in enumerate(self.finals) if f is not None]
         return self._envelope(chunk=False, choices=choices) | {
             "usage": self.usage(),
@@ -115,6 +138,21 @@ class Output:
         }
 
     # ---- shared ----------------------------------------------------------------------------
+    def _message(self, text: str, finish_reason: str) -> tuple[str | None, list[dict[str, Any]], str]:
+        """A chat choice's content, its tool calls in OpenAI's shape, and its finish reason."""
+        parsed = self.tool_calls(text) if self.tool_calls is not None else None
+        if parsed is None or not parsed.tool_calls:
+            return text, [], finish_reason
+        calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in parsed.tool_calls
+        ]
+        return parsed.content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+
     def usage(self) -> dict[str, Any]:
         """Totals: each prompt's tokens once, every choice's completion tokens."""
         finals = [f for f in self.finals if f is not None]

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 
 from pdserve.frontend.openai_api.errors import ApiError
+from pdserve.frontend.openai_api.structured import structured_output
+from pdserve.rpc.sampling import set_structured_output
 from pdserve.types.sampling_params import MAX_LOGPROBS
 from pdserve.v1 import inference_pb2
 
@@ -49,6 +51,11 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # vLLM's: shares prefix-cache blocks only with the same salt
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -67,7 +74,8 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -128,6 +136,15 @@ def sampling_options(request: _Sampling, max_tokens: int | None) -> inference_pb
         if not 0 <= token < _INT32:
             raise ApiError(400, f"stop_token_ids[{index}] = {token} is not a token id", param="stop_token_ids")
     options.stop_token_ids.extend(request.stop_token_ids or [])
+    spec = structured_output(
+        request.response_format,
+        request.guided_json,
+        request.guided_regex,
+        request.guided_choice,
+        request.guided_grammar,
+    )
+    if spec is not None:
+        set_structured_output(options, spec)
     return options
 
 
