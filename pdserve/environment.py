@@ -14,7 +14,9 @@ nowhere else; an option that defaults to one names it in its help. Standard libr
   cache (``kernel_dir``; the CPU image sets it);
 - ``PDSERVE_PLANNER_CLUSTER_ROLE``: the ClusterRole the operator binds planners to
   (``planner_cluster_role``; the chart sets it);
-- ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``).
+- ``PDSERVE_PARENT_PID``: set by ``pdserve up`` for its children (``PARENT_PID``, ``parent_pid``);
+- ``PDSERVE_STATE_DIR``: where ``pdserve up`` records its running deployment for the commands run
+  beside it (``state_dir``; else ``$XDG_RUNTIME_DIR/pdserve``, else ``~/.local/state/pdserve``).
 
 Beside them, the three a LeaderWorkerSet sets in its pods, which place a worker's rank in a group
 across hosts (``group_setting``): ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``.
@@ -87,6 +89,14 @@ def planner_cluster_role() -> str | None:
 
 def parent_pid() -> str | None:
     return _read(PARENT_PID)
+
+
+def state_dir() -> str:
+    """``$PDSERVE_STATE_DIR``, else ``$XDG_RUNTIME_DIR/pdserve`` (a per-user, in-memory directory
+    the login session owns), else ``~/.local/state/pdserve``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or None
+    fallback = os.path.join(runtime, "pdserve") if runtime else os.path.expanduser("~/.local/state/pdserve")
+    return _read("PDSERVE_STATE_DIR") or fallback
 
 
 def group_setting(setting: str) -> str | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ class CheckpointFactory:
             directory.mkdir()
             self._made[arch] = (directory, write_checkpoint(directory, arch))
         return self._made[arch]
+
+
+@pytest.fixture(autouse=True)
+def own_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's ``pdserve up`` records its deployment, and its commands look for one, in a
+    state directory of the test's own (made when first used), never the user's."""
+    path = tmp_path_factory.getbasetemp() / f"state-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("PDSERVE_STATE_DIR", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@
 - ``slo``, ``knobs``: ``pdserve slo|knobs set|show|...``, a model's targets and live settings in etcd;
 - ``status``: ``pdserve status``, one screen per model;
 - ``operate``: ``pdserve workers|drain``, and what the commands that talk to etcd share;
+- ``local_deployment``: their defaults from the ``pdserve up`` running on this machine;
 - ``planner``: ``pdserve planner``, the control plane's resizing loop;
 - ``kube_operator``: ``pdserve operator``, the Kubernetes operator, and ``pdserve remove-deployments``;
 - ``profile``: ``pdserve profile``, the engine's speed into a planner profile;

@@ -23,6 +23,7 @@ import msgspec
 
 from pdserve import environment
 from pdserve.cli.secrets import add_secret_option, secret
+from pdserve.cli.local_deployment import use_local_deployment
 from pdserve.cli.common import add_cluster_tls_args, add_etcd_auth_args, cluster_tls, etcd_auth, positive_duration
 from pdserve.discovery.etcd import ETCD_ERRORS, RegistryUnavailable, close_quietly, connect, describe_etcd_error
 from pdserve.discovery.registry import WORKERS_PREFIX, Role, WorkerEntry, decode_entries, decode_entry, worker_key
@@ -35,8 +36,10 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 ETCD_TIMEOUT_S = 2.0
 
 EXIT_STATUS = """exit status: 0 success; 1 etcd unreachable or the operation failed; 2 bad arguments.
-etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379; an etcd with TLS or auth takes
-https:// and the --etcd-* options below (README: Security lists the etcd roles each needs)."""
+etcd: --etcd URL or $PDSERVE_ETCD, e.g. http://127.0.0.1:2379, else the registry of the `pdserve up`
+running on this machine, with its credentials (its record in $PDSERVE_STATE_DIR); an etcd with TLS
+or auth takes https:// and the --etcd-* options below (README: Security lists the etcd roles each
+needs)."""
 
 WORKERS_EXAMPLES = f"""examples:
   pdserve workers --etcd http://127.0.0.1:2379
@@ -60,8 +63,10 @@ The worker stops taking requests, finishes those in flight (bounded by its --dra
 leaves the registry and exits. Routers stop sending it work as soon as it reports draining.
 
 A secured worker drains only for a caller with a cluster certificate (when the cluster runs
-mTLS: --cluster-ca/--cluster-cert/--cluster-key) or its admin key (--admin-key, or
-$PDSERVE_ADMIN_KEY); others get UNAUTHENTICATED or PERMISSION_DENIED.
+mTLS: --cluster-ca/--cluster-cert/--cluster-key; one naming pdserve-tools or pdserve-operator,
+or no pdserve component) or its admin key (--admin-key, or $PDSERVE_ADMIN_KEY); others get
+UNAUTHENTICATED or PERMISSION_DENIED. Without --cluster-*, drain uses the tools' certificate of
+the `pdserve up` running on this machine.
 
 {EXIT_STATUS}
 """
@@ -77,7 +82,8 @@ def add_etcd_arg(parser: argparse.ArgumentParser) -> None:
         "--etcd",
         default=environment.etcd_url(),
         metavar="URL",
-        help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD)",
+        help="etcd URL, e.g. http://127.0.0.1:2379 or https:// for TLS (default: $PDSERVE_ETCD, else the "
+        "registry of the `pdserve up` running on this machine)",
     )
     add_etcd_auth_args(parser)
 
@@ -88,8 +94,12 @@ def run_with_etcd(args: argparse.Namespace, body: Callable[[aetcd.Client], Await
     A missing ``--etcd`` is a ValueError (exit 2, through ``cli.main``); an unreachable etcd,
     an etcd call past its deadline and ``OperationFailed`` print one line and return 1.
     """
+    use_local_deployment(args)
     if not args.etcd:
-        raise ValueError("--etcd is required (or set PDSERVE_ETCD), e.g. --etcd http://127.0.0.1:2379")
+        raise ValueError(
+            "--etcd is required (or set PDSERVE_ETCD), e.g. --etcd http://127.0.0.1:2379; "
+            f"no `pdserve up` runs beside this command (none recorded in {environment.state_dir()})"
+        )
 
     auth = etcd_auth(args)
 
@@ -281,6 +291,7 @@ def run_workers(args: argparse.Namespace) -> int:
 
 
 def run_drain(args: argparse.Namespace) -> int:
+    use_local_deployment(args, cluster=True)
     cluster = cluster_tls(args)
     metadata = admin_metadata(secret(args, "admin_key", environment.admin_key()))
     if args.endpoint:

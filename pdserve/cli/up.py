@@ -7,6 +7,7 @@ built once here; ``pdserve.launch.up`` runs the deployment.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import msgspec
 
@@ -49,11 +50,18 @@ and starts or drains local workers to hold the model's TTFT and ITL p90 targets,
 --min/--max replicas per pool. The targets are written to the registry at start, so
 `pdserve slo set` changes them live, and `pdserve status` shows the planner's decisions.
 
-Security (README: Security): --tls-cert/--tls-key serve the public API over TLS, and
---tls-client-ca requires client certificates. --cluster-ca/--cluster-cert/--cluster-key put
-every frontend-to-worker call on mTLS (each child gets the set in its configuration).
---etcd https://... with the --etcd-* options reaches an etcd with TLS and auth; the embedded
-registry is plaintext on loopback. The KV data plane (NIXL) is trusted-network only.
+Security (README: Security): without certificates, up makes a CA of its own at start and a
+certificate per component (pdserve-frontend, pdserve-worker, pdserve-tools, pdserve-registry;
+30 days, in its state directory): every worker RPC and the embedded registry then take only
+this deployment's own frontend, workers and tools (cluster mTLS; only the frontend may
+Prefill, only the tools may Drain). --cluster-ca/--cluster-cert/--cluster-key give your own
+set instead; --insecure runs without (plaintext worker RPCs and registry, as before). The
+commands run beside it (status, workers, drain, slo, knobs) find the registry and the tools'
+certificate in $PDSERVE_STATE_DIR/deployment.json (default $XDG_RUNTIME_DIR/pdserve, else
+~/.local/state/pdserve), written while up serves. --tls-cert/--tls-key serve the public API
+over TLS, and --tls-client-ca requires client certificates. --etcd https://... with the
+--etcd-* options reaches an etcd with TLS and auth. The KV data plane (NIXL) is
+trusted-network only.
 Every process (frontend, workers, this one) serves Prometheus /metrics without a key or TLS:
 keep those ports off untrusted networks, or turn them off (-1). API keys are sent as
 'Authorization: Bearer KEY'; the scheme 'Bearer' is matched in any case. The HTTP API closes
@@ -148,6 +156,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_frontend_args(up)
     add_worker_security_args(up)
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="make no certificates: worker RPCs and the embedded registry plaintext and open to anyone "
+        "who reaches their ports (without --cluster-* the default is mTLS with certificates up makes)",
+    )
     add_etcd_auth_args(up)
     add_engine_args(up)
     scaling = up.add_argument_group("autoscaling")
@@ -184,8 +198,10 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.launch.up import Autoscale, UpSpec, up
 
     if args.etcd is None and given_etcd_auth_options(args):
-        raise ValueError("the --etcd-* options need --etcd: the embedded registry has no TLS or auth")
+        raise ValueError("the --etcd-* options need --etcd: the embedded registry takes the cluster's certificates")
     frontend = frontend_config(args, etcd="")  # every child gets the cluster's registry as etcd
+    if args.insecure and frontend.cluster_tls is not None:
+        raise ValueError("--insecure and --cluster-ca/--cluster-cert/--cluster-key contradict each other: give one")
     if args.prefill < 0 or args.decode < 1:
         raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --prefill {args.prefill} --decode {args.decode}")
     if args.prefill == 0 and frontend.router.disaggregation == "always":
@@ -225,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
             f"--restart-backoff must be within 0..{RestartPolicy.max_backoff_s:g}s, got {args.restart_backoff:g}s"
         )
     restart = RestartPolicy(max_restarts=args.max_restarts, min_backoff_s=args.restart_backoff)
-    cluster = ClusterSpec(prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd, restart=restart)
+    cluster = ClusterSpec(
+        prefill=prefill, decode=decode, frontend=frontend, etcd=args.etcd, restart=restart, auto_tls=not args.insecure
+    )
     return up(
         UpSpec(
             cluster,
@@ -233,5 +251,6 @@ def run(args: argparse.Namespace) -> int:
             num_decode=args.decode,
             autoscale=autoscale,
             metrics_port=args.up_metrics_port,
+            state_dir=Path(environment.state_dir()),
         )
     )

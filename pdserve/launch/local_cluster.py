@@ -17,6 +17,11 @@ directory (configuration files, etcd's data) included.
 
 With the cluster's certificate set (the frontend configuration's ``cluster_tls``) the embedded
 registry serves mTLS too, and every child reaches it presenting its own cluster certificate.
+With ``auto_tls`` and no set given, the cluster makes its own at start (``certificates``: a CA
+of its own and a certificate per component, in the state directory) and runs exactly as if
+given them: the frontend presents ``pdserve-frontend``'s, the workers ``pdserve-worker``'s, the
+embedded registry serves ``pdserve-registry``'s, and this process (and the tools beside it)
+uses ``pdserve-tools``'s (``tools_tls``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -33,10 +38,13 @@ import msgspec
 from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import Role
 from pdserve.frontend.config import FrontendConfig
+from pdserve.launch.certificates import issue_deployment_certificates
 from pdserve.launch.child import Child, ChildFailed
 from pdserve.launch.etcd_process import EtcdFailed, EtcdProcess
 from pdserve.launch.supervisor import RestartPolicy, Supervised, Supervisor
 from pdserve.observability.metrics import SupervisorMetrics
+from pdserve.rpc.admin import FRONTEND, REGISTRY, TOOLS, WORKER
+from pdserve.rpc.tls import ClusterTLS
 from pdserve.worker.config import WorkerConfig
 
 __all__ = ["Child", "ChildFailed", "ClusterSpec", "LocalCluster"]
@@ -53,6 +61,8 @@ class ClusterSpec:
         registry is the cluster's: each child gets its URL as its configuration's ``etcd``,
         whatever that held.
     restart: how children that die are restarted.
+    auto_tls: when the configurations carry no cluster certificate set, make one for this
+        deployment at start (``certificates``), so that it runs with cluster mTLS all the same.
     """
 
     prefill: WorkerConfig
@@ -62,6 +72,7 @@ class ClusterSpec:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 60.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    auto_tls: bool = False
 
     def __post_init__(self) -> None:
         if (self.prefill.role, self.decode.role) != (Role.PREFILL, Role.DECODE):
@@ -79,6 +90,8 @@ class LocalCluster:
     gave_up: children given up on (or that exited cleanly), no longer in a pool.
     failed: set, with ``failure`` saying why, when the frontend or the registry was given up on.
     metrics: restarts and give-ups, for ``pdserve up``'s /metrics.
+    tools_tls: the cluster certificate set of this process and the tools beside it (None
+        without cluster mTLS).
     """
 
     def __init__(self, spec: ClusterSpec) -> None:
@@ -95,22 +108,25 @@ class LocalCluster:
         self.metrics = SupervisorMetrics()
         self._supervisor = Supervisor(spec.restart, self.metrics, self._on_give_up, self._is_done)
         self._count = 0
-        self._state_dir: Path | None = None  # configuration files, the registry's data
+        self._state_dir: Path | None = None  # configuration files, the registry's data, certificates
+        self.tools_tls: ClusterTLS | None = spec.frontend.cluster_tls
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
         """Start the registry, the workers and the frontend; all ready, or ChildFailed."""
         try:
             self._state_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+            registry_tls = self.tools_tls
+            if self.spec.auto_tls and self.tools_tls is None:
+                registry_tls = self._issue_certificates(self._state_dir / "tls")
             if self.etcd_url is None:
-                cluster_tls = self.spec.frontend.cluster_tls
-                self.registry = EtcdProcess(self._state_dir / "etcd", tls=cluster_tls)
+                self.registry = EtcdProcess(self._state_dir / "etcd", tls=registry_tls)
                 try:
                     self.etcd_url = await self.registry.start()
                 except EtcdFailed as exc:
                     raise ChildFailed(f"the registry did not start: {exc}") from None
                 self._supervisor.watch(self.registry)
-                if cluster_tls is not None:
-                    self.etcd_auth = EtcdAuth(tls=cluster_tls.client)
+                if self.tools_tls is not None:
+                    self.etcd_auth = EtcdAuth(tls=self.tools_tls.client)
             self._write_configs(self.etcd_url)
             await self.scale(num_prefill, num_decode)
             frontend = self._child("frontend", "frontend", ["frontend", "--config", str(self._config_file("frontend"))])
@@ -160,6 +176,25 @@ class LocalCluster:
         if self._state_dir is not None:
             shutil.rmtree(self._state_dir, ignore_errors=True)
             self._state_dir = None
+
+    def _issue_certificates(self, directory: Path) -> ClusterTLS:
+        """Give every configuration its component's certificate from a CA of this deployment's
+        own; returns the registry's."""
+        issued = issue_deployment_certificates(directory)
+        spec = self.spec
+
+        def with_tls(config: WorkerConfig, name: str) -> WorkerConfig:
+            return msgspec.structs.replace(config, cluster_tls=issued[name])
+
+        self.spec = replace(
+            spec,
+            prefill=with_tls(spec.prefill, WORKER),
+            decode=with_tls(spec.decode, WORKER),
+            frontend=msgspec.structs.replace(spec.frontend, cluster_tls=issued[FRONTEND]),
+        )
+        self.tools_tls = issued[TOOLS]
+        logger.info("cluster mTLS with certificates of this deployment's own CA, in %s", directory)
+        return issued[REGISTRY]
 
     def _write_configs(self, etcd_url: str) -> None:
         """Each kind of child's configuration, as JSON in the state directory (this user's only)."""

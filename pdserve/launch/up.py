@@ -4,7 +4,9 @@
 (the model directory, the frontend's ports), then starts a ``LocalCluster``, and with
 ``autoscale`` the SLO planner over its pools; it prints where the API listens and serves until
 SIGINT or SIGTERM, and then stops everything. Meanwhile the cluster restarts children that die
-(``supervisor``); only a frontend or registry that keeps dying ends the deployment.
+(``supervisor``); only a frontend or registry that keeps dying ends the deployment. While it
+serves, its ``deployment_record`` in ``state_dir`` tells the ``pdserve`` commands run beside it
+where the registry is and which credentials reach it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdserve.launch.deployment_record import DeploymentRecord, remove_record, write_record
 from pdserve.launch.etcd_process import EtcdNotFound, find_etcd
 from pdserve.launch.local_cluster import ChildFailed, ClusterSpec, LocalCluster
 from pdserve.observability.metrics import serve_metrics
@@ -51,6 +54,7 @@ class UpSpec:
     autoscale: the planner to run over them, or None for fixed pools.
     metrics_port: where ``up`` serves its own Prometheus metrics (the children's restarts;
         0: a free port; None: off).
+    state_dir: where to record the running deployment (``deployment_record``); None: nowhere.
     """
 
     cluster: ClusterSpec
@@ -58,6 +62,7 @@ class UpSpec:
     num_decode: int
     autoscale: Autoscale | None = None
     metrics_port: int | None = 0
+    state_dir: Path | None = None
 
 
 def up(spec: UpSpec) -> int:
@@ -143,6 +148,22 @@ async def _serve(spec: UpSpec) -> int:
             metrics_port = serve_metrics(cluster.metrics.registry, host, spec.metrics_port)
             print(f"pdserve up metrics (child restarts) on http://{host}:{metrics_port}/metrics", flush=True)
         assert cluster.frontend is not None
+        if cluster.tools_tls is not None:
+            print(
+                f"pdserve up: workers and registry take only this deployment's certificates (cluster mTLS, "
+                f"CA {cluster.tools_tls.ca})",
+                flush=True,
+            )
+        if spec.state_dir is not None:
+            record = DeploymentRecord(
+                pid=os.getpid(),
+                etcd=cluster.etcd_url or "",
+                etcd_tls=cluster.etcd_auth.tls,
+                cluster_tls=cluster.tools_tls,
+                api=cluster.frontend.address,
+            )
+            path = write_record(spec.state_dir, record)
+            print(f"pdserve up: `pdserve status`, `workers`, `drain` here reach it through {path}", flush=True)
         registry = spec.cluster.etcd or f"{cluster.etcd_url} (embedded)"
         http = f", OpenAI API on {cluster.frontend.http_url}" if cluster.frontend.http_url else ""
         print(
@@ -158,6 +179,8 @@ async def _serve(spec: UpSpec) -> int:
         for task in (stopped, failed):
             task.cancel()
         await asyncio.gather(stopped, failed, return_exceptions=True)
+        if spec.state_dir is not None:
+            remove_record(spec.state_dir, os.getpid())
         if autoscaler is not None:
             await autoscaler()
         await cluster.stop()

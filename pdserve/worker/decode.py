@@ -96,6 +96,7 @@ class DecodeService(WorkerServicer):
         self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         received_at = time.monotonic()
+        await self.runtime.admin.check_caller(context, "Decode")
         await self.refuse_if_draining(context)
         source = request.kv_source if request.HasField("kv_source") else None
         try:
@@ -156,6 +157,7 @@ class DecodeService(WorkerServicer):
         self, request: worker_pb2.KVReadyRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KVReadyResponse:
         """A pending Decode call's KV is ready: hand it to the call (or keep it for the call)."""
+        await self.runtime.admin.check_caller(context, "KVReady")
         source = request.kv_source
         for name, value in (
             ("request_id", request.request_id),

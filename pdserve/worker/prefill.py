@@ -59,6 +59,7 @@ class PrefillService(WorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
+        await self.runtime.admin.check_caller(context, "Prefill")
         await self.refuse_if_draining(context)
         engine_loop = self.runtime.engine_loop
         request_id = request.request_id
@@ -127,4 +128,5 @@ class PrefillService(WorkerServicer):
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
         """A hint, idempotent: free the request's pin if the engine still holds it."""
+        await self.runtime.admin.check_caller(context, "Release")
         return worker_pb2.ReleaseResponse(released=await self.runtime.engine_loop.release_pin(request.request_id))

@@ -198,6 +198,20 @@ def test_bad_security_options_fail_before_anything_starts(tmp_path):
     beside = pdserve("frontend", "--config", str(config), "--tls-cert", api.cert, "--etcd-user", "u")
     assert beside.returncode == 2 and "set tls_cert, etcd_user in it" in beside.stderr
     embedded = pdserve("up", "--model", str(tmp_path), "--etcd-user", "u", "--etcd-password", "p")
-    assert embedded.returncode == 2 and "the embedded registry has no TLS or auth" in embedded.stderr
+    assert embedded.returncode == 2 and "the embedded registry takes the cluster's certificates" in embedded.stderr
+    member = ca.cluster_tls("m")
+    both = pdserve(
+        "up",
+        "--model",
+        str(tmp_path),
+        "--insecure",
+        "--cluster-ca",
+        ca.ca,
+        "--cluster-cert",
+        member.cert,
+        "--cluster-key",
+        member.key,
+    )
+    assert both.returncode == 2 and "--insecure and --cluster-ca" in both.stderr
     plain_url = pdserve("workers", "--etcd", "http://e:2379", "--etcd-cacert", ca.ca)
     assert plain_url.returncode == 2 and "need an https:// URL" in plain_url.stderr

@@ -26,6 +26,8 @@ from pdserve.discovery.etcd_auth import EtcdAuth
 from pdserve.discovery.registry import WorkerEntry
 from pdserve.discovery.registry_view import RegistryView
 from pdserve.frontend.config import Disaggregation, FrontendConfig, RouterConfig
+from pdserve.launch.deployment_record import DeploymentRecord, read_record
+from pdserve.launch.etcd_process import find_etcd
 from pdserve.launch.local_cluster import Child, ClusterSpec, LocalCluster
 from pdserve.launch.supervisor import RestartPolicy
 from pdserve.rpc.tls import ClientTLS
@@ -339,3 +341,27 @@ class UpProcess:
             self.process.kill()
             self.process.wait()
         self._reader.join(10)
+
+
+def recorded_deployment() -> DeploymentRecord:
+    """The record of the ``pdserve up`` this test runs (in the test's ``$PDSERVE_STATE_DIR``)."""
+    record = read_record(Path(os.environ["PDSERVE_STATE_DIR"]))
+    assert record is not None, f"no pdserve up recorded in {os.environ['PDSERVE_STATE_DIR']}"
+    return record
+
+
+def etcdctl(*args: str, certificates: bool = True) -> subprocess.CompletedProcess[str]:
+    """etcdctl on the registry of the ``pdserve up`` this test runs: presenting the tools'
+    certificate, as the ``pdserve`` commands beside it do, or (``certificates=False``) none."""
+    record = recorded_deployment()
+    tls = []
+    if certificates and record.etcd_tls is not None:
+        tls = [f"--cacert={record.etcd_tls.ca}", f"--cert={record.etcd_tls.cert}", f"--key={record.etcd_tls.key}"]
+    elif record.etcd.startswith("https://"):
+        tls = ["--insecure-skip-tls-verify"]  # no trust of the server asked: the client is what is refused
+    return subprocess.run(
+        [str(find_etcd().with_name("etcdctl")), f"--endpoints={record.etcd}", "--dial-timeout=3s", *tls, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )

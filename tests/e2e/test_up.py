@@ -62,9 +62,8 @@ def test_up_serves_with_the_embedded_registry_and_stops_every_child(checkpoints,
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         # The engine option reached both workers, inside the configuration each was started with.
-        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
         listed = subprocess.run(
-            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            [sys.executable, "-m", "pdserve", "workers", "--json"],  # through the state directory
             capture_output=True,
             text=True,
             timeout=60,
@@ -220,9 +219,8 @@ def test_up_runs_tensor_parallel_pools_and_stops_every_rank(checkpoints, tmp_pat
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         ranks = rank_children(pids)
         assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
-        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
         listed = subprocess.run(
-            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            [sys.executable, "-m", "pdserve", "workers", "--json"],  # through the state directory
             capture_output=True,
             text=True,
             timeout=60,
@@ -266,9 +264,8 @@ def test_up_runs_data_parallel_expert_parallel_pools_and_stops_every_rank(checkp
         pids = [int(m) for m in re.findall(r"worker (?:prefill|decode)-\S+-(\d+) listening", up.output)]
         ranks = rank_children(pids, "pdserve.worker.data_parallel")
         assert len(pids) == 2 and len(ranks) == 2  # one more rank in each pool
-        registry = re.search(r"registry (\S+) \(embedded\)", up_line).group(1)
         listed = subprocess.run(
-            [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+            [sys.executable, "-m", "pdserve", "workers", "--json"],  # through the state directory
             capture_output=True,
             text=True,
             timeout=60,

@@ -50,7 +50,7 @@ def _drain(endpoint: str, key_file: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")},
+        env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_STATE_DIR"},
     )
 
 
@@ -74,7 +74,12 @@ def test_up_keeps_keys_given_in_files_off_every_command_line_and_they_work(check
         _secret_file(tmp_path / "api-keys", API_KEY),
         "--admin-key-file",
         _secret_file(tmp_path / "admin-key", ADMIN_KEY),
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}, "TMPDIR": str(tmp_path)},
+        "--insecure",  # the admin key guards Drain where no cluster certificate does
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")},
+            "TMPDIR": str(tmp_path),
+            "PDSERVE_STATE_DIR": os.environ["PDSERVE_STATE_DIR"],
+        },
     )
     try:
         up_line, _ = up.wait_up()

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.launch.etcd_process import find_etcd
-from tests.e2e.deployment import UpProcess, bound_port
+from tests.e2e.deployment import UpProcess, bound_port, etcdctl
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +61,9 @@ def _eventually(check: Callable[[], bool], timeout: float, what: str, up: UpProc
         time.sleep(0.2)
 
 
-def _workers(registry: str) -> list[dict]:
+def _workers() -> list[dict]:
     listed = subprocess.run(
-        [sys.executable, "-m", "pdserve", "workers", "--etcd", registry, "--json"],
+        [sys.executable, "-m", "pdserve", "workers", "--json"],  # through the state directory
         capture_output=True,
         text=True,
         timeout=60,
@@ -73,13 +72,8 @@ def _workers(registry: str) -> list[dict]:
     return json.loads(listed.stdout)
 
 
-def _etcdctl(registry: str, *args: str) -> str:
-    done = subprocess.run(
-        [str(find_etcd().with_name("etcdctl")), f"--endpoints={registry}", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def _etcdctl(*args: str) -> str:
+    done = etcdctl(*args)  # with the tools' certificate: the embedded etcd serves mTLS
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -144,7 +138,7 @@ def test_killed_children_come_back_and_sigterm_still_stops_all(checkpoints, tmp_
     path, _ = checkpoints("llama")
     up, registry, port = _start(tmp_path, path)
     try:
-        first = {w["role"]: w["worker_id"] for w in _workers(registry)}
+        first = {w["role"]: w["worker_id"] for w in _workers()}
         assert sorted(first) == ["decode", "prefill"]
 
         # A worker SIGKILLed comes back under a new id and registers again; the old id's lease runs out.
@@ -153,7 +147,7 @@ def test_killed_children_come_back_and_sigterm_still_stops_all(checkpoints, tmp_
         _eventually(lambda: "decode-2 is back" in up.output, 60, "the decode worker to restart", up)
 
         def decode_replaced() -> bool:
-            ids = [w["worker_id"] for w in _workers(registry) if w["role"] == "decode"]
+            ids = [w["worker_id"] for w in _workers() if w["role"] == "decode"]
             return len(ids) == 1 and ids[0] != first["decode"]
 
         _eventually(decode_replaced, LEASE_TTL_S + 5, "one new decode worker in the registry", up)
@@ -163,12 +157,12 @@ def test_killed_children_come_back_and_sigterm_still_stops_all(checkpoints, tmp_
 
         # The embedded etcd SIGKILLed comes back on its URL with its data (a key no one rewrites
         # survives), and the workers are listed again.
-        assert _etcdctl(registry, "put", "/pdserve-test/kept", "yes").strip() == "OK"
+        assert _etcdctl("put", "/pdserve-test/kept", "yes").strip() == "OK"
         [etcd_pid] = [pid for pid in _children(up.process.pid) if _exe(pid).endswith("etcd")]
         os.kill(etcd_pid, signal.SIGKILL)
         _eventually(lambda: "etcd is back" in up.output, 30, "etcd to restart", up)
-        assert _etcdctl(registry, "get", "--print-value-only", "/pdserve-test/kept").strip() == "yes"
-        assert sorted(w["role"] for w in _workers(registry)) == ["decode", "prefill"]
+        assert _etcdctl("get", "--print-value-only", "/pdserve-test/kept").strip() == "yes"
+        assert sorted(w["role"] for w in _workers()) == ["decode", "prefill"]
         assert _metric(up, "pdserve_child_restarts", "etcd") == 1
 
         # The frontend SIGKILLed comes back on the same port.
@@ -205,7 +199,7 @@ def test_a_crash_loop_is_given_up_on_and_the_rest_serves_on(checkpoints, tmp_pat
         (model / file.name).symlink_to(file)
     up, registry, port = _start(tmp_path, model, "--max-restarts", "2")
     try:
-        [decode] = [w for w in _workers(registry) if w["role"] == "decode"]
+        [decode] = [w for w in _workers() if w["role"] == "decode"]
         (model / "config.json").unlink()
         (model / "config.json").write_text("{not json")  # every restart of the worker now fails
         os.kill(int(decode["worker_id"].rsplit("-", 1)[1]), signal.SIGKILL)
@@ -215,7 +209,7 @@ def test_a_crash_loop_is_given_up_on_and_the_rest_serves_on(checkpoints, tmp_pat
         assert _metric(up, "pdserve_child_gave_up", "decode-2") == 1
         assert up.process.poll() is None, "pdserve up stopped"
         # The dead worker's entry leaves with its lease; the frontend then has no decode worker.
-        _eventually(lambda: not any(w["role"] == "decode" for w in _workers(registry)), 30, "the lease", up)
+        _eventually(lambda: not any(w["role"] == "decode" for w in _workers()), 30, "the lease", up)
         result = _generate(port)  # the frontend answers: there is no decode worker
         assert result.returncode != 0 and "no decode worker" in result.stderr, result.stderr
         up.process.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""Who may call ``Drain``: ``AdminPolicy`` on a real grpc.aio server, over plaintext and mTLS."""
+"""Who may call ``Drain`` and the serving RPCs: ``AdminPolicy`` on a real grpc.aio server, over
+plaintext and mTLS, with certificates naming pdserve's components and others."""
 
 from __future__ import annotations
 
@@ -23,9 +24,16 @@ class Guarded(worker_pb2_grpc.WorkerServicer):
         await self.policy.authorize(context, "Drain")
         return worker_pb2.DrainResponse(in_flight=3)
 
+    async def Prefill(self, request, context):
+        await self.policy.check_caller(context, "Prefill")
+        return worker_pb2.PrefillResponse(worker_id="w")
+
 
 def _drain(
-    policy: AdminPolicy, calls: dict[str, tuple[ClientTLS | None, str | None]], tls: ServerTLS | None = None
+    policy: AdminPolicy,
+    calls: dict[str, tuple[ClientTLS | None, str | None]],
+    tls: ServerTLS | None = None,
+    rpc: str = "Drain",
 ) -> dict[str, str]:
     """Each call's outcome: OK, or its code and details."""
 
@@ -38,9 +46,11 @@ def _drain(
             for name, (client_tls, key) in calls.items():
                 async with secure_or_insecure_channel(f"127.0.0.1:{port}", client_tls) as channel:
                     try:
-                        await worker_pb2_grpc.WorkerStub(channel).Drain(
-                            worker_pb2.DrainRequest(), metadata=admin_metadata(key), timeout=5
-                        )
+                        stub = worker_pb2_grpc.WorkerStub(channel)
+                        if rpc == "Drain":
+                            await stub.Drain(worker_pb2.DrainRequest(), metadata=admin_metadata(key), timeout=5)
+                        else:
+                            await stub.Prefill(worker_pb2.PrefillRequest(), timeout=5)
                         outcomes[name] = "OK"
                     except grpc.aio.AioRpcError as error:
                         outcomes[name] = f"{error.code().name}: {error.details()}"
@@ -85,3 +95,38 @@ def test_without_mtls_or_a_key_drain_is_open_and_an_empty_key_is_refused():
     assert _drain(AdminPolicy(None, verified_peers=False), {"anyone": (None, None)}) == {"anyone": "OK"}
     with pytest.raises(ValueError, match="admin key must not be empty"):
         AdminPolicy("", verified_peers=False)
+
+
+def _components(tmp_path):
+    ca = CertificateAuthority(tmp_path, "cluster")
+    names = ("pdserve-frontend", "pdserve-worker", "pdserve-tools", "pdserve-operator", "pdserve-registry", "shared")
+    return ca.cluster_tls("pdserve-worker").server, {name: (ca.cluster_tls(name).client, None) for name in names}
+
+
+def test_under_mtls_only_a_frontends_certificate_may_prefill(tmp_path):
+    server, calls = _components(tmp_path)
+    outcomes = _drain(AdminPolicy(None, verified_peers=True), calls, tls=server, rpc="Prefill")
+    # A certificate naming no component (one set shared by all, made by hand) is held to nothing.
+    assert {name for name, outcome in outcomes.items() if outcome == "OK"} == {"pdserve-frontend", "shared"}
+    assert outcomes["pdserve-tools"] == (
+        "PERMISSION_DENIED: Prefill is for pdserve-frontend only: "
+        "the caller's certificate names 'pdserve-tools' (its common name)"
+    )
+
+
+def test_under_mtls_only_the_tools_or_operators_certificate_may_drain(tmp_path):
+    server, calls = _components(tmp_path)
+    outcomes = _drain(AdminPolicy(None, verified_peers=True), calls, tls=server)
+    assert {name for name, outcome in outcomes.items() if outcome == "OK"} == {
+        "pdserve-tools",
+        "pdserve-operator",
+        "shared",
+    }
+    assert outcomes["pdserve-frontend"].startswith("PERMISSION_DENIED: Drain is for pdserve-operator or pdserve-tools")
+    # A worker given an admin key as well drains for a frontend's certificate that sends it.
+    calls = {"frontend with the key": (calls["pdserve-frontend"][0], "k")}
+    assert _drain(AdminPolicy("k", verified_peers=True), calls, tls=server) == {"frontend with the key": "OK"}
+
+
+def test_without_mtls_prefill_is_open():
+    assert _drain(AdminPolicy("k", verified_peers=False), {"anyone": (None, None)}, rpc="Prefill") == {"anyone": "OK"}
