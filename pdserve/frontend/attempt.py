@@ -43,13 +43,16 @@ class Broken(Exception):
 
     ``kv_source``: the prefill worker whose KV the decode worker could not pull. Then the decode
     worker is fine and may take the request again; that prefill worker is the one to avoid.
+    ``left_registry``: the stream was cut because its worker left the registry, not because it
+    failed: once registered again (the same id), it may take the request again.
     """
 
-    def __init__(self, worker_id: str, reason: str, kv_source: str = "") -> None:
+    def __init__(self, worker_id: str, reason: str, kv_source: str = "", left_registry: bool = False) -> None:
         super().__init__(f"{worker_id}: {reason}")
         self.worker_id = worker_id
         self.reason = reason
         self.kv_source = kv_source
+        self.left_registry = left_registry
 
 
 @dataclass

@@ -68,11 +68,17 @@ class WorkerChannels:
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
 
+class LeftRegistry(grpc.aio.AioRpcError):
+    """UNAVAILABLE: a call cut because its worker left the registry. That says nothing of the
+    worker itself: a registry that lost its data (etcd restarted empty) drops every worker at
+    once, and they register again under the same ids."""
+
+
 @contextlib.contextmanager
 def unavailable_if_closed(endpoint: str) -> Iterator[None]:
-    """Raise UNAVAILABLE (``grpc.aio.AioRpcError``) where a call to ``endpoint`` raised
-    ``CancelledError`` without the awaiting task being cancelled: its channel was closed,
-    because the worker left the registry. A real cancellation goes through as it is."""
+    """Raise ``LeftRegistry`` where a call to ``endpoint`` raised ``CancelledError`` without the
+    awaiting task being cancelled: its channel was closed, because the worker left the
+    registry. A real cancellation goes through as it is."""
     try:
         yield
     except asyncio.CancelledError:
@@ -81,4 +87,4 @@ def unavailable_if_closed(endpoint: str) -> Iterator[None]:
             raise
         empty = grpc.aio.Metadata()
         details = f"the channel to {endpoint} was closed: the worker left the registry"
-        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, details) from None
+        raise LeftRegistry(grpc.StatusCode.UNAVAILABLE, empty, empty, details) from None

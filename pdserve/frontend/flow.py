@@ -56,7 +56,7 @@ import grpc
 from pdserve.discovery.registry import Role, WorkerEntry
 from pdserve.frontend.attempt import RETRYABLE, Attempt, Broken, FlowError
 from pdserve.frontend.catalog import ValidRequest
-from pdserve.frontend.channels import unavailable_if_closed
+from pdserve.frontend.channels import LeftRegistry, unavailable_if_closed
 from pdserve.frontend.flow_report import FlowReport
 from pdserve.frontend.kv_fit import KVMisfit
 from pdserve.frontend.prefill_step import Prefilled, PrefillStep, release
@@ -88,6 +88,7 @@ class RequestFlow:
         self.report = FlowReport(arrival)
         self.output = TextStream(request.tokenizer, request.token_ids, request.params.stop)
         self._failed: list[str] = []  # decode workers whose stream broke, in order
+        self._left: list[str] = []  # decode workers whose stream was cut as they left the registry
         self._lost_sources: list[str] = []  # prefill workers whose KV could not be pulled, in order
 
     @property
@@ -117,6 +118,8 @@ class RequestFlow:
             except Broken as broken:
                 if broken.kv_source:  # the next attempt avoids the prefill worker, not the decode worker
                     self._lost_sources.append(broken.kv_source)
+                elif broken.left_registry:  # avoided while it is away, as every unregistered worker is
+                    self._left.append(broken.worker_id)
                 else:
                     self._failed.append(broken.worker_id)
                 logger.warning("decode of %s broke on %s after %d tokens", self.request_id, broken, self.num_tokens)
@@ -148,7 +151,7 @@ class RequestFlow:
         except KVMisfit as exc:  # a deployment that cannot work: said at once, never at transfer time
             raise FlowError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except NoWorker as exc:
-            tried = f" ({self._tried()})" if self._failed or self._lost_sources else ""
+            tried = f" ({self._tried()})" if self._failed or self._left or self._lost_sources else ""
             raise FlowError(
                 grpc.StatusCode.UNAVAILABLE, f"no {exc} worker is available for model {model!r}{tried}"
             ) from None
@@ -210,15 +213,16 @@ class RequestFlow:
 
     async def _choose_decode(self) -> WorkerEntry:
         """This attempt's decode worker. A migrating request with none to go to waits for one
-        (the only other may be restarting, and comes back under a new id) for
-        ``Routing.migration_wait_s`` (then NoWorker) within its deadline (then DEADLINE_EXCEEDED)."""
+        (the only other may be restarting, and comes back under a new id, or registering again
+        after the registry lost it) for ``Routing.migration_wait_s`` (then NoWorker) within its
+        deadline (then DEADLINE_EXCEEDED)."""
         model, router, view = self.request.model.name, self.routing.router, self.routing.view
         give_up = time.monotonic() + self.routing.migration_wait_s
         while True:
             try:
                 return router.choose_decode(view.workers(Role.DECODE, model), exclude=self._failed)
             except NoWorker:
-                if not self._failed or time.monotonic() + _WORKER_WAIT_S > give_up:
+                if not (self._failed or self._left) or time.monotonic() + _WORKER_WAIT_S > give_up:
                     raise
                 if time.monotonic() + _WORKER_WAIT_S >= self.deadline:
                     raise FlowError(
@@ -231,6 +235,8 @@ class RequestFlow:
     def _tried(self) -> str:
         """The workers that failed this request, for its error message."""
         parts = [f"decode failed on {', '.join(self._failed)}"] if self._failed else []
+        if self._left:
+            parts.append(f"decode cut as {', '.join(self._left)} left the registry")
         if self._lost_sources:
             parts.append(f"KV could not be pulled from {', '.join(self._lost_sources)}")
         return "; ".join(parts)
@@ -326,7 +332,8 @@ class RequestFlow:
                     except NoWorker:
                         pass
                 if exc.code() in RETRYABLE:  # the worker or its call broke: the request may migrate
-                    raise Broken(decode.worker_id, f"{exc.code().name} {exc.details()}") from None
+                    left = isinstance(exc, LeftRegistry)
+                    raise Broken(decode.worker_id, f"{exc.code().name} {exc.details()}", left_registry=left) from None
                 raise FlowError(exc.code(), f"decode on {decode.worker_id} failed: {exc.details()}") from None
 
     def _migrated_to(self, attempt: Attempt, decode: WorkerEntry) -> None:

@@ -132,6 +132,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self._server: RpcServer | None = None
         self._registration: WorkerRegistration | None = None
         self._etcd: EtcdConnection | None = None
+        self._entry: WorkerEntry | None = None
 
     async def start(self, etcd_url: str, model: str, model_path: str = "/nonexistent/fake-model") -> None:
         self._server = RpcServer()
@@ -158,8 +159,22 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             group_rank=self.group[2],
         )
         self._etcd = EtcdConnection(etcd_url)
-        self._registration = WorkerRegistration(self._etcd, entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0)
+        self._entry = entry
+        await self.register()
+
+    async def register(self) -> None:
+        """Register (again, after ``leave``) under the same id and endpoint."""
+        assert self._etcd is not None and self._entry is not None, "start() first"
+        self._registration = WorkerRegistration(
+            self._etcd, self._entry, lambda: self.load, ttl_s=5.0, start_timeout_s=10.0
+        )
         await self._registration.start()
+
+    async def leave(self) -> None:
+        """Leave the registry and go on serving, as every worker does when the registry loses its data."""
+        if self._registration is not None:
+            await self._registration.close()
+            self._registration = None
 
     async def stop(self) -> None:
         if self._registration is not None:

@@ -34,6 +34,10 @@ EXPECTED = [COUNTING_BASE + n for n in range(MAX_TOKENS)]
 BUSY_DECODE_2 = BUSY_DECODE.__class__(running=8)  # tried after d1 and d2
 
 
+def _decode_ids(routing) -> set[str]:
+    return {w.worker_id for w in routing.view.workers()}
+
+
 def _decode(worker_id: str, fail_after: int | None = None, busy: int = 0) -> FakeWorker:
     load = [BUSY_DECODE.__class__(), BUSY_DECODE, BUSY_DECODE_2][busy]
     return FakeWorker(worker_id, "decode", Script(counting=True, fail_after=fail_after), load=load)
@@ -234,6 +238,8 @@ def test_a_stream_whose_channel_is_closed_mid_request_migrates_instead_of_hangin
                 async for response in (await new_flow(routing, model)).run():
                     received.append(response)
                     if len(received) == 2:
+                        await slow.leave()
+                        await eventually(lambda: "d1" not in _decode_ids(routing), 5.0, "d1 gone from the view")
                         routing.channels.close(slow.endpoint)  # what the gateway does as d1 leaves
             return received
 
@@ -242,6 +248,34 @@ def test_a_stream_whose_channel_is_closed_mid_request_migrates_instead_of_hangin
     [move] = final_of(responses).breakdown.migration_history
     assert (move.from_worker, move.to_worker) == ("d1", "d2")
     assert f"UNAVAILABLE the channel to {slow.endpoint} was closed" in move.reason
+
+
+def test_a_stream_cut_as_its_only_worker_left_the_registry_goes_on_there_once_it_is_back(
+    etcd_url: str, model: str
+) -> None:
+    """A registry that lost its data (etcd restarted empty) drops every worker at once and they
+    register again under the same ids: a stream cut that way is no failure of its worker, which
+    takes the request again rather than being excluded as a failed one would be."""
+    only = FakeWorker("d1", "decode", Script(counting=True, token_gap_s=0.3))
+
+    async def body() -> list[inference_pb2.GenerateResponse]:
+        async with serving(etcd_url, model, [only], "off", migration_wait_s=3.0) as routing:
+            received = []
+            async with asyncio.timeout(DEADLINE_S):
+                async for response in (await new_flow(routing, model)).run():
+                    received.append(response)
+                    if len(received) == 2:
+                        await only.leave()
+                        await eventually(lambda: "d1" not in _decode_ids(routing), 5.0, "d1 gone from the view")
+                        routing.channels.close(only.endpoint)  # what the gateway does as d1 leaves
+                        await only.register()  # the same id, back in the registry
+            return received
+
+    responses = run_scenario(body(), SCENARIO_TIMEOUT_S)
+    assert token_ids(responses) == EXPECTED
+    [move] = final_of(responses).breakdown.migration_history
+    assert (move.from_worker, move.to_worker) == ("d1", "d1")
+    assert "the worker left the registry" in move.reason
 
 
 @pytest.mark.slow
@@ -253,6 +287,8 @@ def test_a_decode_call_opened_beside_the_prefill_on_a_worker_that_leaves_moves_o
         async with serving(etcd_url, model, [prefill, leaving, taker], "always") as routing:
             running = asyncio.ensure_future(run_flow(await new_flow(routing, model)))
             await eventually(lambda: len(leaving.pending_decodes) == 1, 5.0, "the decode call opened on d1")
+            await leaving.leave()
+            await eventually(lambda: "d1" not in _decode_ids(routing), 5.0, "d1 gone from the view")
             routing.channels.close(leaving.endpoint)  # while the prompt still computes
             return await running
 
