@@ -22,7 +22,7 @@ class PlannerConfig:
     max_step_up: int = 8  # replicas added to a pool at once
     max_pending: int = 16  # replicas requested and not yet ready, per pool, at most
     cold_start_intervals: int = 2  # after a pool's ready count rises, its latency alone scales nothing
-    flap_window_intervals: int = 30  # a scale-up this soon after a shrink doubles the pool's down cool-down
+    flap_window_intervals: int = 30  # up, down, up within this doubles the pool's down cool-down
     max_down_cooldown_intervals: int = 36  # the most that doubling reaches
     max_shrink: float = 0.25  # of a pool removed at once (at least one replica)
     shrink_headroom: float = 0.1  # a smaller pool must hold this much above the window's peak rate

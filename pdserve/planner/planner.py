@@ -31,9 +31,11 @@ Hysteresis and cool-downs, as defaults (``PlannerConfig``, 10 s intervals): up f
 slowly. A predicted breach scales up at once; an observed one after ``up_cooldown_intervals``
 (2) since the last scale-up. A shrink waits ``down_cooldown_intervals`` (6) after any change
 of the pool and is judged at the peak of that window. A scale-up within
-``flap_window_intervals`` (30) of a shrink doubles the pool's down cool-down and peak window,
-up to ``max_down_cooldown_intervals`` (36); a shrink more than the flap window after the last
-scale-up resets it. So a load that swings faster than the cool-down holds its peak capacity.
+``flap_window_intervals`` (30) of a shrink that itself came within that window of a scale-up
+(up, down, up: the pool flaps) doubles the pool's down cool-down and peak window, once per
+such reversal, up to ``max_down_cooldown_intervals`` (36); a shrink more than the flap window
+after the last scale-up resets it. So a load that swings faster than the cool-down holds its
+peak capacity, while one step of the load up and back down is followed at the usual pace.
 
 Failure modes the planner guards against:
 
@@ -126,6 +128,7 @@ class _Pool:
     last_up: float = -math.inf
     last_down: float = -math.inf
     last_change: float = -math.inf
+    shrink_undid_up: bool = False  # the last shrink came within the flap window of a scale-up
     ready_seen: int = 0  # ready replicas at the last observation
     ready_rose: float = -math.inf  # the interval in which the ready count last rose
 
@@ -357,13 +360,18 @@ class Planner:
         wanted = min(max(wanted, pool.minimum), pool.maximum)  # the bounds win over the step limits
         if wanted == current:
             return False
+        window = cfg.flap_window_intervals
         if wanted > current:
-            if now - pool.last_down <= cfg.flap_window_intervals:
+            # Flapping is up, down, up again, each within the window: the first scale-up after
+            # a shrink that had itself undone a scale-up. One step of the load up and back down
+            # is not, nor is each further scale-up of one climb.
+            if pool.last_down > pool.last_up and now - pool.last_down <= window and pool.shrink_undid_up:
                 pool.down_cooldown = min(2 * pool.down_cooldown, cfg.max_down_cooldown_intervals)
                 why += f" (a shrink undone within {now - pool.last_down:.0f} intervals: down cool-down now {pool.down_cooldown})"
             pool.last_up = now
         else:
-            if now - pool.last_up > cfg.flap_window_intervals:
+            pool.shrink_undid_up = now - pool.last_up <= window
+            if not pool.shrink_undid_up:
                 pool.down_cooldown = cfg.down_cooldown_intervals
             pool.last_down = now
         reasons.append(f"{why}: {pool.name} {current}→{wanted}")

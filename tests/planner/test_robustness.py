@@ -66,6 +66,25 @@ def test_a_flapping_load_does_not_flap_replicas():
         assert turns <= 3, series
 
 
+def test_one_step_up_and_down_is_not_flapping():
+    # The pools shrink in a lull, climb in several scale-ups when the load triples, and the
+    # load falls back: one reversal each way, so the pools shrink again at the usual pace
+    # instead of holding the peak for a doubled (and redoubled, per scale-up) cool-down.
+    planner = make(prefill=4, decode=4)
+    decisions = run(planner, 20, rate=5.0)
+    for k, rate in enumerate((15.0, 30.0, 45.0, 60.0)):
+        decisions += run(planner, 1, rate=rate, start=200.0 + 10 * k)
+    decisions += run(planner, 16, rate=60.0, start=240.0)
+    peak = sizes(decisions)[-1]
+    assert min(peak) > 1, sizes(decisions)
+    after = run(planner, 40, rate=5.0, start=400.0)
+    soon = [d for t, d in after if t <= 400.0 + 10 * (CONFIG.down_cooldown_intervals + 2)]
+    assert any(d.prefill_replicas < peak[0] for d in soon), sizes(after)
+    assert any(d.decode_replicas < peak[1] for d in soon), sizes(after)
+    assert max(sizes(after)[-1]) <= 2, sizes(after)
+    assert not any("undone" in reason for _, d in decisions + after for reason in d.reasons)
+
+
 def test_missing_metrics_freeze_decisions():
     planner = make(prefill=4, decode=4)
     run(planner, 12, rate=60.0, ttft=0.1, itl=0.015)
