@@ -1,13 +1,14 @@
 """The SLO planner against an averages-based rule and a static allocation, in the simulator.
 
-Each standard trace (``steady``, ``step``, ``burst``, ``length_shift``; Poisson arrivals,
-lognormal lengths, seeded) is replayed through the simulated cluster
-(``sim.simulator``) whose prefill and decode times come from an engine
+Each standard trace (``steady``, ``diurnal``, ``step``, ``burst``, ``length_shift``,
+``long_mix``; Poisson arrivals, lognormal lengths) is replayed, for each seed, through the
+simulated cluster (``sim.simulator``) whose prefill and decode times come from an engine
 profile measured on pdserve's own engine, three times:
 
 - planner: ``pdserve.planner.planner.Planner`` with its default config.
-- baseline: the rule of NVIDIA Dynamo's SLA planner, which sizes pools from interval
-  averages (``AveragesBaseline`` below, step for step).
+- dynamo: a Dynamo-style planner, re-implemented from the algorithm NVIDIA Dynamo's SLA
+  planner documents (``sim.dynamo_baseline``): profiled throughput per replica, a constant
+  load forecast, replicas = ceil(load / capacity) per pool. Not Dynamo's code.
 - static: the smallest fixed allocation that meets the SLO in at least ``--target`` of the
   scored intervals over the whole trace, peak included, found by search (each pool on its
   own latency: TTFT depends on the prefill pool, ITL on the decode pool).
@@ -25,7 +26,7 @@ comparable scenario: TTFT p90 target = 4 x the prefill time of a p90 prompt; ITL
 = 1.25 x a decode step of 16 median requests; the base rate is 1.5 prefill replicas' worth
 of median traffic (peaks are 3x that).
 
-    python -m bench.planner_sim                     # a table
+    python -m bench.planner_sim --seeds 0,1,2       # a table, every trace x seed
     python -m bench.planner_sim --json              # one JSON object
     python -m bench.planner_sim --plot bench/plots/planner_sim.png
     python -m bench.planner_sim --measure-profile bench/profiles/cpu-tiny-llama.json
@@ -50,9 +51,9 @@ from pdserve.discovery.knobs import Knobs
 from pdserve.discovery.slo import SLOTargets
 from pdserve.planner.config import PlannerConfig
 from pdserve.planner.latency_model import LatencyModel, LengthDistribution
-from pdserve.planner.observation import Observation
-from pdserve.planner.planner import Decision, Planner
+from pdserve.planner.planner import Planner
 from pdserve.planner.profile import EngineProfile
+from sim.dynamo_baseline import DynamoBaseline
 from sim.simulator import SimResult, simulate
 from sim.traces import Trace, standard_traces
 
@@ -61,74 +62,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "cpu-tiny-llama.json"
 PROMPT_MEDIAN, OUTPUT_MEDIAN = 256, 96  # tokens, of the base traffic
 MAX_REPLICAS = 32  # per pool: room above the peak, so the bounds never decide the outcome
-
-
-# -- the averages-based baseline ----------------------------------------------------------
-
-
-class AveragesBaseline:
-    """NVIDIA Dynamo's SLA planner rule (``planner_core.py``, ``make_adjustments``).
-
-    Every interval, from the interval's averages (mean TTFT, ITL, prompt and output length,
-    request duration, request count) and a constant predictor (next = last):
-
-    - ``p_correction = mean TTFT / profile TTFT at the mean prompt`` (clamped to <= 1 where
-      used); ``prefill = ceil(requests * mean prompt / interval * min(1, p_correction) /
-      prefill throughput per replica at the mean prompt)``;
-    - ``d_correction = mean ITL / profile ITL at the observed concurrency and context``;
-      the best decode throughput per replica whose step holds ``ITL target / d_correction``
-      at context ``mean prompt + mean output / 2`` (batches up to the deployment's cap);
-      ``decode = ceil(requests * mean output / interval / that throughput)``;
-    - clamp to the replica bounds; skip the interval when a metric is missing.
-    """
-
-    def __init__(self, slo: SLOTargets, profile: EngineProfile, knobs: Knobs, interval_s: float) -> None:
-        self.slo, self.profile, self.knobs, self.interval_s = slo, profile, knobs, interval_s
-        self.prefill = self.decode = 0
-
-    def observe(self, obs: Observation) -> Decision | None:
-        if None in (obs.ttft_s, obs.itl_s, obs.e2e_s, obs.prompt_tokens, obs.output_tokens):
-            return None
-        slo, profile = self.slo, self.profile
-        isl, osl, requests = obs.prompt_tokens.mean, obs.output_tokens.mean, obs.num_arrivals
-        context = isl + osl / 2
-        p_correction = obs.ttft_s.mean / profile.prefill_seconds(isl)
-        concurrency = requests / max(obs.num_decode_ready, 1) * obs.e2e_s.mean / self.interval_s
-        expected_itl = profile.decode_step_seconds(max(concurrency, 1.0), max(concurrency, 1.0) * context)
-        d_correction = obs.itl_s.mean / expected_itl
-        prefill_load = requests * isl / self.interval_s * min(1.0, p_correction)
-        prefill = math.ceil(prefill_load / profile.prefill_tokens_per_s(isl))
-        corrected_itl = slo.itl_p90_s / d_correction if d_correction > 0 else slo.itl_p90_s
-        decode = math.ceil(requests * osl / self.interval_s / self._best_decode_throughput(corrected_itl, context))
-        prefill = min(max(prefill, slo.min_prefill_replicas), slo.max_prefill_replicas)
-        decode = min(max(decode, slo.min_decode_replicas), slo.max_decode_replicas)
-        if (prefill, decode) == (self.prefill, self.decode):
-            return None
-        self.prefill, self.decode = prefill, decode
-        return Decision(
-            model=slo.model,
-            time=obs.time,
-            prefill_replicas=prefill,
-            decode_replicas=decode,
-            knobs=self.knobs,
-            reasons=[f"averages: {requests} requests, prompt {isl:.0f}, output {osl:.0f} tokens"],
-            rate=obs.arrival_rate,
-            peak_rate=obs.arrival_rate,
-            predicted_ttft_p90_s=None,
-            predicted_itl_p90_s=None,
-        )
-
-    def _best_decode_throughput(self, itl_s: float, context: float) -> float:
-        """Tokens/s of one replica at the largest batch whose step holds ``itl_s`` (Dynamo's
-        ``find_best_throughput_per_gpu``: the highest KV load under the ITL, else the lowest)."""
-        profile = self.profile
-        best = 1
-        for batch in range(1, min(profile.max_num_seqs, self.knobs.decode_max_num_seqs) + 1):
-            if batch * context > profile.kv_capacity_tokens:
-                break
-            if profile.decode_step_seconds(batch, batch * context) <= itl_s:
-                best = batch
-        return best / profile.decode_step_seconds(best, best * context)
 
 
 # -- the scenario ------------------------------------------------------------------------
@@ -247,16 +180,16 @@ def run_trace(profile: EngineProfile, trace: Trace, sc: Scenario, seed: int) -> 
         decode_replicas=decode,
         knobs=knobs,
     )
-    baseline = AveragesBaseline(sc.slo, profile, knobs, sc.interval_s)
+    baseline = DynamoBaseline(sc.slo, profile, knobs, sc.interval_s)
     baseline.prefill, baseline.decode = prefill, decode
     common = dict(prefill=prefill, decode=decode, knobs=knobs, interval_s=sc.interval_s, seed=seed)
     results = {
         "planner": simulate(profile, trace, sc.slo, planner, **common),
-        "baseline": simulate(profile, trace, sc.slo, baseline, **common),
+        "dynamo": simulate(profile, trace, sc.slo, baseline, **common),
         "static": static,
     }
     w = sc.warmup_intervals
-    report: dict[str, Any] = {"static_prefill": prefill, "static_decode": decode}
+    report: dict[str, Any] = {"trace": trace.name, "seed": seed, "static_prefill": prefill, "static_decode": decode}
     for name, result in results.items():
         scored = result.intervals[w:]
         report[name] = {
@@ -279,19 +212,30 @@ def run_trace(profile: EngineProfile, trace: Trace, sc: Scenario, seed: int) -> 
     return report
 
 
-def summarise(profile: EngineProfile, profile_path: Path, sc: Scenario, traces: dict[str, dict]) -> dict[str, Any]:
-    def total(policy: str, key: str) -> float:
-        return sum(t[policy][key] for t in traces.values())
+def summarise(profile: EngineProfile, profile_path: Path, sc: Scenario, runs: dict[str, dict]) -> dict[str, Any]:
+    """Totals over every run (trace x seed) and each run's own figures; ``runs`` is keyed
+    ``trace/seed``."""
 
-    scored = total("planner", "scored_intervals")
-    static_gpu = total("static", "gpu_intervals")
+    def total(policy: str, key: str, name: str | None = None) -> float:
+        return sum(t[policy][key] for t in runs.values() if name is None or t["trace"] == name)
+
+    def figures(name: str | None = None) -> dict[str, float]:
+        scored = total("planner", "scored_intervals", name)
+        static_gpu = total("static", "gpu_intervals", name)
+        return {
+            "slo_attainment": round(total("planner", "met_intervals", name) / scored, 4),
+            "dynamo_slo_attainment": round(total("dynamo", "met_intervals", name) / scored, 4),
+            "static_slo_attainment": round(total("static", "met_intervals", name) / scored, 4),
+            "gpu_intervals_vs_static": round(total("planner", "gpu_intervals", name) / static_gpu, 4),
+            "dynamo_gpu_intervals_vs_static": round(total("dynamo", "gpu_intervals", name) / static_gpu, 4),
+        }
+
+    names = list(dict.fromkeys(t["trace"] for t in runs.values()))
     return {
-        "slo_attainment": round(total("planner", "met_intervals") / scored, 4),
-        "baseline_slo_attainment": round(total("baseline", "met_intervals") / scored, 4),
-        "static_slo_attainment": round(total("static", "met_intervals") / scored, 4),
-        "gpu_intervals_vs_static": round(total("planner", "gpu_intervals") / static_gpu, 4),
-        "baseline_gpu_intervals_vs_static": round(total("baseline", "gpu_intervals") / static_gpu, 4),
-        "traces": {name: {k: v for k, v in t.items() if k != "series"} for name, t in traces.items()},
+        **figures(),
+        "min_run_slo_attainment": min(t["planner"]["slo_attainment"] for t in runs.values()),
+        "per_trace": {name: figures(name) for name in names},
+        "runs": {key: {k: v for k, v in t.items() if k != "series"} for key, t in runs.items()},
         "knobs": msgspec.to_builtins(sc.knobs),
         "slo": {
             "ttft_p90_s": sc.slo.ttft_p90_s,
@@ -324,21 +268,23 @@ def print_table(report: dict[str, Any]) -> None:
         f"base {report['scenario']['base_rate']} req/s, peaks 3x"
     )
     print(
-        f"{'trace':<13} {'static P+D':>10} {'static att':>10} {'planner att':>11} {'baseline att':>12} "
-        f"{'planner GPU':>11} {'baseline GPU':>12}"
+        f"{'trace':<13} {'seed':>4} {'static P+D':>10} {'static att':>10} {'planner att':>11} {'dynamo att':>10} "
+        f"{'planner GPU':>11} {'dynamo GPU':>10}"
     )
-    for name, t in report["traces"].items():
+    for t in report["runs"].values():
         static_gpu = t["static"]["gpu_intervals"]
         print(
-            f"{name:<13} {t['static_prefill']:>4}+{t['static_decode']:<5} {t['static']['slo_attainment']:>10.3f} "
-            f"{t['planner']['slo_attainment']:>11.3f} {t['baseline']['slo_attainment']:>12.3f} "
-            f"{t['planner']['gpu_intervals'] / static_gpu:>10.2f}x {t['baseline']['gpu_intervals'] / static_gpu:>11.2f}x"
+            f"{t['trace']:<13} {t['seed']:>4} {t['static_prefill']:>4}+{t['static_decode']:<5} "
+            f"{t['static']['slo_attainment']:>10.3f} {t['planner']['slo_attainment']:>11.3f} "
+            f"{t['dynamo']['slo_attainment']:>10.3f} {t['planner']['gpu_intervals'] / static_gpu:>10.2f}x "
+            f"{t['dynamo']['gpu_intervals'] / static_gpu:>9.2f}x"
         )
-    print(
-        f"{'all':<13} {'':>10} {report['static_slo_attainment']:>10.3f} {report['slo_attainment']:>11.3f} "
-        f"{report['baseline_slo_attainment']:>12.3f} {report['gpu_intervals_vs_static']:>10.2f}x "
-        f"{report['baseline_gpu_intervals_vs_static']:>11.2f}x"
-    )
+    for name, f in [*report["per_trace"].items(), ("all", report)]:
+        print(
+            f"{name:<13} {'all':>4} {'':>10} {f['static_slo_attainment']:>10.3f} {f['slo_attainment']:>11.3f} "
+            f"{f['dynamo_slo_attainment']:>10.3f} {f['gpu_intervals_vs_static']:>10.2f}x "
+            f"{f['dynamo_gpu_intervals_vs_static']:>9.2f}x"
+        )
 
 
 def plot(path: Path, sc: Scenario, traces: dict[str, dict]) -> None:
@@ -351,7 +297,7 @@ def plot(path: Path, sc: Scenario, traces: dict[str, dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"planner": "tab:blue", "baseline": "tab:orange", "static": "tab:gray"}
+    styles = {"planner": "tab:blue", "dynamo": "tab:orange", "static": "tab:gray"}
     fig, axes = plt.subplots(4, len(traces), figsize=(5 * len(traces), 11), sharex="col", squeeze=False)
     for col, (name, t) in enumerate(traces.items()):
         series = t["series"]
@@ -421,8 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=int, default=10, help="planner interval (default: 10)")
     parser.add_argument("--warmup-s", type=float, default=120.0, help="unscored start (default: 120)")
     parser.add_argument("--target", type=float, default=0.95, help="attainment the static allocation must reach")
-    parser.add_argument("--traces", default="steady,step,burst,length_shift", help="comma-separated subset")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--traces", default="steady,diurnal,step,burst,length_shift,long_mix", help="comma-separated subset"
+    )
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, each trace replayed with each")
     args = parser.parse_args(argv)
     if args.measure_profile:
         measure_profile(args.measure_profile)
@@ -431,11 +379,14 @@ def main(argv: list[str] | None = None) -> None:
     profile = EngineProfile.load(args.profile)
     sc = make_scenario(profile, args)
     wanted = args.traces.split(",")
-    traces = {t.name: run_trace(profile, t, sc, args.seed) for t in sc.traces() if t.name in wanted}
-    report = summarise(profile, args.profile, sc, traces)
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    runs = {
+        f"{t.name}/{seed}": run_trace(profile, t, sc, seed) for t in sc.traces() if t.name in wanted for seed in seeds
+    }
+    report = summarise(profile, args.profile, sc, runs)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     if args.plot:
-        plot(args.plot, sc, traces)
+        plot(args.plot, sc, {key: t for key, t in runs.items() if t["seed"] == seeds[0]})
     emit(report, args.json, print_table)
 
 

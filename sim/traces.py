@@ -2,7 +2,7 @@
 
 A trace is a list of segments; each has a mean arrival rate and lognormal prompt and output
 lengths (given by their medians, with the trace's spreads). ``requests(seed)`` draws the
-arrivals and lengths with a seeded generator, so a trace replays identically. The four
+arrivals and lengths with a seeded generator, so a trace replays identically. The six
 standard shapes the planner is validated on:
 
 - ``steady``: one rate throughout.
@@ -10,6 +10,10 @@ standard shapes the planner is validated on:
 - ``burst``: short spikes of ``factor`` x the rate, every ``every_s`` seconds in the middle
   third (a busy hour), on top of the base rate.
 - ``length_shift``: the same rate, but prompts grow ``factor`` x longer in the middle third.
+- ``diurnal``: the rate follows one cosine day from ``rate`` up to ``factor`` x and back,
+  in ``step_s`` segments.
+- ``long_mix``: the same rate, but in the middle third ``long_fraction`` of the prompts
+  come from a second population ``factor`` x longer (a long-document tenant joins).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class Segment:
     rate: float  # mean arrivals per second
     prompt_median: float  # tokens
     output_median: float  # tokens
+    long_fraction: float = 0.0  # of prompts drawn around long_prompt_median instead
+    long_prompt_median: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,10 @@ class Trace:
                 t += rng.expovariate(segment.rate)
                 if t >= end:
                     break
-                prompt = _lognormal(rng, segment.prompt_median, self.prompt_sigma, self.max_prompt_tokens)
+                median = segment.prompt_median
+                if segment.long_fraction and rng.random() < segment.long_fraction:
+                    median = segment.long_prompt_median
+                prompt = _lognormal(rng, median, self.prompt_sigma, self.max_prompt_tokens)
                 output = _lognormal(rng, segment.output_median, self.output_sigma, self.max_output_tokens)
                 out.append(TraceRequest(t, prompt, output))
             start = end
@@ -115,11 +124,39 @@ def length_shift(rate: float, prompt: float, output: float, duration_s: float, f
     )
 
 
+def diurnal(
+    rate: float, prompt: float, output: float, duration_s: float, factor: float = 3.0, step_s: float = 30.0
+) -> Trace:
+    segments = []
+    for k in range(math.ceil(duration_s / step_s)):
+        length = min(step_s, duration_s - k * step_s)
+        middle = (k * step_s + length / 2) / duration_s
+        level = rate * (1 + (factor - 1) * (1 - math.cos(2 * math.pi * middle)) / 2)
+        segments.append(Segment(length, level, prompt, output))
+    return Trace("diurnal", tuple(segments))
+
+
+def long_mix(
+    rate: float, prompt: float, output: float, duration_s: float, factor: float = 4.0, long_fraction: float = 0.3
+) -> Trace:
+    third = duration_s / 3
+    return Trace(
+        "long_mix",
+        (
+            Segment(third, rate, prompt, output),
+            Segment(third, rate, prompt, output, long_fraction, prompt * factor),
+            Segment(third, rate, prompt, output),
+        ),
+    )
+
+
 def standard_traces(rate: float, prompt: float, output: float, duration_s: float) -> list[Trace]:
-    """The four shapes, at base ``rate`` req/s with median ``prompt`` / ``output`` tokens."""
+    """The six shapes, at base ``rate`` req/s with median ``prompt`` / ``output`` tokens."""
     return [
         steady(rate, prompt, output, duration_s),
+        diurnal(rate, prompt, output, duration_s),
         step(rate, prompt, output, duration_s),
         burst(rate, prompt, output, duration_s),
         length_shift(rate, prompt, output, duration_s),
+        long_mix(rate, prompt, output, duration_s),
     ]

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 DESCRIPTION = """Every interval, for each model with SLO targets in etcd (`pdserve slo set`):
 read the frontends' live stats and the workers' loads, forecast the load (bursts included),
 predict TTFT and ITL p90 from the engine profile, and resize the prefill and decode pools
-(with hysteresis, cool-downs and bounded steps, within the SLO's min/max replicas); where
+(within the SLO's min/max replicas; up at once, down only after a 6-interval cool-down
+judged at that window's peak, doubled up to 36 when a shrink is undone within 30 intervals;
+at most 16 replicas requested and not ready per pool; a replica's first 2 ready intervals
+scale nothing by their latency alone; an interval with no frontend stats changes nothing); where
 pools are at their maximum, retune the model's knobs (`pdserve knobs --help`). Every
 decision is logged with its reasons and published in etcd for `pdserve status`.
 

@@ -48,6 +48,9 @@ class Observation(msgspec.Struct, frozen=True, kw_only=True):
     decode_running: float  # mean running requests per ready decode worker
     decode_kv_usage: float  # mean fraction of KV blocks in use per ready decode worker
     knobs: Knobs
+    # False when no frontend reported in the interval: arrivals and latencies are then
+    # unknown, not zero, and the planner holds its pools as they are.
+    traffic_observed: bool = True
 
     @property
     def num_arrivals(self) -> int:

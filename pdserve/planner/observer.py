@@ -5,7 +5,9 @@ The frontends publish percentiles over a window as long as the planner's interva
 read of both at the end of an interval is the interval's observation.
 
 With several frontends the merge is exact for counts and arrivals and conservative for
-tails: a p90 is the worst frontend's, a p50 and a mean are weighted by requests.
+tails: a p90 is the worst frontend's, a p50 and a mean are weighted by requests. With no
+frontend snapshot from within the interval the observation says the traffic is unknown
+(``traffic_observed`` False) rather than zero.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def observe(
         decode_running=sum(w.load.running for w in decode) / len(decode) if decode else 0.0,
         decode_kv_usage=sum(w.load.kv_usage for w in decode) / len(decode) if decode else 0.0,
         knobs=knobs,
+        # A frontend's snapshot older than the interval covers none of it (one that stopped
+        # publishing, or no frontend at all): the traffic is then unknown, not zero.
+        traffic_observed=any(f.updated_at >= now - seconds for f in frontends),
     )
 
 

@@ -27,6 +27,27 @@ The gap between the thresholds, the peak window and headroom, and the cool-down 
 every change keep the pools from flapping on noise; bursts are held by the forecast's
 burst memory rather than chased.
 
+Hysteresis and cool-downs, as defaults (``PlannerConfig``, 10 s intervals): up fast, down
+slowly. A predicted breach scales up at once; an observed one after ``up_cooldown_intervals``
+(2) since the last scale-up. A shrink waits ``down_cooldown_intervals`` (6) after any change
+of the pool and is judged at the peak of that window. A scale-up within
+``flap_window_intervals`` (30) of a shrink that itself came within that window of a scale-up
+(up, down, up: the pool flaps) doubles the pool's down cool-down and peak window, once per
+such reversal, up to ``max_down_cooldown_intervals`` (36); a shrink more than the flap window
+after the last scale-up resets it. So a load that swings faster than the cool-down holds its
+peak capacity, while one step of the load up and back down is followed at the usual pace.
+
+Failure modes the planner guards against:
+
+- cold-start samples: for ``cold_start_intervals`` (2) after a pool's ready count rises (at
+  start-up too), its observed latency alone scales nothing (a warming replica's first
+  requests are slow); predictions from the load still do;
+- Pending replicas (requested, not ready): no observed breach adds to a pool that has any,
+  and no decision puts more than ``max_pending`` (16) requested-but-not-ready replicas in a
+  pool, so replicas that never start are not piled on;
+- missing metrics: an interval no frontend reported (``traffic_observed`` False) changes
+  nothing and feeds nothing to the forecast: unknown traffic is not zero traffic.
+
 Knobs, the levers that need no new hardware:
 
 - ``decode_max_num_seqs`` is capped at the largest batch whose decode step, at the forecast
@@ -103,8 +124,13 @@ class _Pool:
     minimum: int
     maximum: int
     target_s: float
+    down_cooldown: int  # intervals after a change before a shrink; doubles when shrinks flap
     last_up: float = -math.inf
+    last_down: float = -math.inf
     last_change: float = -math.inf
+    shrink_undid_up: bool = False  # the last shrink came within the flap window of a scale-up
+    ready_seen: int = 0  # ready replicas at the last observation
+    ready_rose: float = -math.inf  # the interval in which the ready count last rose
 
 
 class Planner:
@@ -138,14 +164,27 @@ class Planner:
         self.model = LatencyModel(profile)
         self._forecaster = Forecaster(config.forecast)
         self._prefill = _Pool(
-            Role.PREFILL, "TTFT", prefill_replicas, slo.min_prefill_replicas, slo.max_prefill_replicas, slo.ttft_p90_s
+            Role.PREFILL,
+            "TTFT",
+            prefill_replicas,
+            slo.min_prefill_replicas,
+            slo.max_prefill_replicas,
+            slo.ttft_p90_s,
+            config.down_cooldown_intervals,
         )
         self._decode = _Pool(
-            Role.DECODE, "ITL", decode_replicas, slo.min_decode_replicas, slo.max_decode_replicas, slo.itl_p90_s
+            Role.DECODE,
+            "ITL",
+            decode_replicas,
+            slo.min_decode_replicas,
+            slo.max_decode_replicas,
+            slo.itl_p90_s,
+            config.down_cooldown_intervals,
         )
         self._interval = 0
         self._last_knob_change = -math.inf
-        self._recent_peaks: deque[float] = deque(maxlen=config.down_cooldown_intervals + 1)
+        self._recent_peaks: deque[float] = deque(maxlen=config.max_down_cooldown_intervals + 1)
+        self._blind_since: float | None = None  # when the traffic stopped being observed
         self._pending: list[str] = []  # changes made outside observe, reported by the next decision
 
     def set_slo(self, slo: SLOTargets) -> None:
@@ -176,8 +215,22 @@ class Planner:
 
     def observe(self, obs: Observation) -> Decision | None:
         """Fold in one interval's observation; a Decision when pools or knobs should change."""
-        forecast = self._forecaster.update(obs)
         self._interval += 1
+        if not obs.traffic_observed:
+            # No frontend reported: zero arrivals here mean "unknown", and a forecast fed
+            # zeros would shrink the pools towards their minimums. Everything holds.
+            if self._blind_since is None:
+                self._blind_since = obs.time
+                logger.warning("%s: no traffic metrics; holding pools and knobs until they return", self.slo.model)
+            return None
+        if self._blind_since is not None:
+            logger.warning("%s: traffic metrics back after %.0f s", self.slo.model, obs.time - self._blind_since)
+            self._blind_since = None
+        forecast = self._forecaster.update(obs)
+        for pool, ready in ((self._prefill, obs.num_prefill_ready), (self._decode, obs.num_decode_ready)):
+            if ready > pool.ready_seen:
+                pool.ready_rose = self._interval
+            pool.ready_seen = ready
         if self._interval <= self.config.warmup_intervals:
             return None
         e2e_target = self.slo.e2e_p90_s
@@ -194,11 +247,15 @@ class Planner:
             self._prefill, obs.num_prefill_ready, obs.prefill_waiting, forecast, model.prefill_capacity(prompt, knobs)
         )
         decode_backlog = obs.prefill_waiting / self.config.drain_s
-        # Shrinking is judged at the highest peak of the cool-down window, plus headroom: a
-        # pool sized down in a lull, or right at the edge, is sized up again at the next
-        # noisy interval.
+        # Shrinking is judged at the highest peak of the pool's cool-down window, plus
+        # headroom: a pool sized down in a lull, or right at the edge, is sized up again at
+        # the next noisy interval.
         self._recent_peaks.append(forecast.peak_rate)
-        high = max(self._recent_peaks) * (1 + self.config.shrink_headroom)
+
+        def high(pool: _Pool) -> float:
+            window = list(self._recent_peaks)[-(pool.down_cooldown + 1) :]
+            return max(window) * (1 + self.config.shrink_headroom)
+
         load = f"at {forecast.peak_rate:.1f} req/s peak, {forecast.rate:.1f} mean"
 
         def ttft(n: int, rate: float = forecast.peak_rate) -> float:
@@ -211,11 +268,18 @@ class Planner:
         observed_itl = obs.itl_s.p90 if obs.itl_s is not None else None
         prefill_load = load + (f" + {prefill_backlog:.1f} req/s of backlog" if prefill_backlog else "")
         decode_load = load + (f" + {decode_backlog:.1f} req/s of backlog" if decode_backlog else "")
+        prefill_high, decode_high = high(self._prefill), high(self._decode)
         changed = self._plan_pool(
-            self._prefill, ttft, lambda n: ttft(n, high), observed_ttft, obs.num_prefill_ready, prefill_load, reasons
+            self._prefill,
+            ttft,
+            lambda n: ttft(n, prefill_high),
+            observed_ttft,
+            obs.num_prefill_ready,
+            prefill_load,
+            reasons,
         )
         changed |= self._plan_pool(
-            self._decode, itl, lambda n: itl(n, high), observed_itl, obs.num_decode_ready, decode_load, reasons
+            self._decode, itl, lambda n: itl(n, decode_high), observed_itl, obs.num_decode_ready, decode_load, reasons
         )
         if knobs != self.knobs:
             self.knobs = knobs
@@ -274,10 +338,11 @@ class Planner:
             and current < pool.maximum
             and ready >= current
             and now - pool.last_up > cfg.up_cooldown_intervals
+            and now - pool.ready_rose >= cfg.cold_start_intervals
         ):
             wanted = current + 1
             why = f"{pool.metric} p90 {_ms(observed)} > target {_ms(target)} {load}"
-        elif current > pool.minimum and now - pool.last_change > cfg.down_cooldown_intervals:
+        elif current > pool.minimum and now - pool.last_change > pool.down_cooldown:
             down_bar = _bar(predict_high(pool.maximum), cfg.scale_down_below, target)
             observed_bar = _bar(predict(pool.maximum), cfg.scale_down_below, target)
             floor = max(pool.minimum, current - self._max_step_down(current))
@@ -290,12 +355,26 @@ class Planner:
                     f"target {_ms(target)} {load}"
                 )
         wanted = max(min(wanted, current + cfg.max_step_up), current - self._max_step_down(current))
+        if wanted > current:  # replicas not ready are no capacity, and no reason to pile up more
+            wanted = max(current, min(wanted, ready + cfg.max_pending))
         wanted = min(max(wanted, pool.minimum), pool.maximum)  # the bounds win over the step limits
         if wanted == current:
             return False
-        reasons.append(f"{why}: {pool.name} {current}→{wanted}")
+        window = cfg.flap_window_intervals
         if wanted > current:
+            # Flapping is up, down, up again, each within the window: the first scale-up after
+            # a shrink that had itself undone a scale-up. One step of the load up and back down
+            # is not, nor is each further scale-up of one climb.
+            if pool.last_down > pool.last_up and now - pool.last_down <= window and pool.shrink_undid_up:
+                pool.down_cooldown = min(2 * pool.down_cooldown, cfg.max_down_cooldown_intervals)
+                why += f" (a shrink undone within {now - pool.last_down:.0f} intervals: down cool-down now {pool.down_cooldown})"
             pool.last_up = now
+        else:
+            pool.shrink_undid_up = now - pool.last_up <= window
+            if not pool.shrink_undid_up:
+                pool.down_cooldown = cfg.down_cooldown_intervals
+            pool.last_down = now
+        reasons.append(f"{why}: {pool.name} {current}→{wanted}")
         pool.replicas, pool.last_change = wanted, now
         return True
 

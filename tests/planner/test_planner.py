@@ -100,7 +100,10 @@ def test_scales_prefill_by_one_on_an_observed_breach_the_model_did_not_predict()
     # Ready, but within the up cool-down.
     assert CONFIG.up_cooldown_intervals == 2
     assert observe(planner, 120.0, 5.0, ttft=0.5, itl=0.015, ready=(3, 1)) is None
-    decision = observe(planner, 130.0, 5.0, ttft=0.5, itl=0.015, ready=(3, 1))
+    # Past the cool-down, but the new replica's samples are still those of a cold start.
+    assert CONFIG.cold_start_intervals == 2
+    assert observe(planner, 130.0, 5.0, ttft=0.5, itl=0.015, ready=(3, 1)) is None
+    decision = observe(planner, 140.0, 5.0, ttft=0.5, itl=0.015, ready=(3, 1))
     assert decision is not None and decision.prefill_replicas == 4
 
 
