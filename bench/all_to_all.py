@@ -67,7 +67,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=120))
     config = ParallelConfig(data_parallel_size=world, enable_expert_parallel=True)
-    parallel = ParallelState(rank=rank, config=config, ep_group=dist.group.WORLD, cpu_group=dist.group.WORLD)
+    parallel = ParallelState(rank=rank, config=config, ep_group=dist.group.WORLD, dp_group=dist.group.WORLD)
 
     per_rank = args.experts // world
     generator = torch.Generator().manual_seed(rank)
