@@ -5,9 +5,9 @@ Contract: ``run_follower`` joins rank 0's group at the placement's leader addres
 (``join_as_follower``) and runs the program rank 0 names for its ranks, exactly as a child rank
 of a one-host group runs it: a tensor-parallel rank (``pdserve.worker.group.rank_main``), or a
 rank of a data-parallel group (``pdserve.worker.data_parallel``): a worker of its own, serving
-at this process's addresses, or one of such a worker's tensor-parallel ranks. Its exit status is the program's; it raises ``RankFailed``
-when the group cannot be joined, and ``ValueError`` when this process's group settings do not
-match rank 0's.
+at this process's addresses, or one of such a worker's tensor-parallel ranks. Its exit status
+is the program's; it raises ``RankFailed`` when the group cannot be joined, and ``ValueError``
+when this process's group settings do not match rank 0's.
 """
 
 from __future__ import annotations
