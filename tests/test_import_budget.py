@@ -87,6 +87,7 @@ def test_generate_against_a_server_loads_no_torch(inference_target: str) -> None
     "command",
     [
         ["status"],
+        ["top", "--once"],
         ["workers"],
         ["slo", "show"],
         ["knobs", "show"],

@@ -9,6 +9,9 @@
 - ``group_args``: a worker rank's place in a group across hosts (options, or a LeaderWorkerSet's variables);
 - ``slo``, ``knobs``: ``pdserve slo|knobs set|show|...``, a model's targets and live settings in etcd;
 - ``status``: ``pdserve status``, one screen per model;
+- ``top``: ``pdserve top``, a live view of a deployment in the terminal;
+- ``top_view``: its frame: the ``Snapshot`` dataclasses and ``render``, a pure function to lines;
+- ``top_sources``: its data: etcd and every worker's and frontend's /metrics, each under a deadline;
 - ``operate``: ``pdserve workers|drain``, and what the commands that talk to etcd share;
 - ``local_deployment``: their defaults from the ``pdserve up`` running on this machine;
 - ``planner``: ``pdserve planner``, the control plane's resizing loop;
@@ -43,6 +46,7 @@ COMMANDS = {
     "slo": "slo",
     "knobs": "knobs",
     "status": "status",
+    "top": "top",
     "workers": "operate",
     "drain": "operate",
     "planner": "planner",

@@ -1,6 +1,6 @@
 """The deployment ``pdserve up`` runs on this machine, as the default of the commands beside it.
 
-``status``, ``workers``, ``drain``, ``slo`` and ``knobs`` given no etcd (no ``--etcd``, no
+``status``, ``top``, ``workers``, ``drain``, ``slo`` and ``knobs`` given no etcd (no ``--etcd``, no
 ``$PDSERVE_ETCD``) take the registry's URL from the record ``up`` keeps in the state directory
 (``pdserve.launch.deployment_record``), and its TLS unless etcd's TLS or auth settings are
 given; ``drain`` given no ``--cluster-*`` also takes the tools' cluster certificate, which may

@@ -91,11 +91,13 @@ class Gateway:
         """The models served now (those with a registered worker)."""
         return self.catalog.models(self.routing.view.workers())
 
-    def stats(self, frontend_id: str) -> FrontendStats:
-        """What this frontend publishes for the planner and ``pdserve status``."""
+    def stats(self, frontend_id: str, metrics_endpoint: str | None = None) -> FrontendStats:
+        """What this frontend publishes for the planner, ``pdserve status`` and ``pdserve top``."""
         router = self.config.router
         threshold = router.local_prefill_threshold_tokens if router.disaggregation == "conditional" else None
-        return msgspec.structs.replace(self.window.snapshot(frontend_id), local_prefill_tokens=threshold)
+        return msgspec.structs.replace(
+            self.window.snapshot(frontend_id), local_prefill_tokens=threshold, metrics_endpoint=metrics_endpoint
+        )
 
     async def admit(
         self,

@@ -62,14 +62,6 @@ async def serve(config: FrontendConfig) -> None:
     try:
         port = await server.start(config.host, config.port)
         frontend_id = f"frontend-{socket.gethostname()}-{port}"
-        stats = LeasedRecord(
-            etcd,
-            frontend_key(frontend_id),
-            lambda: gateway.stats(frontend_id).encode(),
-            name=frontend_id,
-            start_timeout_s=5.0,
-        )
-        await stats.start()
         if config.metrics_port is not None:
             loop = asyncio.get_running_loop()
             probes = Probes(
@@ -78,6 +70,16 @@ async def serve(config: FrontendConfig) -> None:
             )
             metrics = MetricsServer.start(gateway.metrics.registry, config.host, config.metrics_port, probes)
             print(f"pdserve frontend metrics on http://{config.host}:{metrics.port}/metrics", flush=True)
+        # In the stats record, so that `pdserve top` finds the counters (migrations) to scrape.
+        metrics_endpoint = None if metrics is None else f"{_advertised(config.host)}:{metrics.port}"
+        stats = LeasedRecord(
+            etcd,
+            frontend_key(frontend_id),
+            lambda: gateway.stats(frontend_id, metrics_endpoint).encode(),
+            name=frontend_id,
+            start_timeout_s=5.0,
+        )
+        await stats.start()
         http_note = ""
         if config.http_port is not None:
             http_port = await http.start(config.host, config.http_port)
@@ -123,3 +125,8 @@ def readiness(config: FrontendConfig, view: RegistryView, stopping: bool) -> str
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _advertised(host: str) -> str:
+    """Where others reach a port bound on ``host``: the hostname for a wildcard, as a worker advertises."""
+    return _url_host(socket.gethostname() if host in ("0.0.0.0", "::", "") else host)

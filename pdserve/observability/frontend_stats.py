@@ -73,6 +73,8 @@ class FrontendStats(msgspec.Struct, frozen=True, kw_only=True):
     # The router's start-up local-prefill threshold (--local-prefill-threshold); None unless it
     # routes conditionally. Live knobs override it; the planner starts from it.
     local_prefill_tokens: int | None = None
+    # host:port of its Prometheus /metrics (``pdserve top`` reads the migrations there); None: not served.
+    metrics_endpoint: str | None = None
 
     def encode(self) -> bytes:
         """The JSON value stored in etcd."""
