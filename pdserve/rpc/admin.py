@@ -8,7 +8,8 @@ certificate. Its common name says which component it is (README: Security):
 - ``pdserve-frontend`` (``FRONTEND``) may call the serving RPCs: ``Prefill``, ``Release``,
   ``Decode``, ``KVReady``;
 - ``pdserve-worker`` (``WORKER``) may call ``KVReady`` (a prefill worker tells a decode worker
-  its KV is ready);
+  its KV is ready) and ``Drain`` (a worker pod's preStop drains its own worker with the pod's
+  certificate);
 - ``pdserve-tools`` (``TOOLS``: ``pdserve up`` and the ``pdserve`` commands run beside it) and
   ``pdserve-operator`` (``OPERATOR``) may call ``Drain``;
 - ``pdserve-registry`` (``REGISTRY``: the embedded etcd's own certificate) may call nothing.
@@ -40,7 +41,7 @@ CALLERS: dict[str, frozenset[str]] = {
     "Release": frozenset({FRONTEND}),
     "Decode": frozenset({FRONTEND}),
     "KVReady": frozenset({FRONTEND, WORKER}),
-    "Drain": frozenset({TOOLS, OPERATOR}),
+    "Drain": frozenset({TOOLS, OPERATOR, WORKER}),
 }
 COMPONENTS = frozenset({FRONTEND, WORKER, TOOLS, OPERATOR, REGISTRY})
 

@@ -114,15 +114,19 @@ def test_under_mtls_only_a_frontends_certificate_may_prefill(tmp_path):
     )
 
 
-def test_under_mtls_only_the_tools_or_operators_certificate_may_drain(tmp_path):
+def test_under_mtls_only_the_tools_operators_or_a_workers_own_certificate_may_drain(tmp_path):
     server, calls = _components(tmp_path)
     outcomes = _drain(AdminPolicy(None, verified_peers=True), calls, tls=server)
+    # A worker pod's preStop drains its worker with the pod's (a worker's) certificate.
     assert {name for name, outcome in outcomes.items() if outcome == "OK"} == {
         "pdserve-tools",
         "pdserve-operator",
+        "pdserve-worker",
         "shared",
     }
-    assert outcomes["pdserve-frontend"].startswith("PERMISSION_DENIED: Drain is for pdserve-operator or pdserve-tools")
+    assert outcomes["pdserve-frontend"].startswith(
+        "PERMISSION_DENIED: Drain is for pdserve-operator or pdserve-tools or pdserve-worker"
+    )
     # A worker given an admin key as well drains for a frontend's certificate that sends it.
     calls = {"frontend with the key": (calls["pdserve-frontend"][0], "k")}
     assert _drain(AdminPolicy("k", verified_peers=True), calls, tls=server) == {"frontend with the key": "OK"}
